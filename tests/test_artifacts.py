@@ -1,0 +1,178 @@
+"""The artifact store and fingerprints: the stage contract of DESIGN.md, on local, memory and real S3 stores."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+
+from storage.artifacts import ArtifactRef, ArtifactStore, run_stage, stage_key
+from storage.fingerprint import canonical_json, fingerprint_params, hash_bytes, hash_file, source_fingerprint
+from tests.distributed import free_port
+
+
+@dataclasses.dataclass
+class Params:
+    n: int = 3
+    name: str = "x"
+
+
+def _build_counting(calls: list[str], n_shards: int = 3, fail_at: int | None = None):
+    def build(writer) -> dict:
+        for i in range(n_shards):
+            shard = f"{i:05d}"
+            if writer.has_shard(shard):
+                continue
+            if i == fail_at:
+                raise RuntimeError("killed")
+            calls.append(shard)
+            local = os.path.join(writer.local_dir, f"{shard}.txt")
+            with open(local, "w") as f:
+                f.write(f"shard {i}\n")
+            writer.commit_shard(shard, {f"data/{shard}.txt": local})
+        return {"counts": {"shards": n_shards}}
+
+    return build
+
+
+def test_canonical_json_and_params_fingerprint_are_order_independent():
+    assert canonical_json({"b": 1, "a": (1, 2)}) == '{"a":[1,2],"b":1}'
+    assert fingerprint_params({"a": 1, "b": 2}) == fingerprint_params({"b": 2, "a": 1})
+    assert fingerprint_params(Params()) == fingerprint_params({"n": 3, "name": "x"})
+    assert fingerprint_params(Params(n=4)) != fingerprint_params(Params())
+    with pytest.raises(TypeError, match="cannot fingerprint a object"):
+        canonical_json(object())
+
+
+def test_hash_file_matches_hash_bytes(tmp_path):
+    data = os.urandom(3 << 20)
+    path = tmp_path / "blob"
+    path.write_bytes(data)
+    assert hash_file(str(path)) == hash_bytes(data)
+    assert len(hash_bytes(b"")) == 32
+
+
+def test_source_fingerprint_sees_changes_without_reading(tmp_path):
+    (tmp_path / "a.jsonl").write_text('{"text": "a"}\n')
+    (tmp_path / "b.jsonl").write_text('{"text": "b"}\n')
+    glob = str(tmp_path / "*.jsonl")
+    first = source_fingerprint(glob)
+    assert source_fingerprint(glob) == first
+    os.utime(tmp_path / "a.jsonl", (time.time() + 10, time.time() + 10))
+    assert source_fingerprint(glob) != first
+    assert source_fingerprint(str(tmp_path)) != first  # a directory names its files under another URL
+    with pytest.raises(FileNotFoundError, match="matches no file"):
+        source_fingerprint(str(tmp_path / "*.parquet"))
+
+
+def test_run_stage_commits_manifest_last_and_hits_cache(tmp_path):
+    store = ArtifactStore(str(tmp_path / "store"))
+    calls: list[str] = []
+    ref = run_stage(store, "toy", "1", Params(), ["src:abc"], _build_counting(calls))
+    assert not ref.cache_hit and calls == ["00000", "00001", "00002"]
+    manifest = ref.manifest()
+    assert manifest["stage"] == "toy" and manifest["version"] == "1"
+    assert manifest["params"] == {"n": 3, "name": "x"} and manifest["inputs"] == ["src:abc"]
+    assert manifest["counts"] == {"shards": 3}
+    assert set(manifest["files"]) == {"data/00000.txt", "data/00001.txt", "data/00002.txt"}
+    assert manifest["files"]["data/00001.txt"] == {"size": 8, "hash": hash_bytes(b"shard 1\n")}
+    assert "numpy" in manifest["library_versions"]
+    assert not os.path.exists(os.path.join(ref.url, ".scratch"))
+
+    again = run_stage(store, "toy", "1", Params(), ["src:abc"], _build_counting(calls))
+    assert again.cache_hit and again.key == ref.key and calls == ["00000", "00001", "00002"]
+    other = run_stage(store, "toy", "1", Params(n=4), ["src:abc"], _build_counting(calls))
+    assert other.key != ref.key
+    assert stage_key("toy", "2", Params(), ["src:abc"]) != ref.key
+
+
+def test_interrupted_stage_is_not_done_and_resumes_committed_shards(tmp_path):
+    store = ArtifactStore(str(tmp_path / "store"))
+    calls: list[str] = []
+    with pytest.raises(RuntimeError, match="killed"):
+        run_stage(store, "toy", "1", Params(), [], _build_counting(calls, fail_at=2))
+    key = stage_key("toy", "1", Params(), [])
+    assert store.find("toy", key) is None
+    ref = run_stage(store, "toy", "1", Params(), [], _build_counting(calls))
+    assert calls == ["00000", "00001", "00002"]  # the rerun did only the missing shard
+    assert ref.files("data/") == ["data/00000.txt", "data/00001.txt", "data/00002.txt"]
+
+
+def test_ref_round_trips_through_a_plain_dict(tmp_path):
+    store = ArtifactStore(str(tmp_path / "store"))
+    ref = run_stage(store, "toy", "1", Params(), [], _build_counting([]))
+    again = store.ref(json.loads(json.dumps(ref.to_dict())))
+    assert again == ref and again.local_path("data/00000.txt") == os.path.join(ref.url, "data/00000.txt")
+
+
+def test_memory_store():
+    store = ArtifactStore(f"memory://store-{uuid.uuid4().hex}")
+    ref = run_stage(store, "toy", "1", Params(), [], _build_counting([]))
+    assert store.find("toy", ref.key) == ref
+    with open(ref.local_path("data/00002.txt")) as f:
+        assert f.read() == "shard 2\n"
+
+
+@pytest.fixture(scope="module")
+def s3_endpoint():
+    """A real S3-compatible server (moto_server) on 127.0.0.1, reached through s3fs."""
+    pytest.importorskip("s3fs")
+    server = shutil.which("moto_server") or os.path.join(os.path.dirname(sys.executable), "moto_server")
+    if not os.path.exists(server):
+        pytest.skip("moto_server is not installed (pip install 'moto[server]')")
+    port = free_port()
+    proc = subprocess.Popen(
+        [server, "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    endpoint = f"http://127.0.0.1:{port}"
+    import requests
+
+    for _ in range(100):
+        try:
+            requests.get(endpoint, timeout=1)
+            break
+        except requests.ConnectionError:
+            time.sleep(0.1)
+    else:
+        proc.kill()
+        pytest.fail("moto_server did not start")
+    yield endpoint
+    proc.kill()
+    proc.wait()
+
+
+def test_s3_store_against_a_real_server(s3_endpoint, tmp_path, monkeypatch):
+    import s3fs
+
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    monkeypatch.setenv("MEGATRON_FLOW_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    options = {"client_kwargs": {"endpoint_url": s3_endpoint}}
+    s3fs.S3FileSystem(**options).mkdir("flow-bucket")
+    store = ArtifactStore("s3://flow-bucket/artifacts", **options)
+    calls: list[str] = []
+    with pytest.raises(RuntimeError, match="killed"):
+        run_stage(store, "toy", "1", Params(), [], _build_counting(calls, fail_at=1))
+    assert store.find("toy", stage_key("toy", "1", Params(), [])) is None
+    ref = run_stage(store, "toy", "1", Params(), [], _build_counting(calls))
+    assert calls == ["00000", "00001", "00002"]
+    assert ref.url.startswith("s3://flow-bucket/artifacts/toy/")
+    assert ref.manifest()["files"]["data/00002.txt"]["hash"] == hash_bytes(b"shard 2\n")
+    with open(ref.local_path("data/00001.txt")) as f:
+        assert f.read() == "shard 1\n"
+    assert run_stage(store, "toy", "1", Params(), [], _build_counting(calls)).cache_hit
+    # An S3 source's fingerprint follows its ETag.
+    fs = s3fs.S3FileSystem(**options)
+    fs.pipe("flow-bucket/src/a.jsonl", b'{"text": "a"}\n')
+    before = source_fingerprint("s3://flow-bucket/src/*.jsonl", **options)
+    fs.pipe("flow-bucket/src/a.jsonl", b'{"text": "b"}\n')
+    assert source_fingerprint("s3://flow-bucket/src/*.jsonl", **options) != before
+    assert isinstance(ref, ArtifactRef)
