@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -54,12 +55,21 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
     for proc in procs:
         proc.start()
     outcomes: dict[int, tuple[str, Any]] = {}
+    deadline = time.monotonic() + timeout
     try:
-        for proc in procs:
-            proc.join(timeout)
-        while not results.empty():
+        # Read results as they come: a child blocks on a full pipe until the parent reads its result.
+        while len(outcomes) < world_size and time.monotonic() < deadline:
+            if results.empty():
+                if not any(p.is_alive() for p in procs) and results.empty():
+                    break
+                time.sleep(0.01)
+                continue
             rank, status, value = results.get()
             outcomes[rank] = (status, value)
+            if status == "error":
+                break  # the other ranks may wait forever on the failed one
+        for proc in procs:
+            proc.join(max(0.0, min(10.0, deadline - time.monotonic())))
     finally:
         for proc in procs:
             if proc.is_alive():

@@ -1,0 +1,115 @@
+"""Command lines for flows: every field of a flow's typed config becomes a flag.
+
+A field `min_words` of the config's `clean` section is `--clean.min-words`; top-level fields are plain
+(`--store`). Values parse by the field's type; `None` clears an optional field (switches a filter off).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import types
+import typing
+from typing import Any, TypeVar
+
+from pydantic import BaseModel
+
+Config = TypeVar("Config", bound=BaseModel)
+
+
+def _flag(prefix: str, name: str) -> str:
+    return "--" + (f"{prefix}." if prefix else "") + name.replace("_", "-")
+
+
+def _parser_for(annotation: Any) -> Any:
+    """A function from the command-line string to a value of `annotation`."""
+    origin = typing.get_origin(annotation)
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    if origin in (typing.Union, types.UnionType):
+        inner = _parser_for(args[0]) if len(args) == 1 else json.loads
+        return lambda text: None if text in ("None", "none", "null") else inner(text)
+    if annotation is bool:
+        return _parse_bool
+    if annotation in (int, float, str):
+        return annotation
+    if origin is typing.Literal:
+        return str
+    return json.loads  # lists, tuples, dicts: JSON on the command line
+
+
+def _parse_bool(text: str) -> bool:
+    if text.lower() in ("1", "true", "yes", "on"):
+        return True
+    if text.lower() in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
+def _fields(section: Any) -> list[tuple[str, Any, Any]]:
+    """(name, annotation, default) of a pydantic model or dataclass type."""
+    if isinstance(section, type) and issubclass(section, BaseModel):
+        return [
+            (n, f.annotation, f.get_default(call_default_factory=True))
+            for n, f in section.model_fields.items()
+        ]
+    hints = typing.get_type_hints(section)
+    out = []
+    for f in dataclasses.fields(section):
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        out.append((f.name, hints[f.name], default))
+    return out
+
+
+def _is_section(annotation: Any) -> bool:
+    return isinstance(annotation, type) and (
+        dataclasses.is_dataclass(annotation) or issubclass(annotation, BaseModel)
+    )
+
+
+def build_parser(config_cls: type[BaseModel], description: str) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    for name, annotation, default in _fields(config_cls):
+        if _is_section(annotation):
+            group = parser.add_argument_group(name)
+            for sub, sub_ann, sub_default in _fields(annotation):
+                group.add_argument(
+                    _flag(name, sub),
+                    dest=f"{name}.{sub}",
+                    type=_parser_for(sub_ann),
+                    default=argparse.SUPPRESS,
+                    help=f"(default: {sub_default!r})",
+                )
+        else:
+            parser.add_argument(
+                _flag("", name),
+                dest=name,
+                type=_parser_for(annotation),
+                default=argparse.SUPPRESS,
+                help=f"(default: {default!r})",
+            )
+    return parser
+
+
+def parse_config(config_cls: type[Config], argv: list[str] | None, description: str) -> Config:
+    """Parse flags into the typed config; unspecified fields keep their defaults."""
+    given = vars(build_parser(config_cls, description).parse_args(argv))
+    values: dict[str, Any] = {}
+    for dotted, value in given.items():
+        section, _, field = dotted.partition(".")
+        if field:
+            values.setdefault(section, {})[field] = value
+        else:
+            values[section] = value
+    return config_cls.model_validate(_merge_defaults(config_cls, values))
+
+
+def _merge_defaults(config_cls: type[BaseModel], values: dict[str, Any]) -> dict[str, Any]:
+    merged = dict(values)
+    for name, annotation, default in _fields(config_cls):
+        if _is_section(annotation) and name in values:
+            base = dataclasses.asdict(default) if dataclasses.is_dataclass(default) else default.model_dump()
+            merged[name] = {**base, **values[name]}
+    return merged

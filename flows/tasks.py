@@ -1,0 +1,131 @@
+"""Prefect tasks around stages: the stage's fingerprint as cache key, artifact refs as results, retries.
+
+A stage module (see DESIGN.md) exposes ``STAGE``, ``VERSION``, ``key(params, inputs)`` and
+``run(params, inputs, store, map_shards=None)``. Its per-shard work is handed to ``map_shards``: here a
+function that maps a Prefect task over the shards on the flow's task runner (threads or processes on one
+machine, a Dask or Ray cluster through prefect-dask / prefect-ray on many), so every shard is a task run.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from collections.abc import Callable, Sequence
+from types import ModuleType
+from typing import Any, Literal
+
+from prefect import task, unmapped
+from prefect.context import TaskRunContext
+from prefect.task_runners import ProcessPoolTaskRunner, TaskRunner, ThreadPoolTaskRunner
+
+from storage.artifacts import ArtifactRef, ArtifactStore
+
+TaskRunnerKind = Literal["threads", "processes", "dask", "ray"]
+
+# Errors that a retry can cure: network hiccups and object-store timeouts, not bad data or missing files.
+_PERMANENT_OS_ERRORS = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)
+
+
+def make_task_runner(
+    kind: TaskRunnerKind = "processes", workers: int | None = None, address: str | None = None
+) -> TaskRunner:
+    """The task runner the per-shard work is mapped on."""
+    if kind == "threads":
+        return ThreadPoolTaskRunner(max_workers=workers)
+    if kind == "processes":
+        return ProcessPoolTaskRunner(max_workers=workers)
+    if kind == "dask":
+        try:
+            from prefect_dask import DaskTaskRunner
+        except ImportError as err:
+            raise RuntimeError("--task-runner dask needs prefect-dask: pip install prefect-dask") from err
+        return (
+            DaskTaskRunner(address=address)
+            if address
+            else DaskTaskRunner(cluster_kwargs={"n_workers": workers})
+        )
+    if kind == "ray":
+        try:
+            from prefect_ray import RayTaskRunner
+        except ImportError as err:
+            raise RuntimeError("--task-runner ray needs prefect-ray: pip install prefect-ray") from err
+        return RayTaskRunner(address=address) if address else RayTaskRunner()
+    raise ValueError(f"unknown task runner {kind!r}: use threads, processes, dask or ray")
+
+
+def is_transient(exc: BaseException) -> bool:
+    if isinstance(exc, (ConnectionError, TimeoutError)):
+        return True
+    return isinstance(exc, OSError) and not isinstance(exc, _PERMANENT_OS_ERRORS)
+
+
+def _retry_transient(task_: Any, task_run: Any, state: Any) -> bool:
+    try:
+        state.result()
+    except Exception as exc:  # noqa: BLE001 - we only classify it
+        return is_transient(exc)
+    return False
+
+
+@task(
+    name="shard",
+    task_run_name="{fn.__name__}",
+    retries=2,
+    retry_delay_seconds=2,
+    retry_condition_fn=_retry_transient,
+)
+def run_shard(fn: Callable[..., Any], args: Sequence[Any]) -> Any:
+    """One shard of a stage's work, as a Prefect task run on the flow's task runner."""
+    return fn(*args)
+
+
+def prefect_map_shards(fn: Callable[..., Any], args_list: list[tuple]) -> list[Any]:
+    """`map_shards` for stages inside a flow: one task run per shard, results in order."""
+    if not args_list:
+        return []
+    futures = run_shard.map(unmapped(fn), args_list)
+    return [future.result() for future in futures]
+
+
+def stage_module(name: str) -> ModuleType:
+    return importlib.import_module(f"stages.{name}")
+
+
+def _inputs(store: ArtifactStore, inputs: Sequence[dict | str]) -> list[ArtifactRef | str]:
+    return [store.ref(i) if isinstance(i, dict) else i for i in inputs]
+
+
+def _stage_cache_key(context: TaskRunContext, parameters: dict[str, Any]) -> str | None:
+    """Prefect's cache key: the stage's own fingerprint, but only while the artifact is really committed."""
+    module = stage_module(parameters["stage"])
+    store = ArtifactStore(parameters["store_url"], **(parameters.get("storage_options") or {}))
+    params = module.Params(**parameters["params"])
+    key = module.key(params, _inputs(store, parameters["inputs"]))
+    return f"{module.STAGE}-{key}" if store.find(module.STAGE, key) else None
+
+
+@task(
+    name="stage",
+    task_run_name="{stage}",
+    cache_key_fn=_stage_cache_key,
+    persist_result=True,
+    result_serializer="json",
+    retries=2,
+    retry_delay_seconds=5,
+    retry_condition_fn=_retry_transient,
+)
+def run_stage_task(
+    stage: str,
+    params: dict[str, Any],
+    inputs: list[dict | str],
+    store_url: str,
+    storage_options: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Run one stage; returns its ArtifactRef as a plain dict (small, JSON-serialisable)."""
+    module = stage_module(stage)
+    store = ArtifactStore(store_url, **(storage_options or {}))
+    extra = (
+        {"map_shards": prefect_map_shards} if "map_shards" in inspect.signature(module.run).parameters else {}
+    )
+    ref = module.run(module.Params(**params), _inputs(store, inputs), store, **extra)
+    return ref.to_dict()

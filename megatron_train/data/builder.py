@@ -1,0 +1,180 @@
+"""Build the train, valid and test datasets from DataConfig, as Megatron-Core's BlendedMegatronDatasetBuilder.
+
+For `--data-path`, every dataset's sequences are cut into train/valid/test ranges by `--split`; a
+weighted blend asks each dataset for its share of the samples plus Megatron's 0.5% surplus and blends
+them with BlendedDataset. `--train-data-path` etc. give each split its own blend, used whole.
+Under torch.distributed, rank 0 builds (and caches) the indices first; the other ranks then load them.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import tempfile
+from collections.abc import Callable
+from dataclasses import replace
+from typing import TypeVar
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megatron_train.data.blended import BlendedDataset
+from megatron_train.data.config import Blend, DataConfig, parse_split, split_bounds, split_matrix
+from megatron_train.data.gpt_dataset import GPTDataset, GPTDatasetConfig, Split
+from megatron_train.data.indices import normalize_weights
+from megatron_train.data.mock import MockGPTDataset
+from storage.indexed_dataset import IndexedDataset
+
+logger = logging.getLogger(__name__)
+
+MID_LEVEL_DATASET_SURPLUS = 0.005  # Megatron's margin: each blended dataset builds 0.5% more than its share
+MOCK_SPLIT = "1,1,1"  # Megatron splits its mock data evenly
+
+T = TypeVar("T")
+Datasets = tuple[
+    torch.utils.data.Dataset | None, torch.utils.data.Dataset | None, torch.utils.data.Dataset | None
+]
+
+
+def build_train_valid_test_datasets(
+    data_config: DataConfig,
+    seq_length: int,
+    train_valid_test_num_samples: tuple[int | None, int | None, int | None],
+    seed: int,
+    tokenizer_eod: int,
+    vocab_size: int | None = None,
+) -> Datasets:
+    """(train, valid, test) datasets of `seq_length`-token samples; a split is None when it has no data
+    or 0 samples are asked of it (None samples: one epoch). `vocab_size` only bounds --mock-data tokens.
+    """
+    config = GPTDatasetConfig(
+        seq_length=seq_length,
+        seed=seed,
+        eod=tokenizer_eod,
+        split=data_config.split,
+        reset_position_ids=data_config.reset_position_ids,
+        eod_mask_loss=data_config.eod_mask_loss,
+    )
+    if data_config.mock_data:
+        return _build_mock(config, train_valid_test_num_samples, vocab_size)  # nothing cached: no ordering
+    if not any(data_config.blends()):
+        raise ValueError("no data: give --data-path (or --train-data-path ...), or --mock-data")
+    builder = _SplitBuilder(data_config, config)
+    return _rank_zero_first(lambda: builder.build(train_valid_test_num_samples))
+
+
+def _build_mock(
+    config: GPTDatasetConfig, num_samples: tuple[int | None, ...], vocab_size: int | None
+) -> Datasets:
+    config = replace(config, split=MOCK_SPLIT)
+    bookends = split_matrix(parse_split(MOCK_SPLIT))
+    return tuple(
+        None
+        if num_samples[split.value] == 0
+        else MockGPTDataset(num_samples[split.value], split, config, bookends[split.value], vocab_size)
+        for split in Split
+    )
+
+
+class _SplitBuilder:
+    """Opens each dataset prefix once and builds the GPT/blended dataset of every split."""
+
+    def __init__(self, data_config: DataConfig, config: GPTDatasetConfig) -> None:
+        self.data_config = data_config
+        self.blends = data_config.blends()
+        if data_config.data_path:
+            self.config = config
+            self.bookends = split_matrix(parse_split(data_config.split))
+        else:  # one blend per split, each used whole
+            self.config = replace(config, split="per-split data paths")
+            self.bookends = [(0.0, 1.0) if blend else None for blend in self.blends]
+        self._sequences: dict[str, IndexedDataset] = {}
+
+    def build(self, num_samples: tuple[int | None, ...]) -> Datasets:
+        datasets = []
+        for split in Split:
+            blend, bookend, size = (
+                self.blends[split.value],
+                self.bookends[split.value],
+                num_samples[split.value],
+            )
+            if blend is None or bookend is None or size == 0:
+                datasets.append(None)
+            else:
+                datasets.append(self._build_split(blend, split, bookend, size))
+        return tuple(datasets)
+
+    def _build_split(
+        self, blend: Blend, split: Split, bookend: tuple[float, float], size: int | None
+    ) -> torch.utils.data.Dataset:
+        prefixes = blend.prefixes
+        if len(prefixes) == 1:
+            return self._gpt_dataset(prefixes[0], split, bookend, size)
+        cache_dir = self._cache_dir(prefixes[0])
+        if blend.weights is None:  # weigh each dataset by its one-epoch size
+            datasets = [self._gpt_dataset(prefix, split, bookend, None) for prefix in prefixes]
+            lengths = [len(dataset) for dataset in datasets]
+            total = sum(lengths) if size is None else min(size, sum(lengths))
+            return BlendedDataset(datasets, lengths, total, cache_dir)
+        if size is None:
+            raise ValueError(
+                f"the {split.name} blend has weights, so it needs a sample count; give the number of samples"
+            )
+        weights = normalize_weights(blend.weights).tolist()
+        targets = [math.ceil(size * weight) for weight in weights]
+        datasets = [
+            self._gpt_dataset(prefix, split, bookend, math.ceil(target * (1 + MID_LEVEL_DATASET_SURPLUS)))
+            for prefix, target in zip(prefixes, targets, strict=True)
+        ]
+        return BlendedDataset(datasets, weights, sum(targets), cache_dir)
+
+    def _gpt_dataset(
+        self, prefix: str, split: Split, bookend: tuple[float, float], num_samples: int | None
+    ) -> GPTDataset:
+        if prefix not in self._sequences:
+            self._sequences[prefix] = IndexedDataset(prefix)
+        sequences = self._sequences[prefix]
+        begin, end = split_bounds(bookend, len(sequences))
+        if begin == end:
+            raise ValueError(
+                f"{prefix}: --split {self.data_config.split} leaves the {split.name} split no sequences "
+                f"(range [{begin}, {end}) of {len(sequences)}); give it a larger share or ask it 0 samples"
+            )
+        documents = np.arange(begin, end, dtype=np.int32)
+        return GPTDataset(
+            sequences, prefix, documents, num_samples, split, self.config, self._cache_dir(prefix)
+        )
+
+    def _cache_dir(self, prefix: str) -> str:
+        """--data-cache-path, else `cache/` beside the data, else a temporary directory."""
+        if self.data_config.data_cache_path:
+            return self.data_config.data_cache_path
+        beside_data = os.path.join(os.path.dirname(os.path.abspath(prefix)), "cache")
+        if _is_writable_dir(beside_data):
+            return beside_data
+        fallback = os.path.join(tempfile.gettempdir(), "megatron_flow_index_cache")
+        logger.warning("%s is not writable; caching dataset indices in %s", beside_data, fallback)
+        return fallback
+
+
+def _is_writable_dir(directory: str) -> bool:
+    try:
+        os.makedirs(directory, exist_ok=True)
+    except OSError:
+        return False
+    return os.access(directory, os.W_OK)
+
+
+def _rank_zero_first(build: Callable[[], T]) -> T:
+    """Run `build` on rank 0, then on the others (which then find rank 0's cache) when distributed."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return build()
+    if dist.get_rank() == 0:
+        try:
+            return build()
+        finally:
+            dist.barrier()
+    dist.barrier()
+    return build()

@@ -1,0 +1,308 @@
+"""Autoregressive text generation with a KV cache, with the semantics of Megatron's text_generation package.
+
+A batch of prompts of different lengths is handled as Megatron does: prompts are right-padded with eod,
+decoding starts at the shortest prompt's length, and a row still inside its prompt keeps its prompt token
+instead of the sample. Every row decodes the same positions, so one KV cache with one offset serves the batch.
+One deliberate difference: a row stops after its own `tokens_to_generate` tokens (Megatron lets short prompts
+run on to the longest prompt's budget), so a prompt gives the same tokens alone and inside a batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from megatron_train.inference.sampling import sample, validate_sampling
+from megatron_train.tokenizer.base import MegatronTokenizer
+
+
+@dataclass(frozen=True)
+class GenerationParams:
+    """What to generate. Names follow Megatron's `generate_and_post_process` and its server's request."""
+
+    tokens_to_generate: int = 64
+    max_total_length: int | None = None  # also cap each row's prompt + generated tokens at this length
+    return_output_log_probs: bool = False
+    top_k: int = 0
+    top_p: float = 0.0
+    temperature: float = 1.0
+    add_BOS: bool = False
+    use_eod_token_for_early_termination: bool = True
+    stop_on_eol: bool = False
+    stop_on_double_eol: bool = False
+    prevent_newline_after_colon: bool = False
+    stop_strings: tuple[str, ...] = ()
+    stop_token: int | None = None  # the termination id; None means the tokenizer's eod
+    random_seed: int = -1  # -1: draw from torch's global generator, as Megatron does
+    use_kv_cache: bool = True
+
+    def validate(self) -> None:
+        """Raise ValueError naming the bad field, before the model is touched."""
+        if self.tokens_to_generate < 0:
+            raise ValueError(f"tokens_to_generate must be >= 0, got {self.tokens_to_generate}")
+        validate_sampling(self.top_k, self.top_p, self.temperature)
+        if self.max_total_length is not None and self.max_total_length < 1:
+            raise ValueError(f"max_total_length must be >= 1, got {self.max_total_length}")
+        if self.random_seed < -1:
+            raise ValueError(f"random_seed must be >= 0 (or -1 for unseeded), got {self.random_seed}")
+        if any(not stop for stop in self.stop_strings):
+            raise ValueError("stop_strings must not contain an empty string")
+
+
+@dataclass
+class GenerationOutput:
+    """One entry per prompt. `tokens`, `texts` and `segments` cover prompt + generation (Megatron's answer);
+    `logprobs[i][j]` is log p(tokens[i][j + 1] | tokens[i][: j + 1]), so it has len(tokens[i]) - 1 entries."""
+
+    tokens: list[list[int]]
+    texts: list[str]
+    segments: list[list[str]]
+    logprobs: list[list[float]] | None
+    prompt_lengths: list[int]
+    completions: list[str]  # the generated text alone, without the eod token and cut before a stop string
+    finish_reasons: list[str]  # "stop" (eod, eol or a stop string) or "length"
+
+
+def tokenize_prompts(
+    tokenizer: MegatronTokenizer, prompts: Sequence[str], tokens_to_generate: int, add_BOS: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompt ids right-padded with eod to max prompt length + tokens_to_generate [b, s], and the lengths [b]."""
+    bos = [tokenizer.eod] if add_BOS else []
+    prompt_tokens = [bos + ids for ids in tokenizer.tokenize_batch(list(prompts))]
+    for index, ids in enumerate(prompt_tokens):
+        if not ids:
+            raise ValueError(f"prompt {index} is empty: pass add_BOS=True to generate from an empty prompt")
+    lengths = torch.tensor([len(ids) for ids in prompt_tokens], dtype=torch.long)
+    tokens = torch.full((len(prompt_tokens), int(lengths.max()) + tokens_to_generate), tokenizer.eod)
+    for row, ids in enumerate(prompt_tokens):
+        tokens[row, : len(ids)] = torch.tensor(ids)
+    return tokens, lengths
+
+
+def max_sequence_length(model: torch.nn.Module) -> int:
+    """The longest prompt + generation the model can take: its position limit."""
+    config = model.config
+    return config.max_position_embeddings or config.seq_length
+
+
+def check_fits(model: torch.nn.Module, tokens: torch.Tensor) -> None:
+    """Refuse padded prompts + generation [b, s] longer than the model's positions (Megatron's message)."""
+    limit = max_sequence_length(model)
+    if tokens.size(1) > limit:
+        raise ValueError(
+            f"Length of prompt + tokens_to_generate longer than allowed: {tokens.size(1)} tokens > {limit} "
+            "(the model's max_position_embeddings)"
+        )
+
+
+def allocate_kv_cache(model: torch.nn.Module, batch_size: int, max_seq_len: int):
+    """An empty KV cache shaped for this model's attention on this tensor-parallel rank."""
+    from megatron_train.models.kv_cache import KVCache
+    from megatron_train.parallel.state import get_tensor_model_parallel_world_size
+
+    config = model.config
+    weight = next(model.parameters())
+    return KVCache(
+        num_layers=config.num_layers,
+        batch_size=batch_size,
+        max_seq_len=max_seq_len,
+        num_kv_heads=config.num_query_groups_effective // get_tensor_model_parallel_world_size(),
+        head_dim=config.kv_channels,
+        dtype=weight.dtype,
+        device=weight.device,
+    )
+
+
+def _logits(model, tokens, position_ids, kv_cache, vocab_size: int) -> torch.Tensor:
+    """fp32 logits over the tokenizer's real vocabulary (the model's is padded)."""
+    return model(tokens, position_ids=position_ids, kv_cache=kv_cache)[..., :vocab_size].float()
+
+
+def _first_token(tokenizer: MegatronTokenizer, text: str) -> int | None:
+    ids = tokenizer.tokenize(text)
+    return ids[0] if ids else None
+
+
+def _single_token(tokenizer: MegatronTokenizer, text: str) -> int:
+    """The id of `text` when the tokenizer makes it one token (GPT-2: "\\n" -> 198, "\\n\\n" -> 628), else -1."""
+    ids = tokenizer.tokenize(text)
+    return ids[0] if len(ids) == 1 else -1
+
+
+class _StopRules:
+    """Which rows a new token ends: the termination id, Megatron's eol rules, and stop strings."""
+
+    def __init__(self, tokenizer: MegatronTokenizer, params: GenerationParams) -> None:
+        self.tokenizer = tokenizer
+        self.params = params
+        self.termination_id = tokenizer.eod if params.stop_token is None else params.stop_token
+        if params.stop_on_eol or params.stop_on_double_eol:  # -1 where not a single token: never matches
+            self.eol, self.double_eol = _single_token(tokenizer, "\n"), _single_token(tokenizer, "\n\n")
+
+    def hits(
+        self, tokens: torch.Tensor, lengths: torch.Tensor, context_length: int, candidates: torch.Tensor
+    ) -> torch.Tensor:
+        """Rows among `candidates` [b] whose token at `context_length` ends their generation."""
+        new, previous = tokens[:, context_length], tokens[:, context_length - 1]
+        hit = torch.zeros_like(candidates)
+        if self.params.use_eod_token_for_early_termination:
+            hit |= new == self.termination_id
+        if self.params.stop_on_eol or self.params.stop_on_double_eol:
+            hit |= new == self.double_eol
+            if self.params.stop_on_double_eol:
+                hit |= (new == self.eol) & (previous == self.eol)
+            else:
+                hit |= new == self.eol
+        hit &= candidates
+        if self.params.stop_strings:
+            for row in (candidates & ~hit).nonzero().flatten().tolist():
+                generated = self.tokenizer.detokenize(tokens[row, lengths[row] : context_length + 1].tolist())
+                hit[row] = any(stop in generated for stop in self.params.stop_strings)
+        return hit
+
+
+def generate_tokens(
+    model: torch.nn.Module,
+    tokenizer: MegatronTokenizer,
+    tokens: torch.Tensor,
+    lengths: torch.Tensor,
+    params: GenerationParams,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """Decode into the padded `tokens` [b, s] (Megatron's generate_tokens_probs_and_return_on_first_stage).
+
+    Returns tokens, each row's final length (prompt + generated), logprobs [b, s - 1] or None, and which rows
+    ended on a stop rule (the others ran out of tokens_to_generate)."""
+    check_fits(model, tokens)
+    batch_size, total_length = tokens.shape
+    vocab_size = tokenizer.vocab_size
+    stop_rules = _StopRules(tokenizer, params)
+    colon = newline = None
+    if params.prevent_newline_after_colon:
+        colon, newline = _first_token(tokenizer, ":"), _first_token(tokenizer, "\n")
+    generator = None
+    if params.random_seed >= 0:
+        generator = torch.Generator(device=tokens.device).manual_seed(params.random_seed)
+
+    row_limits = (lengths + params.tokens_to_generate).clamp(max=total_length)
+    final_lengths = row_limits.clone()
+    done = torch.zeros(batch_size, dtype=torch.bool, device=tokens.device)
+    stopped = torch.zeros_like(done)
+    logprobs = None
+    if params.return_output_log_probs:
+        logprobs = torch.zeros(batch_size, total_length - 1, device=tokens.device)
+    kv_cache = allocate_kv_cache(model, batch_size, total_length) if params.use_kv_cache else None
+    position_ids = torch.arange(total_length, device=tokens.device).expand(batch_size, -1)
+
+    previous = 0
+    for context_length in range(int(lengths.min()), total_length):
+        # With a cache only the new positions go through the model; without, the whole prefix again.
+        start = previous if kv_cache is not None else 0
+        logits = _logits(
+            model,
+            tokens[:, start:context_length],
+            position_ids[:, start:context_length],
+            kv_cache,
+            vocab_size,
+        )[:, previous - start :]
+        last_logits = logits[:, -1]
+        if colon is not None and newline is not None:
+            last_logits = last_logits.clone()
+            last_logits[tokens[:, context_length - 1] == colon, newline] = float("-inf")
+        new_tokens = sample(last_logits, params.top_k, params.top_p, params.temperature, generator)
+
+        started = lengths <= context_length
+        tokens[:, context_length] = torch.where(started, new_tokens, tokens[:, context_length])
+        if logprobs is not None:
+            targets = tokens[:, previous + 1 : context_length + 1].unsqueeze(-1)
+            logprobs[:, previous:context_length] = (
+                F.log_softmax(logits, dim=-1).gather(-1, targets).squeeze(-1)
+            )
+
+        active = started & ~done
+        hit = stop_rules.hits(tokens, lengths, context_length, active)
+        finished = hit | (active & (context_length + 1 >= row_limits))
+        final_lengths[finished] = context_length + 1
+        stopped |= hit
+        done |= finished
+        previous = context_length
+        if bool(done.all()):
+            break
+    return tokens, final_lengths, logprobs, stopped
+
+
+def score_tokens(model: torch.nn.Module, tokenizer: MegatronTokenizer, tokens: torch.Tensor) -> torch.Tensor:
+    """Log-probabilities [b, s - 1] of each token given the ones before it (Megatron's score path)."""
+    check_fits(model, tokens)
+    position_ids = torch.arange(tokens.size(1), device=tokens.device).expand_as(tokens)
+    logits = _logits(model, tokens, position_ids, None, tokenizer.vocab_size)
+    return F.log_softmax(logits[:, :-1], dim=-1).gather(-1, tokens[:, 1:].unsqueeze(-1)).squeeze(-1)
+
+
+def _completion(
+    tokenizer: MegatronTokenizer, ids: list[int], termination_id: int, stops: Sequence[str]
+) -> str:
+    """The generated text as an API returns it: no trailing eod, cut before the first stop string."""
+    if ids and ids[-1] == termination_id:
+        ids = ids[:-1]
+    text = tokenizer.detokenize(ids)
+    cut = min((text.find(stop) for stop in stops if stop in text), default=len(text))
+    return text[:cut]
+
+
+@torch.inference_mode()
+def generate(
+    model: torch.nn.Module,
+    tokenizer: MegatronTokenizer,
+    prompts: Sequence[str],
+    params: GenerationParams = GenerationParams(),
+) -> GenerationOutput:
+    """Generate continuations of `prompts` (Megatron's generate_and_post_process), on the model's device.
+
+    `tokens_to_generate=0` scores the prompts instead (one forward, logprobs only)."""
+    params.validate()
+    if not prompts:
+        raise ValueError("prompts is empty: pass at least one prompt")
+    device = next(model.parameters()).device
+    tokens, lengths = tokenize_prompts(tokenizer, prompts, params.tokens_to_generate, params.add_BOS)
+    if params.max_total_length is not None:
+        longest = int(lengths.max())
+        if longest >= params.max_total_length and params.tokens_to_generate > 0:
+            raise ValueError(
+                f"prompt {int(lengths.argmax())} has {longest} tokens, no room to generate within "
+                f"max_total_length={params.max_total_length}"
+            )
+        tokens = tokens[:, : max(params.max_total_length, longest)]
+    tokens, lengths = tokens.to(device), lengths.to(device)
+    was_training = model.training
+    model.eval()
+    try:
+        if params.tokens_to_generate == 0:
+            final_lengths, stopped = lengths, torch.zeros_like(lengths, dtype=torch.bool)
+            logprobs = score_tokens(model, tokenizer, tokens) if params.return_output_log_probs else None
+        else:
+            tokens, final_lengths, logprobs, stopped = generate_tokens(
+                model, tokenizer, tokens, lengths, params
+            )
+    finally:
+        model.train(was_training)
+
+    termination_id = tokenizer.eod if params.stop_token is None else params.stop_token
+    rows = [row[:length] for row, length in zip(tokens.tolist(), final_lengths.tolist(), strict=True)]
+    prompt_lengths = lengths.tolist()
+    return GenerationOutput(
+        tokens=rows,
+        texts=[tokenizer.detokenize(row) for row in rows],
+        segments=[[tokenizer.detokenize([token]) for token in row] for row in rows],
+        logprobs=None
+        if logprobs is None
+        else [row[: len(ids) - 1] for row, ids in zip(logprobs.tolist(), rows, strict=True)],
+        prompt_lengths=prompt_lengths,
+        completions=[
+            _completion(tokenizer, row[start:], termination_id, params.stop_strings)
+            for row, start in zip(rows, prompt_lengths, strict=True)
+        ],
+        finish_reasons=["stop" if hit else "length" for hit in stopped.tolist()],
+    )

@@ -1,0 +1,231 @@
+"""The transformer's shape and behaviour: Megatron's model flags as one typed config.
+
+GPT-2 and Llama are configurations of the same model: GPT-2 is learned_absolute + LayerNorm + GELU
+(openai_gelu) + biases + tied embeddings; Llama is rope + RMSNorm + swiglu + disable_bias_linear +
+untie_embeddings_and_output_weights (+ group_query_attention for Llama-2 70B and later).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, get_args
+
+import torch
+
+PositionEmbeddingType = Literal["learned_absolute", "rope"]
+Normalization = Literal["LayerNorm", "RMSNorm"]
+RecomputeGranularity = Literal["full", "selective"]
+RecomputeMethod = Literal["uniform", "block"]
+
+
+@dataclass
+class TransformerConfig:
+    num_layers: int = field(metadata={"help": "Number of transformer layers."})
+    hidden_size: int = field(metadata={"help": "Transformer hidden size."})
+    num_attention_heads: int = field(metadata={"help": "Number of attention heads."})
+    ffn_hidden_size: int | None = field(
+        default=None,
+        metadata={
+            "help": "MLP hidden size; default 4 * hidden-size, or int(8 * hidden-size / 3 / 64) * 64 with --swiglu."
+        },
+    )
+    kv_channels: int | None = field(
+        default=None,
+        metadata={"help": "Per-head projection size; default hidden-size / num-attention-heads."},
+    )
+    group_query_attention: bool = field(default=False, metadata={"help": "Use grouped-query attention."})
+    num_query_groups: int = field(
+        default=1, metadata={"help": "Number of key/value head groups with --group-query-attention."}
+    )
+    seq_length: int | None = field(default=None, metadata={"help": "Maximum sequence length to process."})
+    max_position_embeddings: int | None = field(
+        default=None, metadata={"help": "Size of the learned position table; default seq-length."}
+    )
+    position_embedding_type: PositionEmbeddingType = field(
+        default="learned_absolute", metadata={"help": "Position embedding: learned_absolute or rope."}
+    )
+    rotary_percent: float = field(
+        default=1.0, metadata={"help": "Fraction of each head's dims rotated by RoPE."}
+    )
+    rotary_base: int = field(default=10000, metadata={"help": "Base period of the rotary embedding."})
+    normalization: Normalization = field(
+        default="LayerNorm", metadata={"help": "Norm layer: LayerNorm or RMSNorm."}
+    )
+    norm_epsilon: float = field(default=1e-5, metadata={"help": "Epsilon of the norm layers."})
+    swiglu: bool = field(default=False, metadata={"help": "Use the gated SwiGLU MLP instead of GELU."})
+    openai_gelu: bool = field(
+        default=False, metadata={"help": "Use OpenAI's tanh approximation of GELU (GPT-2's 'gelu_new')."}
+    )
+    add_bias_linear: bool = field(
+        default=True,
+        metadata={
+            "help": "Bias in linear layers; the flag --disable-bias-linear sets it False.",
+            "flag": "--disable-bias-linear",
+        },
+    )
+    untie_embeddings_and_output_weights: bool = field(
+        default=False,
+        metadata={"help": "Give the output layer its own weight instead of the word embedding."},
+    )
+    hidden_dropout: float = field(
+        default=0.1, metadata={"help": "Dropout on embeddings and residual branches."}
+    )
+    attention_dropout: float = field(default=0.1, metadata={"help": "Dropout on attention probabilities."})
+    init_method_std: float = field(
+        default=0.02,
+        metadata={
+            "help": "Std of the normal weight init; output projections use std / sqrt(2 * num-layers)."
+        },
+    )
+    use_flash_attn: bool = field(
+        default=False,
+        metadata={"help": "Use flash-attn's kernel (CUDA, fp16/bf16; errors where unavailable)."},
+    )
+    recompute_granularity: RecomputeGranularity | None = field(
+        default=None,
+        metadata={
+            "help": "Activation recompute: 'full' (whole layers) or 'selective' (core attention only)."
+        },
+    )
+    recompute_method: RecomputeMethod | None = field(
+        default=None,
+        metadata={
+            "help": "With full recompute: 'uniform' (chunks of recompute-num-layers) or 'block' "
+            "(the first recompute-num-layers layers of each stage)."
+        },
+    )
+    recompute_num_layers: int | None = field(
+        default=None, metadata={"help": "Layers per recompute chunk (uniform) or recomputed layers (block)."}
+    )
+    recompute_activations: bool = field(
+        default=False, metadata={"help": "Shorthand for --recompute-granularity selective."}
+    )
+    fp16: bool = field(default=False, metadata={"help": "Keep model parameters in float16."})
+    bf16: bool = field(default=False, metadata={"help": "Keep model parameters in bfloat16."})
+
+    def __post_init__(self) -> None:
+        if self.recompute_activations:
+            self.recompute_granularity = "selective"
+        if self.kv_channels is None:
+            if self.hidden_size % self.num_attention_heads:
+                raise ValueError(
+                    f"--hidden-size {self.hidden_size} is not divisible by --num-attention-heads "
+                    f"{self.num_attention_heads}; set --kv-channels explicitly"
+                )
+            self.kv_channels = self.hidden_size // self.num_attention_heads
+        if self.ffn_hidden_size is None:
+            if self.swiglu:  # two input projections: keep the parameter count near 4h, a multiple of 64
+                self.ffn_hidden_size = int((4 * self.hidden_size * 2 / 3) / 64) * 64
+            else:
+                self.ffn_hidden_size = 4 * self.hidden_size
+        if self.max_position_embeddings is None:
+            self.max_position_embeddings = self.seq_length
+        self._validate()
+
+    def _validate(self) -> None:
+        checks = [
+            (
+                self.position_embedding_type in get_args(PositionEmbeddingType),
+                f"--position-embedding-type must be one of {get_args(PositionEmbeddingType)}, "
+                f"got {self.position_embedding_type!r}",
+            ),
+            (
+                self.normalization in get_args(Normalization),
+                f"--normalization must be one of {get_args(Normalization)}, got {self.normalization!r}",
+            ),
+            (
+                self.recompute_granularity in (None, *get_args(RecomputeGranularity)),
+                f"--recompute-granularity must be 'full' or 'selective', got {self.recompute_granularity!r}",
+            ),
+            (
+                self.recompute_method in (None, *get_args(RecomputeMethod)),
+                f"--recompute-method must be 'uniform' or 'block', got {self.recompute_method!r}",
+            ),
+            (
+                self.recompute_granularity != "full"
+                or (self.recompute_method is not None and (self.recompute_num_layers or 0) >= 1),
+                "--recompute-granularity full needs --recompute-method (uniform|block) and --recompute-num-layers >= 1",
+            ),
+            (
+                self.num_attention_heads % self.num_query_groups_effective == 0,
+                f"--num-attention-heads {self.num_attention_heads} must be a multiple of --num-query-groups "
+                f"{self.num_query_groups}",
+            ),
+            (
+                0.0 < self.rotary_percent <= 1.0,
+                f"--rotary-percent must be in (0, 1], got {self.rotary_percent}",
+            ),
+            (
+                self.position_embedding_type != "learned_absolute"
+                or self.max_position_embeddings is not None,
+                "learned_absolute position embeddings need --max-position-embeddings or --seq-length",
+            ),
+            (not (self.fp16 and self.bf16), "--fp16 and --bf16 are mutually exclusive"),
+            (
+                self.ffn_hidden_size > 0,
+                f"--ffn-hidden-size is {self.ffn_hidden_size} (the --swiglu rule rounds 8h/3 down to a multiple "
+                "of 64); set --ffn-hidden-size explicitly",
+            ),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+
+    @property
+    def num_query_groups_effective(self) -> int:
+        """Key/value heads: num_query_groups with GQA, else one per attention head."""
+        return self.num_query_groups if self.group_query_attention else self.num_attention_heads
+
+    @property
+    def params_dtype(self) -> torch.dtype:
+        if self.bf16:
+            return torch.bfloat16
+        return torch.float16 if self.fp16 else torch.float32
+
+    @classmethod
+    def gpt2(
+        cls,
+        num_layers: int = 12,
+        hidden_size: int = 768,
+        num_attention_heads: int = 12,
+        seq_length: int = 1024,
+        **overrides,
+    ) -> TransformerConfig:
+        """GPT-2's architecture (defaults: the 124M model)."""
+        return cls(
+            num_layers=num_layers,
+            hidden_size=hidden_size,
+            num_attention_heads=num_attention_heads,
+            seq_length=seq_length,
+            openai_gelu=True,
+            **overrides,
+        )
+
+    @classmethod
+    def llama(
+        cls,
+        num_layers: int = 32,
+        hidden_size: int = 4096,
+        num_attention_heads: int = 32,
+        seq_length: int = 4096,
+        **overrides,
+    ) -> TransformerConfig:
+        """Llama's architecture (defaults: Llama-2 7B's shape; its ffn_hidden_size is 11008)."""
+        settings = dict(
+            position_embedding_type="rope",
+            normalization="RMSNorm",
+            swiglu=True,
+            add_bias_linear=False,
+            untie_embeddings_and_output_weights=True,
+            hidden_dropout=0.0,
+            attention_dropout=0.0,
+            norm_epsilon=1e-5,
+        )
+        settings.update(overrides)
+        return cls(
+            num_layers=num_layers,
+            hidden_size=hidden_size,
+            num_attention_heads=num_attention_heads,
+            seq_length=seq_length,
+            **settings,
+        )

@@ -1,0 +1,169 @@
+"""GPTModel: embeddings, the transformer block and the output layer, with Megatron's pipeline hooks.
+
+Covers GPT-2 and Llama (see TransformerConfig). Under tensor parallelism the word embedding and output
+layer are split along the vocabulary and the loss is computed without gathering the logits.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from megatron_train.models.config import TransformerConfig
+from megatron_train.models.kv_cache import KVCache
+from megatron_train.models.rotary import RotaryEmbedding
+from megatron_train.models.transformer import TransformerBlock, init_method_normal
+from megatron_train.parallel.cross_entropy import vocab_parallel_cross_entropy
+from megatron_train.parallel.layers import ColumnParallelLinear, VocabParallelEmbedding
+from megatron_train.parallel.mappings import (
+    gather_from_tensor_model_parallel_region,
+    scatter_to_sequence_parallel_region,
+)
+from megatron_train.parallel.random import get_rng_tracker
+
+
+class LanguageModelEmbedding(nn.Module):
+    """Word (+ learned position) embeddings -> [s, b, h], scattered along the sequence under SP, dropout."""
+
+    def __init__(self, config: TransformerConfig, vocab_size: int, sequence_parallel: bool) -> None:
+        super().__init__()
+        self.sequence_parallel = sequence_parallel
+        init = init_method_normal(config.init_method_std)
+        self.word_embeddings = VocabParallelEmbedding(
+            vocab_size, config.hidden_size, init_method=init, params_dtype=config.params_dtype
+        )
+        self.position_embeddings = None
+        if config.position_embedding_type == "learned_absolute":
+            self.position_embeddings = nn.Embedding(
+                config.max_position_embeddings, config.hidden_size, dtype=config.params_dtype
+            )
+            init(self.position_embeddings.weight)
+        self.embedding_dropout = nn.Dropout(config.hidden_dropout)
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        embeddings = self.word_embeddings(input_ids)
+        if self.position_embeddings is not None:
+            embeddings = embeddings + self.position_embeddings(position_ids)
+        embeddings = embeddings.transpose(0, 1).contiguous()
+        if not self.sequence_parallel:
+            return self.embedding_dropout(embeddings)
+        embeddings = scatter_to_sequence_parallel_region(embeddings)
+        with get_rng_tracker().fork():  # each TP rank drops out its own sequence shard
+            return self.embedding_dropout(embeddings)
+
+
+class GPTModel(nn.Module):
+    """Decoder-only transformer LM.
+
+    `vocab_size` is the padded vocabulary (divisible by the TP size). `pre_process` / `post_process` say
+    whether this pipeline stage holds the embedding / the final norm and output layer; a stage without
+    the embedding takes its input from `set_input_tensor`. `sequence_parallel` is `--sequence-parallel`.
+    """
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        vocab_size: int,
+        pre_process: bool = True,
+        post_process: bool = True,
+        *,
+        sequence_parallel: bool = False,
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.vocab_size = vocab_size
+        self.pre_process = pre_process
+        self.post_process = post_process
+        self.share_embeddings_and_output_weights = not config.untie_embeddings_and_output_weights
+        self.embedding = (
+            LanguageModelEmbedding(config, vocab_size, sequence_parallel) if pre_process else None
+        )
+        self.rotary_pos_emb = None
+        if config.position_embedding_type == "rope":
+            self.rotary_pos_emb = RotaryEmbedding(
+                config.kv_channels, config.rotary_percent, config.rotary_base
+            )
+        self.decoder = TransformerBlock(config, sequence_parallel, post_process)
+        self.output_layer = None
+        if post_process:
+            self.output_layer = ColumnParallelLinear(
+                config.hidden_size,
+                vocab_size,
+                init_method=init_method_normal(config.init_method_std),
+                bias=False,
+                sequence_parallel=sequence_parallel,
+                skip_weight_param_allocation=pre_process and self.share_embeddings_and_output_weights,
+                params_dtype=config.params_dtype,
+            )
+            if self.share_embeddings_and_output_weights and not pre_process:
+                # Megatron: the last stage's copy starts at zero; the pipeline engine all-reduces it with the
+                # first stage's embedding over the embedding group, before training and after each backward.
+                self.output_layer.weight.data.zero_()
+                self.output_layer.weight.shared_embedding = True
+
+    def set_input_tensor(self, input_tensor: torch.Tensor | list[torch.Tensor] | None) -> None:
+        """Hidden states [s, b, h] from the previous pipeline stage (Megatron's hook; lists are unwrapped)."""
+        if isinstance(input_tensor, list):
+            input_tensor = input_tensor[0]
+        self.decoder.input_tensor = input_tensor
+
+    def shared_embedding_or_output_weight(self) -> torch.Tensor | None:
+        """The weight tied between the word embedding and the output layer on this stage, if any."""
+        if not self.share_embeddings_and_output_weights:
+            return None
+        if self.pre_process:
+            return self.embedding.word_embeddings.weight
+        return self.output_layer.weight if self.post_process else None
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        kv_cache: KVCache | None = None,
+    ) -> torch.Tensor:
+        """Per-token fp32 loss [b, s] with labels; else logits [b, s, vocab] (gathered across TP).
+
+        A stage without post_process returns its hidden states [s, b, h] (the next stage's input).
+        With a KV cache, input_ids are the new tokens only; positions continue from the cache's offset.
+        """
+        batch, seq = input_ids.shape
+        offset = 0 if kv_cache is None else kv_cache.seq_len_offset
+        if position_ids is None:
+            limit = self.config.max_position_embeddings
+            if self.config.position_embedding_type == "learned_absolute" and offset + seq > limit:
+                raise ValueError(
+                    f"positions up to {offset + seq} exceed --max-position-embeddings {limit}; "
+                    "shorten the input or build the model with a larger table"
+                )
+            position_ids = torch.arange(offset, offset + seq, device=input_ids.device).expand(batch, seq)
+
+        if self.pre_process:
+            hidden = self.embedding(input_ids, position_ids)
+        elif self.decoder.input_tensor is None:
+            raise RuntimeError("this pipeline stage has no embedding: call set_input_tensor before forward")
+        else:
+            hidden = self.decoder.input_tensor
+        rotary = None if self.rotary_pos_emb is None else self.rotary_pos_emb(position_ids)
+        hidden = self.decoder(hidden, rotary, kv_cache)
+        if kv_cache is not None:
+            kv_cache.seq_len_offset += seq
+        if not self.post_process:
+            return hidden
+
+        logits = self.output_layer(hidden, weight=self.shared_embedding_or_output_weight())  # [s, b, v / TP]
+        if labels is None:
+            return gather_from_tensor_model_parallel_region(logits).transpose(0, 1).contiguous()
+        return vocab_parallel_cross_entropy(logits, labels.transpose(0, 1)).transpose(0, 1).contiguous()
+
+
+def model_provider(
+    config: TransformerConfig,
+    vocab_size: int,
+    pre_process: bool = True,
+    post_process: bool = True,
+    *,
+    sequence_parallel: bool = False,
+) -> GPTModel:
+    """Build the GPT model for this rank (Megatron's `model_provider` hook for the training loop)."""
+    return GPTModel(config, vocab_size, pre_process, post_process, sequence_parallel=sequence_parallel)

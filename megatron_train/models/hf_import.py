@@ -1,0 +1,68 @@
+"""Hugging Face GPT-2 / Llama state dicts -> GPTModel state dicts (single TP rank, all layers).
+
+The mapping doubles as the precise statement of how our parameters relate to the two reference
+architectures; the tests prove logits equal after loading.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_train.models.config import TransformerConfig
+from megatron_train.models.transformer import pack_qkv
+
+StateDict = dict[str, torch.Tensor]
+
+
+def gpt2_state_dict_from_hf(hf: StateDict, config: TransformerConfig) -> StateDict:
+    """From `transformers.GPT2LMHeadModel.state_dict()` (its Conv1D weights are stored [in, out])."""
+    ours = {
+        "embedding.word_embeddings.weight": hf["transformer.wte.weight"],
+        "embedding.position_embeddings.weight": hf["transformer.wpe.weight"],
+        "decoder.final_layernorm.weight": hf["transformer.ln_f.weight"],
+        "decoder.final_layernorm.bias": hf["transformer.ln_f.bias"],
+    }
+    heads = config.num_attention_heads
+    for i in range(config.num_layers):
+        src, dst = f"transformer.h.{i}.", f"decoder.layers.{i}."
+        q, k, v = hf[src + "attn.c_attn.weight"].t().chunk(3)
+        q_bias, k_bias, v_bias = hf[src + "attn.c_attn.bias"].chunk(3)
+        ours |= {
+            dst + "input_layernorm.weight": hf[src + "ln_1.weight"],
+            dst + "input_layernorm.bias": hf[src + "ln_1.bias"],
+            dst + "self_attention.linear_qkv.weight": pack_qkv(q, k, v, num_query_groups=heads),
+            dst + "self_attention.linear_qkv.bias": pack_qkv(q_bias, k_bias, v_bias, num_query_groups=heads),
+            dst + "self_attention.linear_proj.weight": hf[src + "attn.c_proj.weight"].t(),
+            dst + "self_attention.linear_proj.bias": hf[src + "attn.c_proj.bias"],
+            dst + "pre_mlp_layernorm.weight": hf[src + "ln_2.weight"],
+            dst + "pre_mlp_layernorm.bias": hf[src + "ln_2.bias"],
+            dst + "mlp.linear_fc1.weight": hf[src + "mlp.c_fc.weight"].t(),
+            dst + "mlp.linear_fc1.bias": hf[src + "mlp.c_fc.bias"],
+            dst + "mlp.linear_fc2.weight": hf[src + "mlp.c_proj.weight"].t(),
+            dst + "mlp.linear_fc2.bias": hf[src + "mlp.c_proj.bias"],
+        }
+    return {name: tensor.contiguous() for name, tensor in ours.items()}
+
+
+def llama_state_dict_from_hf(hf: StateDict, config: TransformerConfig) -> StateDict:
+    """From `transformers.LlamaForCausalLM.state_dict()` (rotate-half RoPE convention, as ours)."""
+    ours = {
+        "embedding.word_embeddings.weight": hf["model.embed_tokens.weight"],
+        "decoder.final_layernorm.weight": hf["model.norm.weight"],
+    }
+    if config.untie_embeddings_and_output_weights:
+        ours["output_layer.weight"] = hf["lm_head.weight"]
+    for i in range(config.num_layers):
+        src, dst = f"model.layers.{i}.", f"decoder.layers.{i}."
+        q, k, v = (hf[src + f"self_attn.{name}_proj.weight"] for name in "qkv")
+        ours |= {
+            dst + "input_layernorm.weight": hf[src + "input_layernorm.weight"],
+            dst + "self_attention.linear_qkv.weight": pack_qkv(q, k, v, config.num_query_groups_effective),
+            dst + "self_attention.linear_proj.weight": hf[src + "self_attn.o_proj.weight"],
+            dst + "pre_mlp_layernorm.weight": hf[src + "post_attention_layernorm.weight"],
+            dst + "mlp.linear_fc1.weight": torch.cat(
+                (hf[src + "mlp.gate_proj.weight"], hf[src + "mlp.up_proj.weight"])
+            ),
+            dst + "mlp.linear_fc2.weight": hf[src + "mlp.down_proj.weight"],
+        }
+    return {name: tensor.contiguous() for name, tensor in ours.items()}

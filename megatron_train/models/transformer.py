@@ -1,0 +1,310 @@
+"""The transformer layer stack: self-attention, MLP, pre-norm residual layers, and activation recompute.
+
+Activations are [s, b, h] (sequence first, as Megatron), so sequence parallelism splits the first dimension.
+Parameter names follow Megatron-Core (`self_attention.linear_qkv`, `mlp.linear_fc1`, `input_layernorm`, ...).
+
+Fused QKV layout (checkpoint conversion depends on it): linear_qkv's output rows are grouped by query
+group g = 0 .. num_query_groups - 1, and each group holds [its heads_per_group query heads, its key head,
+its value head], each kv_channels rows. Splitting the rows evenly across TP ranks therefore gives each rank
+whole query groups. `pack_qkv` / `unpack_qkv` convert from / to separate q, k, v projections.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatron_train.models.config import TransformerConfig
+from megatron_train.models.kv_cache import KVCache
+from megatron_train.models.norms import build_norm
+from megatron_train.models.rotary import apply_rotary_pos_emb
+from megatron_train.parallel import state
+from megatron_train.parallel.layers import ColumnParallelLinear, RowParallelLinear, divide
+from megatron_train.parallel.random import checkpoint, get_rng_tracker
+
+Rotary = tuple[torch.Tensor, torch.Tensor] | None
+
+
+def init_method_normal(std: float) -> Callable[[torch.Tensor], torch.Tensor]:
+    return lambda tensor: nn.init.normal_(tensor, mean=0.0, std=std)
+
+
+def scaled_init_method_normal(std: float, num_layers: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Megatron's init for projections feeding the residual stream: std / sqrt(2 * num_layers)."""
+    return init_method_normal(std / (2.0 * num_layers) ** 0.5)
+
+
+def pack_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_query_groups: int) -> torch.Tensor:
+    """Fuse separate projections q [heads * d, ...], k and v [groups * d, ...] (weights or biases) into the
+    grouped linear_qkv layout [groups * (heads_per_group + 2) * d, ...]."""
+    q_groups = q.reshape(num_query_groups, -1, *q.shape[1:])
+    k_groups = k.reshape(num_query_groups, -1, *k.shape[1:])
+    v_groups = v.reshape(num_query_groups, -1, *v.shape[1:])
+    return torch.cat((q_groups, k_groups, v_groups), dim=1).reshape(-1, *q.shape[1:])
+
+
+def unpack_qkv(
+    qkv: torch.Tensor, num_query_groups: int, num_attention_heads: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Inverse of `pack_qkv`: q [heads * d, ...], k [groups * d, ...], v [groups * d, ...]."""
+    heads_per_group = num_attention_heads // num_query_groups
+    head_dim = qkv.shape[0] // (num_query_groups * (heads_per_group + 2))
+    grouped = qkv.reshape(num_query_groups, heads_per_group + 2, head_dim, *qkv.shape[1:])
+    q, k, v = grouped.split([heads_per_group, 1, 1], dim=1)
+    return tuple(t.reshape(-1, *qkv.shape[1:]) for t in (q, k, v))
+
+
+def get_layer_range(
+    num_layers: int,
+    pipeline_rank: int = 0,
+    pipeline_size: int = 1,
+    virtual_rank: int = 0,
+    virtual_size: int | None = None,
+) -> range:
+    """Global indices of the layers one pipeline stage (model chunk, when interleaved) holds.
+
+    Megatron's interleaved order: chunk v of stage p holds layers starting at
+    v * num_layers / virtual_size + p * layers_per_chunk.
+    """
+    chunks = pipeline_size * (virtual_size or 1)
+    if num_layers % chunks:
+        raise ValueError(
+            f"--num-layers {num_layers} is not divisible by --pipeline-model-parallel-size {pipeline_size}"
+            + (f" x {virtual_size} virtual stages" if virtual_size else "")
+        )
+    per_chunk = num_layers // chunks
+    start = virtual_rank * (num_layers // (virtual_size or 1)) + pipeline_rank * per_chunk
+    return range(start, start + per_chunk)
+
+
+class CoreAttention(nn.Module):
+    """softmax(q k^T / sqrt(d) + causal mask) v, by flash-attn or torch's scaled_dot_product_attention.
+
+    Takes q [b, s_q, heads, d] and k, v [b, s_k, groups, d] (the kernels' layout) with s_k >= s_q: the queries
+    are the last s_q positions (a KV cache holds the first s_k - s_q), so the causal mask is aligned
+    bottom-right. Returns the context in the model's layout [s_q, b, heads * d].
+    """
+
+    def __init__(self, config: TransformerConfig, sequence_parallel: bool) -> None:
+        super().__init__()
+        self.dropout_p = config.attention_dropout
+        # Under sequence parallelism the whole block already runs on the tracked RNG stream.
+        self.fork_rng = not sequence_parallel
+        self.flash_attn_func = _load_flash_attn() if config.use_flash_attn else None
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        dropout_p = self.dropout_p if self.training else 0.0
+        rng = get_rng_tracker().fork() if dropout_p > 0 and self.fork_rng else contextlib.nullcontext()
+        with rng:
+            if self.flash_attn_func is not None:
+                if not q.is_cuda or q.dtype not in (torch.float16, torch.bfloat16):
+                    raise RuntimeError(
+                        f"--use-flash-attn needs CUDA fp16/bf16 activations, got {q.dtype} on {q.device}; "
+                        "pass --bf16/--fp16 on a GPU or drop --use-flash-attn"
+                    )
+                context = self.flash_attn_func(q, k, v, dropout_p=dropout_p, causal=True).transpose(0, 1)
+            else:
+                context = self._sdpa(q, k, v, dropout_p)
+        return context.reshape(*context.shape[:2], -1)
+
+    @staticmethod
+    def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float) -> torch.Tensor:
+        heads_per_group = q.shape[2] // k.shape[2]
+        if heads_per_group > 1:  # query head j attends with key/value head j // heads_per_group
+            k = k.repeat_interleave(heads_per_group, dim=2)
+            v = v.repeat_interleave(heads_per_group, dim=2)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        s_q, s_k = q.shape[2], k.shape[2]
+        mask, causal = None, s_q == s_k
+        if 1 < s_q < s_k:  # new tokens after cached ones: query i sees keys up to s_k - s_q + i
+            positions = torch.arange(s_k, device=q.device)
+            mask = positions[None, :] <= positions[s_k - s_q :, None]
+        context = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=causal
+        )
+        return context.permute(2, 0, 1, 3)  # [s_q, b, heads, d]
+
+
+def _load_flash_attn() -> Callable[..., torch.Tensor]:
+    """flash_attn_func, or a clear error where it cannot run (never a silent fallback)."""
+    try:
+        from flash_attn import flash_attn_func
+    except ImportError as error:
+        raise RuntimeError(
+            "--use-flash-attn was set but the flash-attn package is not installed: "
+            "`pip install flash-attn` on a CUDA machine, or drop --use-flash-attn"
+        ) from error
+    if not torch.cuda.is_available():
+        raise RuntimeError(
+            "--use-flash-attn needs a CUDA GPU; drop it to use torch's scaled_dot_product_attention"
+        )
+    return flash_attn_func
+
+
+class SelfAttention(nn.Module):
+    """Causal self-attention with this TP rank's query groups; optional RoPE and KV cache."""
+
+    def __init__(self, config: TransformerConfig, layer_index: int, sequence_parallel: bool) -> None:
+        super().__init__()
+        world_size = state.get_tensor_model_parallel_world_size()
+        groups = config.num_query_groups_effective
+        self.layer_index = layer_index  # position within this stage, the KV cache's layer slot
+        self.head_dim = config.kv_channels
+        self.num_heads = divide(config.num_attention_heads, world_size, "--num-attention-heads")
+        self.num_groups = divide(groups, world_size, "number of query groups")
+        self.heads_per_group = config.num_attention_heads // groups
+        self.recompute_core_attention = config.recompute_granularity == "selective"
+        init = init_method_normal(config.init_method_std)
+        self.linear_qkv = ColumnParallelLinear(
+            config.hidden_size,
+            (config.num_attention_heads + 2 * groups) * self.head_dim,
+            init_method=init,
+            bias=config.add_bias_linear,
+            sequence_parallel=sequence_parallel,
+            params_dtype=config.params_dtype,
+        )
+        self.core_attention = CoreAttention(config, sequence_parallel)
+        self.linear_proj = RowParallelLinear(
+            config.num_attention_heads * self.head_dim,
+            config.hidden_size,
+            init_method=scaled_init_method_normal(config.init_method_std, config.num_layers),
+            bias=config.add_bias_linear,
+            sequence_parallel=sequence_parallel,
+            params_dtype=config.params_dtype,
+        )
+
+    def forward(self, hidden: torch.Tensor, rotary: Rotary, kv_cache: KVCache | None) -> torch.Tensor:
+        qkv = self.linear_qkv(hidden)
+        s, b = qkv.shape[:2]
+        qkv = qkv.view(s, b, self.num_groups, self.heads_per_group + 2, self.head_dim)
+        q, k, v = qkv.split([self.heads_per_group, 1, 1], dim=3)
+        q = q.reshape(s, b, self.num_heads, self.head_dim)
+        k, v = k.squeeze(3), v.squeeze(3)
+        if rotary is not None:
+            q, k = apply_rotary_pos_emb(q, *rotary), apply_rotary_pos_emb(k, *rotary)
+        q, k, v = (t.transpose(0, 1) for t in (q, k, v))  # [b, s, heads, d]: the layout both kernels take
+        if kv_cache is not None:
+            k, v = kv_cache.update(self.layer_index, k, v)
+        if self.recompute_core_attention and self.training and torch.is_grad_enabled():
+            context = checkpoint(self.core_attention, q, k, v)
+        else:
+            context = self.core_attention(q, k, v)
+        return self.linear_proj(context)
+
+
+class MLP(nn.Module):
+    """h -> ffn (GELU) -> h, or SwiGLU: fc1 computes [gate; up] (TP stride 2: each rank has its slice of both)."""
+
+    def __init__(self, config: TransformerConfig, sequence_parallel: bool) -> None:
+        super().__init__()
+        self.swiglu = config.swiglu
+        self.gelu_approximate = "tanh" if config.openai_gelu else "none"
+        fc1_size = 2 * config.ffn_hidden_size if config.swiglu else config.ffn_hidden_size
+        self.linear_fc1 = ColumnParallelLinear(
+            config.hidden_size,
+            fc1_size,
+            init_method=init_method_normal(config.init_method_std),
+            bias=config.add_bias_linear,
+            stride=2 if config.swiglu else 1,
+            sequence_parallel=sequence_parallel,
+            params_dtype=config.params_dtype,
+        )
+        self.linear_fc2 = RowParallelLinear(
+            config.ffn_hidden_size,
+            config.hidden_size,
+            init_method=scaled_init_method_normal(config.init_method_std, config.num_layers),
+            bias=config.add_bias_linear,
+            sequence_parallel=sequence_parallel,
+            params_dtype=config.params_dtype,
+        )
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        x = self.linear_fc1(hidden)
+        if self.swiglu:
+            gate, up = x.chunk(2, dim=-1)
+            x = F.silu(gate) * up
+        else:
+            x = F.gelu(x, approximate=self.gelu_approximate)
+        return self.linear_fc2(x)
+
+
+class TransformerLayer(nn.Module):
+    """Pre-norm residual layer: x + dropout(attn(norm(x))), then x + dropout(mlp(norm(x)))."""
+
+    def __init__(self, config: TransformerConfig, layer_index: int, sequence_parallel: bool) -> None:
+        super().__init__()
+        self.input_layernorm = build_norm(config, sequence_parallel)
+        self.self_attention = SelfAttention(config, layer_index, sequence_parallel)
+        self.pre_mlp_layernorm = build_norm(config, sequence_parallel)
+        self.mlp = MLP(config, sequence_parallel)
+        self.hidden_dropout = nn.Dropout(config.hidden_dropout)
+
+    def forward(
+        self, hidden: torch.Tensor, rotary: Rotary = None, kv_cache: KVCache | None = None
+    ) -> torch.Tensor:
+        attention = self.self_attention(self.input_layernorm(hidden), rotary, kv_cache)
+        hidden = hidden + self.hidden_dropout(attention)
+        return hidden + self.hidden_dropout(self.mlp(self.pre_mlp_layernorm(hidden)))
+
+
+class TransformerBlock(nn.Module):
+    """This pipeline stage's layers, the final norm on the last stage, and full-layer recompute."""
+
+    def __init__(self, config: TransformerConfig, sequence_parallel: bool, post_process: bool) -> None:
+        super().__init__()
+        self.config = config
+        self.sequence_parallel = sequence_parallel
+        self.layer_range = get_layer_range(
+            config.num_layers,
+            state.get_pipeline_model_parallel_rank(),
+            state.get_pipeline_model_parallel_world_size(),
+            state.get_virtual_pipeline_model_parallel_rank(),
+            state.get_virtual_pipeline_model_parallel_world_size(),
+        )
+        self.layers = nn.ModuleList(
+            TransformerLayer(config, index, sequence_parallel) for index in range(len(self.layer_range))
+        )
+        self.final_layernorm = build_norm(config, sequence_parallel) if post_process else None
+        self.input_tensor: torch.Tensor | None = None  # from the previous pipeline stage
+
+    def forward(
+        self, hidden: torch.Tensor, rotary: Rotary = None, kv_cache: KVCache | None = None
+    ) -> torch.Tensor:
+        # Sequence-parallel shards differ across TP ranks, so their dropout draws from the tracked stream.
+        rng = get_rng_tracker().fork() if self.sequence_parallel else contextlib.nullcontext()
+        with rng:
+            recompute = (
+                self.config.recompute_granularity == "full" and self.training and torch.is_grad_enabled()
+            )
+            if recompute and kv_cache is None:
+                hidden = self._forward_with_recompute(hidden, rotary)
+            else:
+                for layer in self.layers:
+                    hidden = layer(hidden, rotary, kv_cache)
+        return hidden if self.final_layernorm is None else self.final_layernorm(hidden)
+
+    def _forward_with_recompute(self, hidden: torch.Tensor, rotary: Rotary) -> torch.Tensor:
+        """'uniform': checkpoint chunks of recompute_num_layers layers; 'block': checkpoint each of the first
+        recompute_num_layers layers and run the rest normally."""
+        cos, sin = rotary if rotary is not None else (None, None)
+        step = self.config.recompute_num_layers if self.config.recompute_method == "uniform" else 1
+        for start in range(0, len(self.layers), step):
+            layers = self.layers[start : start + step]
+            if self.config.recompute_method == "block" and start >= self.config.recompute_num_layers:
+                hidden = self._run_layers(layers, hidden, cos, sin)
+            else:
+                hidden = checkpoint(self._run_layers, layers, hidden, cos, sin)
+        return hidden
+
+    @staticmethod
+    def _run_layers(
+        layers: nn.ModuleList, hidden: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None
+    ):
+        rotary = None if cos is None else (cos, sin)
+        for layer in layers:
+            hidden = layer(hidden, rotary)
+        return hidden

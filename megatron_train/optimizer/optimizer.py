@@ -1,0 +1,236 @@
+"""Megatron's optimizer wrapper: fp32 main params for bf16/fp16 models, loss scaling, clipping, AdamW.
+
+The model's params may be bf16/fp16; the optimizer keeps an fp32 copy of each (the "main" param) and fp32
+grads, steps on those, and copies the result back. With fp32 models the main param is the model param.
+Grads are read from `param.main_grad` (the local DDP's contiguous buffer) when present, else `param.grad`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from megatron_train.device import get_device
+from megatron_train.optimizer.clip_grads import (
+    all_reduce_model_parallel,
+    clip_grads_by_total_norm,
+    get_grad_norm_fp32,
+)
+from megatron_train.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
+from megatron_train.training.config import OptimizerConfig
+
+
+def no_weight_decay(name: str, param: torch.nn.Parameter) -> bool:
+    """Megatron's rule: biases and 1-D params (norm weights) are not decayed."""
+    return name.endswith(".bias") or param.dim() == 1
+
+
+def get_param_groups(named_params: list[tuple[str, torch.nn.Parameter]]) -> list[dict]:
+    """Two groups, decayed and not (`wd_mult` 0); the scheduler multiplies each group's weight decay by it."""
+    decay = [p for n, p in named_params if not no_weight_decay(n, p)]
+    no_decay = [p for n, p in named_params if no_weight_decay(n, p)]
+    groups = [
+        {"params": decay, "wd_mult": 1.0, "lr_mult": 1.0},
+        {"params": no_decay, "wd_mult": 0.0, "lr_mult": 1.0},
+    ]
+    return [g for g in groups if g["params"]]
+
+
+class MegatronOptimizer:
+    """One optimizer step as Megatron takes it: grads -> fp32, unscale and overflow check, clip, step, copy back.
+
+    `step()` returns `(update_successful, grad_norm)`; an fp16 step whose grads overflowed is skipped
+    (no update, grad_norm None) and the loss scaler backs off.
+    """
+
+    def __init__(
+        self,
+        named_params: list[tuple[str, torch.nn.Parameter]],
+        config: OptimizerConfig,
+        params_dtype: torch.dtype = torch.float32,
+    ) -> None:
+        named_params = [(n, p) for n, p in named_params if p.requires_grad]
+        self.config = config
+        self.mixed_precision = params_dtype != torch.float32
+        self.names = [n for n, _ in named_params]
+        self.model_params = [p for _, p in named_params]
+        if self.mixed_precision:
+            self.main_params = [p.detach().float().clone() for p in self.model_params]
+            for main, model in zip(self.main_params, self.model_params, strict=True):
+                for attr in ("tensor_model_parallel", "partition_dim", "partition_stride", "shared"):
+                    if hasattr(model, attr):
+                        setattr(main, attr, getattr(model, attr))
+        else:
+            self.main_params = list(self.model_params)
+        main_of = {id(model): main for model, main in zip(self.model_params, self.main_params, strict=True)}
+        groups = get_param_groups(named_params)
+        for group in groups:
+            group["params"] = [main_of[id(p)] for p in group["params"]]
+        self.optimizer = _build_torch_optimizer(groups, config)
+        self.grad_scaler = _build_grad_scaler(config, params_dtype)
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.optimizer.param_groups
+
+    def get_loss_scale(self) -> float:
+        return self.grad_scaler.scale if self.grad_scaler is not None else 1.0
+
+    def zero_grad(self) -> None:
+        for param in self.model_params:
+            param.grad = None
+        for param in self.main_params:
+            param.grad = None
+
+    def _main_grads(self) -> tuple[list[torch.nn.Parameter], list[torch.Tensor]]:
+        """Point each main param's .grad at the fp32 grad of its model param; return those that have one."""
+        params, grads = [], []
+        for model, main in zip(self.model_params, self.main_params, strict=True):
+            grad = getattr(model, "main_grad", None)
+            if grad is None:
+                grad = model.grad
+            if grad is None:
+                main.grad = None
+                continue
+            main.grad = grad.float()
+            params.append(main)
+            grads.append(main.grad)
+        return params, grads
+
+    def _unscale_and_check_for_inf(self, grads: list[torch.Tensor]) -> bool:
+        found_inf = torch.zeros((), dtype=torch.float32, device=get_device())
+        if grads:
+            torch._foreach_mul_(grads, self.grad_scaler.inv_scale)
+            finite = torch.stack([torch.isfinite(g).all() for g in grads]).all()
+            found_inf = (~finite).float().to(found_inf.device)
+        all_reduce_model_parallel(found_inf, dist.ReduceOp.MAX)
+        return bool(found_inf.item() > 0)
+
+    @torch.no_grad()
+    def step(self) -> tuple[bool, float | None]:
+        params, grads = self._main_grads()
+        if self.grad_scaler is not None:
+            found_inf = self._unscale_and_check_for_inf(grads)
+            self.grad_scaler.update(found_inf)
+            if found_inf:
+                return False, None
+        grad_norm = get_grad_norm_fp32(list(zip(params, grads, strict=True)))
+        if self.config.clip_grad > 0.0:
+            clip_grads_by_total_norm(grads, self.config.clip_grad, grad_norm)
+        self.optimizer.step()
+        if self.mixed_precision:
+            for model, main in zip(self.model_params, self.main_params, strict=True):
+                model.data.copy_(main.data)
+        return True, grad_norm
+
+    def reload_model_params(self) -> None:
+        """Re-copy the model's weights into the fp32 main params (after loading weights without optimizer)."""
+        if self.mixed_precision:
+            for model, main in zip(self.model_params, self.main_params, strict=True):
+                main.data.copy_(model.data)
+
+    def state_dict(self) -> tuple[dict[str, torch.Tensor], dict]:
+        """(tensors keyed `<param name>.<state>`, JSON-able rest): fp32 main params, Adam moments, scalars."""
+        tensors: dict[str, torch.Tensor] = {}
+        scalars: dict[str, dict[str, float]] = {}
+        tensor_states: dict[str, list[str]] = {}
+        for name, main in zip(self.names, self.main_params, strict=True):
+            if self.mixed_precision:
+                tensors[f"{name}.main_param"] = main.detach()
+            for key, value in self.optimizer.state.get(main, {}).items():
+                if isinstance(value, torch.Tensor) and value.dim() > 0:
+                    tensors[f"{name}.{key}"] = value
+                    tensor_states.setdefault(name, []).append(key)
+                elif value is not None:
+                    scalars.setdefault(name, {})[key] = float(value)
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
+        meta = {
+            "param_names": self.names,
+            "param_groups": groups,
+            "scalars": scalars,
+            "tensor_states": tensor_states,
+            "grad_scaler": self.grad_scaler.state_dict() if self.grad_scaler is not None else None,
+        }
+        return tensors, meta
+
+    def load_state_dict(
+        self, tensors: dict[str, torch.Tensor], meta: dict, source: str = "checkpoint"
+    ) -> None:
+        """Inverse of `state_dict`; `source` names the files in error messages."""
+        if meta["param_names"] != self.names:
+            missing = sorted(set(self.names) - set(meta["param_names"]))
+            extra = sorted(set(meta["param_names"]) - set(self.names))
+            raise ValueError(
+                f"{source}: optimizer state does not match the model's parameters (missing {missing[:5]}, "
+                f"unexpected {extra[:5]}); load with --no-load-optim to start the optimizer afresh"
+            )
+        with torch.no_grad():
+            for name, main in zip(self.names, self.main_params, strict=True):
+                if self.mixed_precision:
+                    main.copy_(_take(tensors, f"{name}.main_param", main, source))
+                state = {
+                    key: torch.tensor(v, dtype=torch.float32)
+                    for key, v in meta["scalars"].get(name, {}).items()
+                }
+                for key in meta["tensor_states"].get(name, []):
+                    state[key] = _take(tensors, f"{name}.{key}", main, source).clone()
+                if state:
+                    self.optimizer.state[main] = state
+            if self.mixed_precision:
+                for model, main in zip(self.model_params, self.main_params, strict=True):
+                    model.data.copy_(main.data)
+        for group, saved in zip(self.optimizer.param_groups, meta["param_groups"], strict=True):
+            group.update({k: tuple(v) if isinstance(v, list) else v for k, v in saved.items()})
+        if self.grad_scaler is not None and meta["grad_scaler"] is not None:
+            self.grad_scaler.load_state_dict(meta["grad_scaler"])
+
+
+def _take(tensors: dict[str, torch.Tensor], key: str, like: torch.Tensor, source: str) -> torch.Tensor:
+    if key not in tensors:
+        raise ValueError(
+            f"{source}: optimizer tensor {key!r} is missing; load with --no-load-optim to skip it"
+        )
+    value = tensors[key]
+    if value.shape != like.shape:
+        raise ValueError(
+            f"{source}: optimizer tensor {key!r} has shape {tuple(value.shape)} but the parameter has "
+            f"{tuple(like.shape)}; the checkpoint was saved with a different model or parallel layout"
+        )
+    return value.to(device=like.device, dtype=torch.float32)
+
+
+def _build_torch_optimizer(groups: list[dict], config: OptimizerConfig) -> torch.optim.Optimizer:
+    lr = config.lr if config.lr is not None else 0.0
+    if config.optimizer == "adam":
+        return torch.optim.AdamW(
+            groups,
+            lr=lr,
+            weight_decay=config.weight_decay,
+            betas=(config.adam_beta1, config.adam_beta2),
+            eps=config.adam_eps,
+            foreach=True,
+        )
+    if config.optimizer == "sgd":
+        return torch.optim.SGD(groups, lr=lr, weight_decay=config.weight_decay, momentum=config.sgd_momentum)
+    raise ValueError(f"--optimizer {config.optimizer!r}: choose adam or sgd")
+
+
+def _build_grad_scaler(config: OptimizerConfig, params_dtype: torch.dtype) -> ConstantGradScaler | None:
+    """fp16 gets a loss scaler (static with --loss-scale, else dynamic); bf16 and fp32 need none."""
+    if params_dtype != torch.float16:
+        return None
+    if config.loss_scale is not None:
+        return ConstantGradScaler(config.loss_scale)
+    return DynamicGradScaler(
+        initial_scale=config.initial_loss_scale,
+        min_scale=config.min_loss_scale,
+        growth_interval=config.loss_scale_window,
+        hysteresis=config.hysteresis,
+    )
+
+
+def get_megatron_optimizer(
+    config: OptimizerConfig, model: torch.nn.Module, params_dtype: torch.dtype = torch.float32
+) -> MegatronOptimizer:
+    """The optimizer over `model`'s parameters (pass the unwrapped module so names match its state dict)."""
+    return MegatronOptimizer(list(model.named_parameters()), config, params_dtype)

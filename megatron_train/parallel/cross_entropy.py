@@ -1,0 +1,53 @@
+"""Cross entropy over vocabulary-parallel logits: each TP rank holds logits for its vocabulary slice, and only
+per-token scalars (max, sum of exponentials, target logit) cross the TP group, never the full logits."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from megatron_train.parallel import state
+
+
+def _all_reduce(x: torch.Tensor, op: dist.ReduceOp) -> None:
+    if state.get_tensor_model_parallel_world_size() > 1:
+        dist.all_reduce(x, op=op, group=state.get_tensor_model_parallel_group())
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        logits_max = logits.max(dim=-1).values
+        _all_reduce(logits_max, dist.ReduceOp.MAX)
+        shifted = logits - logits_max.unsqueeze(-1)
+
+        vocab_per_rank = logits.shape[-1]
+        vocab_start = state.get_tensor_model_parallel_rank() * vocab_per_rank
+        outside = (target < vocab_start) | (target >= vocab_start + vocab_per_rank)
+        local_target = (target - vocab_start).masked_fill(outside, 0)
+        target_logit = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
+        _all_reduce(target_logit, dist.ReduceOp.SUM)
+
+        exp_logits = shifted.exp_()  # in place from here on: logits-sized buffers dominate this loss's cost
+        sum_exp = exp_logits.sum(dim=-1)
+        _all_reduce(sum_exp, dist.ReduceOp.SUM)
+
+        loss = sum_exp.log() - target_logit
+        softmax = exp_logits.div_(sum_exp.unsqueeze(-1))
+        ctx.save_for_backward(softmax, local_target, outside)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss: torch.Tensor):
+        # d loss / d logits = softmax - one_hot(target), built in the saved softmax's buffer (single backward).
+        grad, local_target, outside = ctx.saved_tensors
+        grad.scatter_add_(-1, local_target.unsqueeze(-1), -(~outside).to(grad.dtype).unsqueeze(-1))
+        return grad.mul_(grad_loss.unsqueeze(-1)), None
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Per-token loss [...] from this rank's logits [..., vocab / TP] and global target ids [...].
+
+    Computed in fp32 whatever the logits' dtype, as Megatron does.
+    """
+    return _VocabParallelCrossEntropy.apply(logits.float(), target)

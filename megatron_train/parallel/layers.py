@@ -1,0 +1,201 @@
+"""Tensor-parallel layers (Megatron-Core's ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding).
+
+Every rank builds the full master weight from the default (CPU) generator, then keeps its slice
+(Megatron's `_initialize_affine_weight_cpu`): with the same seed, a TP=N model holds exactly the TP=1
+model's weights, split. Sharded parameters carry `tensor_model_parallel=True`, `partition_dim` and
+`partition_stride`; replicated parameters that see only a sequence shard under sequence parallelism carry
+`sequence_parallel=True`, and their gradients are summed over TP by `allreduce_sequence_parallel_grads`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from megatron_train.parallel import state
+from megatron_train.parallel.mappings import (
+    copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
+    gather_from_tensor_model_parallel_region,
+    reduce_from_tensor_model_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
+    scatter_to_tensor_model_parallel_region,
+)
+
+InitMethod = Callable[[torch.Tensor], torch.Tensor]
+
+
+def divide(numerator: int, denominator: int, what: str) -> int:
+    """numerator / denominator, with an error naming `what` when it does not divide."""
+    if numerator % denominator:
+        raise ValueError(
+            f"{what} ({numerator}) is not divisible by the tensor model parallel size ({denominator}); "
+            "pick a --tensor-model-parallel-size that divides it"
+        )
+    return numerator // denominator
+
+
+def set_tensor_model_parallel_attributes(param: torch.Tensor, partition_dim: int, stride: int = 1) -> None:
+    param.tensor_model_parallel = True
+    param.partition_dim = partition_dim
+    param.partition_stride = stride
+
+
+def _sharded_master_weight(
+    full_shape: tuple[int, int], partition_dim: int, stride: int, init_method: InitMethod, dtype: torch.dtype
+) -> nn.Parameter:
+    """Initialise the full weight on the CPU, keep this rank's `stride` interleaved chunks along the dim.
+
+    With stride s the full dim is cut into TP * s equal chunks and rank r keeps chunks r, r + TP, ...
+    (e.g. a SwiGLU fc1 [gate; up] gives each rank [gate_r; up_r]).
+    """
+    master = torch.empty(full_shape, dtype=torch.float32)
+    init_method(master)
+    world_size, rank = state.get_tensor_model_parallel_world_size(), state.get_tensor_model_parallel_rank()
+    chunk = divide(full_shape[partition_dim], world_size * stride, "partitioned weight dimension")
+    pieces = torch.split(master, chunk, dim=partition_dim)
+    weight = nn.Parameter(torch.cat(pieces[rank::world_size], dim=partition_dim).to(dtype).contiguous())
+    set_tensor_model_parallel_attributes(weight, partition_dim, stride)
+    return weight
+
+
+class ColumnParallelLinear(nn.Module):
+    """Y = X A + b with A split along its output columns: each rank computes Y's slice [..., out / TP].
+
+    Input is [s, b, in] (full sequence), or [s / TP, b, in] under sequence parallelism, all-gathered here.
+    `gather_output=True` all-gathers Y to full width; otherwise the output stays split for a following
+    RowParallelLinear. `weight` passed to forward replaces the layer's own (tied output layer).
+    """
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        *,
+        init_method: InitMethod,
+        bias: bool = True,
+        gather_output: bool = False,
+        stride: int = 1,
+        sequence_parallel: bool = False,
+        skip_weight_param_allocation: bool = False,
+        params_dtype: torch.dtype = torch.float32,
+    ) -> None:
+        super().__init__()
+        self.gather_output = gather_output
+        self.sequence_parallel = sequence_parallel
+        world_size = state.get_tensor_model_parallel_world_size()
+        self.output_size_per_partition = divide(output_size, world_size, "output size")
+        self.weight = (
+            None
+            if skip_weight_param_allocation
+            else _sharded_master_weight((output_size, input_size), 0, stride, init_method, params_dtype)
+        )
+        self.bias = None
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(self.output_size_per_partition, dtype=params_dtype))
+            set_tensor_model_parallel_attributes(self.bias, 0, stride)
+
+    def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+        weight = self.weight if weight is None else weight
+        if weight is None:
+            raise ValueError("this ColumnParallelLinear holds no weight (tied output layer): pass weight=")
+        if self.sequence_parallel:
+            x = gather_from_sequence_parallel_region(x)
+        else:
+            x = copy_to_tensor_model_parallel_region(x)
+        y = F.linear(x, weight, self.bias)
+        return gather_from_tensor_model_parallel_region(y) if self.gather_output else y
+
+
+class RowParallelLinear(nn.Module):
+    """Y = X A + b with A split along its input rows: each rank multiplies its slice of X, then sum over TP.
+
+    The sum is an all-reduce, or a reduce-scatter along the sequence under sequence parallelism
+    (output [s / TP, b, out]). The bias is added once, after the reduction.
+    """
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        *,
+        init_method: InitMethod,
+        bias: bool = True,
+        input_is_parallel: bool = True,
+        sequence_parallel: bool = False,
+        params_dtype: torch.dtype = torch.float32,
+    ) -> None:
+        super().__init__()
+        if sequence_parallel and not input_is_parallel:
+            raise ValueError("RowParallelLinear with sequence_parallel needs input_is_parallel=True")
+        self.input_is_parallel = input_is_parallel
+        self.sequence_parallel = sequence_parallel
+        world_size = state.get_tensor_model_parallel_world_size()
+        self.input_size_per_partition = divide(input_size, world_size, "input size")
+        self.weight = _sharded_master_weight((output_size, input_size), 1, 1, init_method, params_dtype)
+        self.bias = None
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(output_size, dtype=params_dtype))
+            self.bias.sequence_parallel = sequence_parallel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.input_is_parallel:
+            x = scatter_to_tensor_model_parallel_region(x)
+        partial = F.linear(x, self.weight)
+        if self.sequence_parallel:
+            y = reduce_scatter_to_sequence_parallel_region(partial)
+        else:
+            y = reduce_from_tensor_model_parallel_region(partial)
+        return y if self.bias is None else y + self.bias
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding table split along the vocabulary: each rank looks up the ids in its range, zeros the rest,
+    and the partial embeddings are summed over TP."""
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        *,
+        init_method: InitMethod,
+        params_dtype: torch.dtype = torch.float32,
+    ) -> None:
+        super().__init__()
+        world_size, rank = (
+            state.get_tensor_model_parallel_world_size(),
+            state.get_tensor_model_parallel_rank(),
+        )
+        per_partition = divide(num_embeddings, world_size, "padded vocabulary size")
+        self.vocab_start_index = rank * per_partition
+        self.vocab_end_index = self.vocab_start_index + per_partition
+        self.weight = _sharded_master_weight((num_embeddings, embedding_dim), 0, 1, init_method, params_dtype)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if state.get_tensor_model_parallel_world_size() == 1:
+            return F.embedding(input_ids, self.weight)
+        outside = (input_ids < self.vocab_start_index) | (input_ids >= self.vocab_end_index)
+        local_ids = (input_ids - self.vocab_start_index).masked_fill(outside, 0)
+        partial = F.embedding(local_ids, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        return reduce_from_tensor_model_parallel_region(partial)
+
+
+def allreduce_sequence_parallel_grads(model: nn.Module) -> None:
+    """Sum over the TP group the gradients of parameters marked `sequence_parallel` (norm weights and
+    row-parallel biases): each TP rank saw only its sequence shard. Call after backward, before the
+    data-parallel reduction and the optimizer step. Uses `param.main_grad` (fp32 gradient buffers) when set."""
+    if state.get_tensor_model_parallel_world_size() == 1:
+        return
+    marked = [p for p in model.parameters() if getattr(p, "sequence_parallel", False)]
+    grads = [p.main_grad if hasattr(p, "main_grad") else p.grad for p in marked]
+    grads = [g for g in grads if g is not None]
+    if not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=state.get_tensor_model_parallel_group())
+    for grad, reduced in zip(grads, torch.split(flat, [g.numel() for g in grads]), strict=True):
+        grad.copy_(reduced.view_as(grad))

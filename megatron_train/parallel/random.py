@@ -1,0 +1,124 @@
+"""Random number streams for dropout under tensor parallelism, and activation checkpointing that replays them.
+
+Two streams, as in Megatron: the default generator (seeded identically on every TP rank) for work that is
+replicated across TP, and a tracked 'model-parallel-rng' stream seeded differently on each TP rank for work
+on sharded activations (attention heads, sequence-parallel shards), entered with `get_rng_tracker().fork()`.
+On CUDA the tracked states are CUDA generator states; on CPU they are the CPU generator's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.utils.checkpoint
+
+from megatron_train.parallel import state
+
+MODEL_PARALLEL_RNG = "model-parallel-rng"
+_TENSOR_PARALLEL_SEED_OFFSET = 2718  # Megatron's constant, so seeds match Megatron runs
+
+
+def _get_state() -> torch.Tensor:
+    return torch.cuda.get_rng_state() if torch.cuda.is_available() else torch.get_rng_state()
+
+
+def _set_state(new_state: torch.Tensor) -> None:
+    if torch.cuda.is_available():
+        torch.cuda.set_rng_state(new_state)
+    else:
+        torch.set_rng_state(new_state)
+
+
+def _manual_seed(seed: int) -> None:
+    if torch.cuda.is_available():
+        torch.cuda.manual_seed(seed)
+    else:
+        torch.manual_seed(seed)
+
+
+class RNGStatesTracker:
+    """Named generator states that `fork(name)` swaps in and out (Megatron's CudaRNGStatesTracker)."""
+
+    def __init__(self) -> None:
+        self.states: dict[str, torch.Tensor] = {}
+
+    def reset(self) -> None:
+        self.states = {}
+
+    def get_states(self) -> dict[str, torch.Tensor]:
+        return dict(self.states)
+
+    def set_states(self, states: dict[str, torch.Tensor]) -> None:
+        self.states = dict(states)
+
+    def add(self, name: str, seed: int) -> None:
+        if name in self.states:
+            raise ValueError(f"RNG state {name!r} already exists; call reset() before re-seeding")
+        outer = _get_state()
+        _manual_seed(seed)
+        self.states[name] = _get_state()
+        _set_state(outer)
+
+    @contextlib.contextmanager
+    def fork(self, name: str = MODEL_PARALLEL_RNG) -> Iterator[None]:
+        """Run the block on stream `name`, then restore the outer stream. The default stream, when never
+        seeded, is seeded from `torch.initial_seed()` as `model_parallel_seed` would."""
+        if name not in self.states:
+            if name != MODEL_PARALLEL_RNG:
+                raise KeyError(f"RNG state {name!r} was never added to the tracker")
+            self.add(name, _tensor_parallel_seed(torch.initial_seed()))
+        outer = _get_state()
+        _set_state(self.states[name])
+        try:
+            yield
+        finally:
+            self.states[name] = _get_state()
+            _set_state(outer)
+
+
+_TRACKER = RNGStatesTracker()
+
+
+def get_rng_tracker() -> RNGStatesTracker:
+    return _TRACKER
+
+
+def _tensor_parallel_seed(seed: int) -> int:
+    return seed + _TENSOR_PARALLEL_SEED_OFFSET + state.get_tensor_model_parallel_rank()
+
+
+def model_parallel_seed(seed: int) -> None:
+    """Seed the default stream with `seed` (same on all TP ranks) and the tracked stream per TP rank.
+
+    Seeds the CPU generator too, so weight initialisation (which draws on the CPU) matches across TP ranks.
+    """
+    torch.manual_seed(seed)
+    _manual_seed(seed)
+    _TRACKER.reset()
+    _TRACKER.add(MODEL_PARALLEL_RNG, _tensor_parallel_seed(seed))
+
+
+def checkpoint(function: Callable[..., Any], *args: Any) -> Any:
+    """Activation checkpointing (torch.utils.checkpoint, use_reentrant=False) that also replays the tracked
+    RNG streams, so dropout inside `fork()` draws the same masks when the block is recomputed."""
+    saved = _TRACKER.get_states()
+
+    @contextlib.contextmanager
+    def replay_tracked_states() -> Iterator[None]:
+        current = _TRACKER.get_states()
+        _TRACKER.set_states(saved)
+        try:
+            yield
+        finally:
+            _TRACKER.set_states(current)
+
+    return torch.utils.checkpoint.checkpoint(
+        function,
+        *args,
+        use_reentrant=False,
+        preserve_rng_state=True,
+        context_fn=lambda: (contextlib.nullcontext(), replay_tracked_states()),
+    )

@@ -1,0 +1,84 @@
+"""Pretrain a GPT/Llama model: `torchrun --nproc-per-node N -m megatron_train.pretrain_gpt <Megatron flags>`.
+
+The GPT-specific pieces (model, datasets, loss) plugged into the generic loop, as Megatron's pretrain_gpt.py.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import sys
+
+import torch
+
+from megatron_train.arguments import MegatronConfig, parse_args
+from megatron_train.data.builder import build_train_valid_test_datasets
+from megatron_train.models.gpt import GPTModel, model_provider
+from megatron_train.tokenizer import MegatronTokenizer, build_tokenizer, vocab_size_with_padding
+from megatron_train.training.config import TokenizerConfig
+from megatron_train.training.loop import pretrain
+
+
+def tokenizer_from_config(config: TokenizerConfig) -> MegatronTokenizer:
+    """The run's tokenizer; a bare `--vocab-size N` means Megatron's NullTokenizer (handy with --mock-data)."""
+    tokenizer_type = config.tokenizer_type or ("NullTokenizer" if config.vocab_size else None)
+    if tokenizer_type is None:
+        raise SystemExit(
+            "set --tokenizer-type (with its --vocab-file/--merge-file/--tokenizer-model) or --vocab-size"
+        )
+    return build_tokenizer(
+        tokenizer_type,
+        vocab_file=config.vocab_file,
+        merge_file=config.merge_file,
+        tokenizer_model=config.tokenizer_model,
+        vocab_size=config.vocab_size,
+        vocab_extra_ids=config.vocab_extra_ids,
+    )
+
+
+def gpt_model_provider(config: MegatronConfig, padded_vocab_size: int) -> GPTModel:
+    return model_provider(
+        config.model, padded_vocab_size, sequence_parallel=config.parallel.sequence_parallel
+    )
+
+
+def forward_step(batch: dict[str, torch.Tensor], model: torch.nn.Module) -> torch.Tensor:
+    """Mean next-token loss over the micro-batch's unmasked tokens (Megatron's GPT loss_func)."""
+    losses = model(batch["tokens"], batch["position_ids"], labels=batch["labels"])
+    loss_mask = batch["loss_mask"].float()
+    return (losses.float() * loss_mask).sum() / loss_mask.sum().clamp(min=1.0)
+
+
+def datasets_provider(
+    config: MegatronConfig, tokenizer: MegatronTokenizer, num_samples: tuple[int, int, int]
+) -> tuple:
+    return build_train_valid_test_datasets(
+        config.data,
+        config.model.seq_length,
+        num_samples,
+        config.training.seed,
+        tokenizer.eod,
+        vocab_size=tokenizer.vocab_size,
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    logging.basicConfig(level=logging.INFO, format="[%(asctime)s] %(levelname)s %(name)s: %(message)s")
+    config = parse_args(argv)
+    tokenizer = tokenizer_from_config(config.tokenizer)
+    padded_vocab_size = vocab_size_with_padding(
+        tokenizer.vocab_size,
+        config.tokenizer.make_vocab_size_divisible_by,
+        config.parallel.tensor_model_parallel_size,
+    )
+    pretrain(
+        config,
+        gpt_model_provider,
+        functools.partial(datasets_provider, config, tokenizer),
+        forward_step,
+        padded_vocab_size,
+    )
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,174 @@
+"""Typed settings of the training engine: one dataclass per Megatron argument group.
+
+Field names are Megatron's flag names with underscores (`micro_batch_size` <-> `--micro-batch-size`) and the
+defaults are Megatron's; `megatron_train.arguments` builds the command-line parser from these fields.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+
+def _help(text: str, **extra: object) -> dict:
+    return {"help": text, **extra}
+
+
+@dataclass
+class TrainingConfig:
+    """Batch sizes, run length, evaluation cadence, precision, data-parallel wrapper and exit conditions."""
+
+    micro_batch_size: int = field(default=1, metadata=_help("Samples per forward/backward on one rank."))
+    global_batch_size: int | None = field(
+        default=None,
+        metadata=_help("Samples per optimizer step over all data-parallel ranks; default micro-batch * DP."),
+    )
+    rampup_batch_size: list[int] | None = field(
+        default=None,
+        metadata=_help(
+            "Ramp the global batch size up: <start batch size> <increment> <ramp-up samples>.", nargs=3
+        ),
+    )
+    train_iters: int | None = field(default=None, metadata=_help("Optimizer steps to train for."))
+    train_samples: int | None = field(
+        default=None, metadata=_help("Samples to train for (use instead of --train-iters).")
+    )
+    eval_interval: int = field(default=1000, metadata=_help("Evaluate on the validation set every N steps."))
+    eval_iters: int = field(default=100, metadata=_help("Validation micro-batch rounds per evaluation."))
+    skip_train: bool = field(default=False, metadata=_help("Only evaluate: no training steps."))
+    seed: int = field(
+        default=1234, metadata=_help("Seed of python, numpy, torch and the model-parallel RNG.")
+    )
+    fp16: bool = field(default=False, metadata=_help("fp16 model, fp32 main params, dynamic loss scaling."))
+    bf16: bool = field(default=False, metadata=_help("bf16 model with fp32 main params and grads."))
+    accumulate_allreduce_grads_in_fp32: bool = field(
+        default=False, metadata=_help("Accumulate and all-reduce grads in fp32 (always on with --bf16).")
+    )
+    ddp_impl: Literal["local", "torch"] = field(
+        default="local", metadata=_help("Data-parallel wrapper: ours (contiguous buffer) or torch's DDP.")
+    )
+    overlap_grad_reduce: bool = field(
+        default=False, metadata=_help("All-reduce grad buckets during backward as they fill (local DDP).")
+    )
+    ddp_bucket_size: int | None = field(
+        default=None, metadata=_help("Elements per grad all-reduce bucket; default max(40M, 1M * DP).")
+    )
+    exit_interval: int | None = field(
+        default=None, metadata=_help("Save (if --save) and exit when the iteration is a multiple of N.")
+    )
+    exit_duration_in_mins: float | None = field(
+        default=None, metadata=_help("Save (if --save) and exit after this many minutes of training.")
+    )
+    exit_signal_handler: bool = field(
+        default=False, metadata=_help("On SIGTERM: finish the step, save (if --save) and exit.")
+    )
+    distributed_timeout_minutes: int = field(
+        default=10, metadata=_help("Timeout of collectives and process-group creation.")
+    )
+
+
+@dataclass
+class OptimizerConfig:
+    """AdamW/SGD, learning-rate and weight-decay schedules, gradient clipping and fp16 loss scaling."""
+
+    optimizer: Literal["adam", "sgd"] = field(
+        default="adam", metadata=_help("adam is AdamW (decoupled decay).")
+    )
+    lr: float | None = field(default=None, metadata=_help("Peak learning rate (after warmup)."))
+    min_lr: float = field(default=0.0, metadata=_help("Learning rate floor of the decay."))
+    lr_decay_style: Literal["constant", "linear", "cosine", "inverse-square-root"] = field(
+        default="linear", metadata=_help("Shape of the learning-rate decay after warmup.")
+    )
+    lr_decay_iters: int | None = field(
+        default=None, metadata=_help("Decay over N steps; default --train-iters.")
+    )
+    lr_decay_samples: int | None = field(
+        default=None, metadata=_help("Decay over N samples; default --train-samples.")
+    )
+    lr_warmup_fraction: float | None = field(
+        default=None, metadata=_help("Warm up over this fraction of the decay steps.")
+    )
+    lr_warmup_iters: int = field(default=0, metadata=_help("Warm up linearly over N steps."))
+    lr_warmup_samples: int = field(default=0, metadata=_help("Warm up linearly over N samples."))
+    lr_warmup_init: float = field(default=0.0, metadata=_help("Learning rate at the start of warmup."))
+    weight_decay: float = field(default=0.01, metadata=_help("Decoupled weight decay (not on biases/norms)."))
+    start_weight_decay: float | None = field(default=None, metadata=_help("Weight decay at step 0."))
+    end_weight_decay: float | None = field(
+        default=None, metadata=_help("Weight decay at the end of the run.")
+    )
+    weight_decay_incr_style: Literal["constant", "linear", "cosine"] = field(
+        default="constant", metadata=_help("How weight decay moves from start to end.")
+    )
+    clip_grad: float = field(default=1.0, metadata=_help("Clip the global grad L2 norm to this (0: off)."))
+    adam_beta1: float = field(default=0.9, metadata=_help("Adam beta1."))
+    adam_beta2: float = field(default=0.999, metadata=_help("Adam beta2."))
+    adam_eps: float = field(default=1e-08, metadata=_help("Adam epsilon."))
+    sgd_momentum: float = field(default=0.9, metadata=_help("SGD momentum."))
+    loss_scale: float | None = field(
+        default=None, metadata=_help("Static fp16 loss scale; default: dynamic loss scaling.")
+    )
+    initial_loss_scale: float = field(default=2.0**32, metadata=_help("Initial dynamic loss scale."))
+    min_loss_scale: float = field(default=1.0, metadata=_help("Dynamic loss scale floor."))
+    loss_scale_window: int = field(default=1000, metadata=_help("Clean steps before the loss scale doubles."))
+    hysteresis: int = field(default=2, metadata=_help("Overflowing steps tolerated before the scale halves."))
+    override_opt_param_scheduler: bool = field(
+        default=False, metadata=_help("Use this run's schedule settings, not the checkpoint's.")
+    )
+    use_checkpoint_opt_param_scheduler: bool = field(
+        default=False, metadata=_help("Use the checkpoint's schedule settings, ignoring this run's.")
+    )
+
+
+@dataclass
+class CheckpointConfig:
+    """Where checkpoints go, how often, and what to load back."""
+
+    save: str | None = field(default=None, metadata=_help("Directory to save checkpoints in."))
+    save_interval: int | None = field(default=None, metadata=_help("Save every N steps."))
+    no_save_optim: bool = field(default=False, metadata=_help("Do not save optimizer state."))
+    no_save_rng: bool = field(default=False, metadata=_help("Do not save RNG states."))
+    load: str | None = field(default=None, metadata=_help("Directory to resume from (its latest iteration)."))
+    ckpt_step: int | None = field(default=None, metadata=_help("Load this iteration instead of the latest."))
+    no_load_optim: bool = field(default=False, metadata=_help("Do not load optimizer state."))
+    no_load_rng: bool = field(default=False, metadata=_help("Do not load RNG states."))
+    finetune: bool = field(
+        default=False,
+        metadata=_help("Load weights only; reset iteration and consumed samples, skip optimizer and RNG."),
+    )
+    exit_on_missing_checkpoint: bool = field(
+        default=False,
+        metadata=_help("With --load: fail instead of starting from scratch when nothing is there."),
+    )
+
+
+@dataclass
+class LoggingConfig:
+    """Console, TensorBoard and metrics-file logging."""
+
+    log_interval: int = field(default=100, metadata=_help("Print and record metrics every N steps."))
+    tensorboard_dir: str | None = field(default=None, metadata=_help("Write TensorBoard events here."))
+    tensorboard_log_interval: int = field(
+        default=1, metadata=_help("Write TensorBoard scalars every N steps.")
+    )
+    metrics_file: str | None = field(
+        default=None,
+        metadata=_help("JSON Lines metrics file; default <save>/metrics.jsonl when --save is set."),
+    )
+    peak_flops: float | None = field(
+        default=None, metadata=_help("Peak TFLOP/s of one device, for MFU; default from the GPU's name.")
+    )
+
+
+@dataclass
+class TokenizerConfig:
+    """Megatron's tokenizer flags (the tokenizer itself lives in megatron_train.tokenizer)."""
+
+    tokenizer_type: str | None = field(default=None, metadata=_help("GPT2BPETokenizer, NullTokenizer, ..."))
+    vocab_file: str | None = field(default=None, metadata=_help("Vocabulary file of the tokenizer."))
+    merge_file: str | None = field(default=None, metadata=_help("BPE merge file."))
+    tokenizer_model: str | None = field(default=None, metadata=_help("SentencePiece / HF tokenizer model."))
+    vocab_size: int | None = field(default=None, metadata=_help("Vocabulary size of NullTokenizer."))
+    vocab_extra_ids: int = field(default=0, metadata=_help("Extra sentinel tokens (T5)."))
+    make_vocab_size_divisible_by: int = field(
+        default=128, metadata=_help("Pad the vocabulary to a multiple of this (times TP size).")
+    )

@@ -1,0 +1,110 @@
+"""Training metrics out: Megatron-shaped console lines, TensorBoard scalars and a metrics JSON Lines file.
+
+The console line keeps Megatron's field order and formats (scripts parse them); the JSONL file holds one
+object per logged iteration (`{"iteration": 10, "lm loss": ..., "learning rate": ...}`) and per evaluation
+(`{"iteration": 10, "split": "valid", "lm loss": ..., "lm loss PPL": ...}`) for eval reports to plot.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import resource
+import time
+from typing import Any
+
+import torch
+
+
+def peak_memory_mb() -> float:
+    """Peak memory of this process: allocated CUDA memory on GPU, resident set size on CPU."""
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+def format_training_line(stats: dict[str, Any], train_iters: int) -> str:
+    """One Megatron `training_log` line from the interval's averaged stats."""
+    mfu = stats.get("MFU")
+    parts = [
+        f" iteration {stats['iteration']:8d}/{train_iters:8d} |",
+        f" consumed samples: {stats['consumed samples']:12d} |",
+        f" elapsed time per iteration (ms): {stats['elapsed time per iteration (ms)']:.1f} |",
+        f" throughput per GPU (TFLOP/s/GPU): {stats['throughput per GPU (TFLOP/s/GPU)']:.3f} |",
+        f" learning rate: {stats['learning rate']:.6E} |",
+        f" global batch size: {stats['global batch size']:5d} |",
+    ]
+    if stats.get("lm loss") is not None:
+        parts.append(f" lm loss: {stats['lm loss']:.6E} |")
+    parts.append(f" loss scale: {stats['loss scale']:.1f} |")
+    if stats.get("grad norm") is not None:
+        parts.append(f" grad norm: {stats['grad norm']:.3f} |")
+    parts += [
+        f" number of skipped iterations: {stats['number of skipped iterations']:3d} |",
+        f" number of nan iterations: {stats['number of nan iterations']:3d} |",
+        f" tokens per second: {stats['tokens per second']:.1f} |",
+        f" MFU: {'n/a' if mfu is None else f'{100 * mfu:.2f}%'} |",
+        f" peak memory (MB): {stats['peak memory (MB)']:.1f} |",
+    ]
+    return "".join(parts)
+
+
+def format_evaluation_line(iteration: int, split: str, loss: float) -> str:
+    """Megatron's evaluation box line: loss and perplexity."""
+    ppl = math.exp(min(20.0, loss))
+    return f" {split} loss at iteration {iteration} | lm loss value: {loss:.6E} | lm loss PPL: {ppl:.6E} |"
+
+
+class MetricsWriter:
+    """TensorBoard (when `tensorboard_dir`) and JSONL (when `metrics_file`) sinks; used on one rank only.
+
+    On a resumed run, records after `start_iteration` (written by the killed run past its last checkpoint)
+    are dropped so the file describes exactly one history.
+    """
+
+    def __init__(
+        self, tensorboard_dir: str | None, metrics_file: str | None, start_iteration: int = 0
+    ) -> None:
+        self.tensorboard = None
+        if tensorboard_dir:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tensorboard = SummaryWriter(log_dir=tensorboard_dir, max_queue=1000)
+        self.metrics = None
+        if metrics_file:
+            os.makedirs(os.path.dirname(os.path.abspath(metrics_file)), exist_ok=True)
+            _truncate_after(metrics_file, start_iteration)
+            self.metrics = open(metrics_file, "a")  # noqa: SIM115 - closed in close()
+
+    def write(self, record: dict[str, Any], tensorboard: bool = True) -> None:
+        if self.metrics is not None:
+            record = {"time": time.time(), **record}
+            self.metrics.write(json.dumps(record) + "\n")
+            self.metrics.flush()
+        if self.tensorboard is not None and tensorboard:
+            prefix = f"{record['split']}/" if "split" in record else ""
+            for key, value in record.items():
+                if isinstance(value, int | float) and key not in ("iteration", "time") and value is not None:
+                    self.tensorboard.add_scalar(prefix + key, value, record["iteration"])
+
+    def close(self) -> None:
+        if self.metrics is not None:
+            self.metrics.close()
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+
+
+def _truncate_after(path: str, start_iteration: int) -> None:
+    if not os.path.exists(path):
+        return
+    with open(path) as handle:
+        kept = [
+            line
+            for line in handle
+            if line.strip() and json.loads(line).get("iteration", 0) <= start_iteration
+        ]
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as handle:
+        handle.writelines(kept)
+    os.replace(tmp, path)

@@ -1,0 +1,322 @@
+"""Megatron's training loop: `pretrain` sets up, `train` runs steps with logging, evaluation, checkpoints
+and exit conditions, `train_step` is one optimizer step over several micro-batches, `evaluate` validates."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from megatron_train.arguments import MegatronConfig
+from megatron_train.checkpointing import TrainingProgress, save_checkpoint
+from megatron_train.device import get_device
+from megatron_train.parallel import allreduce_sequence_parallel_grads, state
+from megatron_train.training.flops import num_floating_point_operations, peak_flops_per_device
+from megatron_train.training.logging import (
+    MetricsWriter,
+    format_evaluation_line,
+    format_training_line,
+    peak_memory_mb,
+)
+from megatron_train.training.setup import (
+    DatasetsProvider,
+    ModelProvider,
+    TrainingSetup,
+    build_data_iterators,
+    initialize_distributed,
+    set_random_seed,
+    setup_model_and_optimizer,
+)
+from megatron_train.training.signals import DistributedSignalHandler
+
+# forward_step(batch, model) -> mean loss of the micro-batch over its loss-masked tokens (a scalar).
+ForwardStep = Callable[[dict[str, torch.Tensor], torch.nn.Module], torch.Tensor]
+
+
+def get_batch(data_iterator: Iterator, device: torch.device) -> dict[str, torch.Tensor]:
+    batch = next(data_iterator)
+    return {key: torch.as_tensor(value).to(device, non_blocking=True) for key, value in batch.items()}
+
+
+def average_across_data_parallel(value: torch.Tensor) -> torch.Tensor:
+    if state.get_data_parallel_world_size() > 1:
+        dist.all_reduce(value, group=state.get_data_parallel_group())
+        value /= state.get_data_parallel_world_size()
+    return value
+
+
+def train_step(
+    forward_step: ForwardStep,
+    data_iterator: Iterator,
+    setup: TrainingSetup,
+    config: MegatronConfig,
+) -> tuple[float, bool, float | None]:
+    """One global batch: accumulate grads over micro-batches (reduced on the last), then one optimizer step.
+
+    Returns (loss averaged over micro-batches and DP ranks, skipped (fp16 overflow), grad norm).
+    """
+    model, optimizer = setup.model, setup.optimizer
+    model.zero_grad_buffer()
+    optimizer.zero_grad()
+    num_micro = setup.calculator.num_micro_batches
+    loss_scale = optimizer.get_loss_scale()
+    device = get_device()
+    losses = []
+    for micro in range(num_micro):
+        sync = contextlib.nullcontext() if micro == num_micro - 1 else model.no_sync()
+        with sync:
+            loss = forward_step(get_batch(data_iterator, device), model)
+            (loss * (loss_scale / num_micro)).backward()
+        losses.append(loss.detach().float())
+    model.finish_grad_sync()
+    if config.parallel.sequence_parallel:
+        allreduce_sequence_parallel_grads(setup.unwrapped_model)
+    update_successful, grad_norm = optimizer.step()
+    if update_successful:
+        setup.scheduler.step(increment=setup.calculator.current_global_batch_size)
+    mean_loss = average_across_data_parallel(torch.stack(losses).mean())
+    return mean_loss.item(), not update_successful, grad_norm
+
+
+@torch.no_grad()
+def evaluate(
+    forward_step: ForwardStep,
+    data_iterator: Iterator,
+    model: torch.nn.Module,
+    eval_iters: int,
+    num_micro: int,
+) -> float:
+    """Mean loss over `eval_iters` global batches, averaged over DP ranks; the model goes back to train mode."""
+    model.eval()
+    device = get_device()
+    losses = [
+        forward_step(get_batch(data_iterator, device), model).float() for _ in range(eval_iters * num_micro)
+    ]
+    model.train()
+    return average_across_data_parallel(torch.stack(losses).mean()).item()
+
+
+@dataclass
+class IntervalStats:
+    """What the loop accumulates between two log lines (Megatron's total_loss_dict)."""
+
+    loss_sum: float = 0.0
+    advanced: int = 0
+    skipped: int = 0
+    nan: int = 0
+    iterations: int = 0
+    samples: int = 0
+    start: float = 0.0
+
+
+class Trainer:
+    """Runs `train` and the evaluations, writes logs, saves checkpoints and decides when to exit."""
+
+    def __init__(
+        self,
+        config: MegatronConfig,
+        setup: TrainingSetup,
+        forward_step: ForwardStep,
+        padded_vocab_size: int,
+        writer: MetricsWriter | None,
+    ) -> None:
+        self.config = config
+        self.setup = setup
+        self.forward_step = forward_step
+        self.padded_vocab_size = padded_vocab_size
+        self.writer = writer
+        self.progress = TrainingProgress(**vars(setup.loaded))
+        self.peak_flops = peak_flops_per_device(config.logging.peak_flops)
+        self.world_size = dist.get_world_size() if dist.is_initialized() else 1
+        self.last_saved_iteration: int | None = None
+
+    def save(self) -> None:
+        if self.config.checkpoint.save and self.last_saved_iteration != self.progress.iteration:
+            save_checkpoint(
+                self.progress.iteration,
+                self.setup.unwrapped_model,
+                self.setup.optimizer,
+                self.setup.scheduler,
+                self.progress,
+                self.config,
+                self.padded_vocab_size,
+            )
+            self.last_saved_iteration = self.progress.iteration
+
+    def _log(self, interval: IntervalStats, grad_norm: float | None) -> None:
+        seconds = time.perf_counter() - interval.start
+        elapsed = seconds / max(interval.iterations, 1)
+        gbs = self.setup.calculator.current_global_batch_size
+        flops = num_floating_point_operations(self.config.model, self.padded_vocab_size, interval.samples)
+        tflops_per_device = flops / seconds / self.world_size / 1e12
+        stats = {
+            "iteration": self.progress.iteration,
+            "consumed samples": self.progress.consumed_train_samples,
+            "elapsed time per iteration (ms)": elapsed * 1000.0,
+            "throughput per GPU (TFLOP/s/GPU)": tflops_per_device,
+            "learning rate": self.setup.optimizer.param_groups[0]["lr"],
+            "global batch size": gbs,
+            "lm loss": interval.loss_sum / interval.advanced if interval.advanced else None,
+            "loss scale": self.setup.optimizer.get_loss_scale(),
+            "grad norm": grad_norm,
+            "number of skipped iterations": interval.skipped,
+            "number of nan iterations": interval.nan,
+            "tokens per second": interval.samples * self.config.model.seq_length / seconds,
+            "MFU": tflops_per_device * 1e12 / self.peak_flops if self.peak_flops else None,
+            "peak memory (MB)": peak_memory_mb(),
+        }
+        if _is_logging_rank():
+            print(format_training_line(stats, self.setup.train_iters), flush=True)
+            if self.writer is not None:
+                self.writer.write(stats)
+
+    def evaluate_and_log(self, data_iterator: Iterator, split: str) -> float:
+        training = self.config.training
+        loss = evaluate(
+            self.forward_step,
+            data_iterator,
+            self.setup.model,
+            training.eval_iters,
+            self.setup.calculator.num_micro_batches,
+        )
+        if split == "valid":
+            self.progress.consumed_valid_samples += (
+                training.eval_iters * self.setup.calculator.current_global_batch_size
+            )
+        if _is_logging_rank():
+            line = format_evaluation_line(self.progress.iteration, split, loss)
+            print("-" * len(line) + "\n" + line + "\n" + "-" * len(line), flush=True)
+            if self.writer is not None:
+                self.writer.write(
+                    {
+                        "iteration": self.progress.iteration,
+                        "split": split,
+                        "lm loss": loss,
+                        "lm loss PPL": math.exp(min(20.0, loss)),
+                    }
+                )
+        return loss
+
+    def _should_exit(self, signals: DistributedSignalHandler | None, train_start: float) -> str | None:
+        training = self.config.training
+        if signals is not None and signals.signals_received():
+            return "received SIGTERM"
+        if training.exit_duration_in_mins is not None:
+            over = torch.tensor(
+                [float(time.time() - train_start > 60 * training.exit_duration_in_mins)], device=get_device()
+            )
+            if dist.is_initialized():
+                dist.all_reduce(over, op=dist.ReduceOp.MAX)
+            if over.item() > 0:
+                return f"exceeded --exit-duration-in-mins {training.exit_duration_in_mins}"
+        if _every(self.progress.iteration, training.exit_interval):
+            return f"reached --exit-interval {training.exit_interval}"
+        return None
+
+    def train(self, train_iterator: Iterator, valid_iterator: Iterator | None) -> bool:
+        """Step until --train-iters; True when an exit condition stopped the run early (after saving)."""
+        training, ckpt = self.config.training, self.config.checkpoint
+        interval = IntervalStats(start=time.perf_counter())
+        train_start = time.time()
+        handler = DistributedSignalHandler() if training.exit_signal_handler else None
+        with handler if handler is not None else contextlib.nullcontext():
+            while self.progress.iteration < self.setup.train_iters:
+                self.setup.calculator.update(self.progress.consumed_train_samples)
+                loss, skipped, grad_norm = train_step(
+                    self.forward_step, train_iterator, self.setup, self.config
+                )
+                self.progress.iteration += 1
+                batch = self.setup.calculator.current_global_batch_size
+                self.progress.consumed_train_samples += batch
+                interval.iterations += 1
+                interval.samples += batch
+                interval.skipped += int(skipped)
+                if not skipped:
+                    if math.isfinite(loss):
+                        interval.loss_sum += loss
+                        interval.advanced += 1
+                    else:
+                        interval.nan += 1
+                if _every(self.progress.iteration, self.config.logging.log_interval):
+                    self._log(interval, grad_norm)
+                    interval = IntervalStats(start=time.perf_counter())
+                paused = time.perf_counter()  # evaluating and saving do not count as iteration time
+                if (
+                    valid_iterator is not None
+                    and training.eval_iters
+                    and _every(self.progress.iteration, training.eval_interval)
+                ):
+                    self.evaluate_and_log(valid_iterator, "valid")
+                if ckpt.save and _every(self.progress.iteration, ckpt.save_interval):
+                    self.save()
+                interval.start += time.perf_counter() - paused
+                reason = self._should_exit(handler, train_start)
+                if reason is not None:
+                    self.save()
+                    if _is_logging_rank():
+                        print(f"exiting program at iteration {self.progress.iteration}: {reason}", flush=True)
+                    return True
+        return False
+
+
+def _every(iteration: int, interval: int | None) -> bool:
+    return bool(interval) and iteration % interval == 0
+
+
+def _is_logging_rank() -> bool:
+    """Megatron logs on the last rank (it holds the loss under pipeline parallelism)."""
+    return not dist.is_initialized() or dist.get_rank() == dist.get_world_size() - 1
+
+
+def pretrain(
+    config: MegatronConfig,
+    model_provider: ModelProvider,
+    datasets_provider: DatasetsProvider,
+    forward_step: ForwardStep,
+    padded_vocab_size: int,
+) -> TrainingProgress:
+    """Megatron's `pretrain`: initialise, build model/optimizer/data, train, evaluate valid and test, save.
+
+    Returns the final iteration and consumed sample counts.
+    """
+    created_group = initialize_distributed(config.training.distributed_timeout_minutes)
+    parallel = config.parallel
+    state.initialize_model_parallel(
+        parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
+    )
+    writer = None
+    try:
+        set_random_seed(config.training.seed)
+        setup = setup_model_and_optimizer(config, model_provider, padded_vocab_size, get_device())
+        train_iter, valid_iter, test_iter = build_data_iterators(
+            config, datasets_provider, setup.train_iters, setup.loaded
+        )
+        metrics_file = config.logging.metrics_file
+        if metrics_file is None and config.checkpoint.save:
+            metrics_file = os.path.join(config.checkpoint.save, "metrics.jsonl")
+        if _is_logging_rank():
+            writer = MetricsWriter(config.logging.tensorboard_dir, metrics_file, setup.loaded.iteration)
+        trainer = Trainer(config, setup, forward_step, padded_vocab_size, writer)
+        exited_early = False
+        if not config.training.skip_train and train_iter is not None:
+            exited_early = trainer.train(train_iter, valid_iter)
+            if not exited_early:
+                trainer.save()
+        if not exited_early:
+            if valid_iter is not None and config.training.eval_iters:
+                trainer.evaluate_and_log(valid_iter, "valid")
+            if test_iter is not None and config.training.eval_iters:
+                trainer.evaluate_and_log(test_iter, "test")
+        return trainer.progress
+    finally:
+        if writer is not None:
+            writer.close()
+        state.destroy_model_parallel()
+        if created_group:
+            dist.destroy_process_group()

@@ -1,0 +1,144 @@
+"""Start-up of a training run: process groups, seeds, model + DDP + optimizer + scheduler, data iterators."""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import random
+import socket
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megatron_train.arguments import MegatronConfig
+from megatron_train.checkpointing import TrainingProgress, load_checkpoint
+from megatron_train.data.samplers import build_pretraining_data_loader
+from megatron_train.device import get_backend, set_device_for_local_rank
+from megatron_train.distributed import DDPConfig, wrap_data_parallel
+from megatron_train.optimizer import MegatronOptimizer, get_megatron_optimizer
+from megatron_train.parallel import model_parallel_seed, state
+from megatron_train.training.lr_scheduler import OptimizerParamScheduler, build_opt_param_scheduler
+from megatron_train.training.microbatches import MicroBatchCalculator
+
+ModelProvider = Callable[[MegatronConfig, int], torch.nn.Module]
+DatasetsProvider = Callable[[tuple[int, int, int]], tuple[Any, Any, Any]]
+
+
+def initialize_distributed(timeout_minutes: int) -> bool:
+    """Join the process group torchrun describes (or a one-rank group); True when this call created it."""
+    if dist.is_initialized():
+        return False
+    if "RANK" not in os.environ:  # a plain `python -m ...`: a group of one
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        os.environ.update(
+            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0"
+        )
+    set_device_for_local_rank()
+    dist.init_process_group(get_backend(), timeout=datetime.timedelta(minutes=timeout_minutes))
+    return True
+
+
+def set_random_seed(seed: int) -> None:
+    """Megatron's seeding: offset by the pipeline rank, same on TP and DP ranks; model-parallel RNG per TP rank."""
+    seed = seed + 100 * state.get_pipeline_model_parallel_rank()
+    random.seed(seed)
+    np.random.seed(seed)
+    model_parallel_seed(seed)
+
+
+@dataclass
+class TrainingSetup:
+    """Everything the loop needs, built in Megatron's order."""
+
+    model: torch.nn.Module  # the data-parallel wrapper
+    unwrapped_model: torch.nn.Module
+    optimizer: MegatronOptimizer
+    scheduler: OptimizerParamScheduler
+    calculator: MicroBatchCalculator
+    train_iters: int
+    loaded: TrainingProgress
+
+
+def setup_model_and_optimizer(
+    config: MegatronConfig, model_provider: ModelProvider, padded_vocab_size: int, device: torch.device
+) -> TrainingSetup:
+    training = config.training
+    calculator = MicroBatchCalculator(
+        training.global_batch_size,
+        training.micro_batch_size,
+        state.get_data_parallel_world_size(),
+        training.rampup_batch_size,
+    )
+    train_iters = training.train_iters
+    if train_iters is None:
+        train_iters = calculator.train_iters_for_samples(training.train_samples or 0)
+    unwrapped = model_provider(config, padded_vocab_size).to(device)
+    ddp_config = DDPConfig(
+        grad_reduce_in_fp32=training.accumulate_allreduce_grads_in_fp32,
+        overlap_grad_reduce=training.overlap_grad_reduce,
+        bucket_size=training.ddp_bucket_size,
+    )
+    dp_group = state.get_data_parallel_group() if state.model_parallel_is_initialized() else None
+    model = wrap_data_parallel(unwrapped, training.ddp_impl, ddp_config, dp_group)
+    optimizer = get_megatron_optimizer(config.optimizer, unwrapped, config.model.params_dtype)
+    scheduler = build_opt_param_scheduler(
+        optimizer.optimizer,
+        config.optimizer,
+        training.train_iters,
+        training.train_samples,
+        training.global_batch_size,
+    )
+    loaded = TrainingProgress()
+    if config.checkpoint.load:
+        loaded = load_checkpoint(unwrapped, optimizer, scheduler, config, padded_vocab_size)
+    return TrainingSetup(model, unwrapped, optimizer, scheduler, calculator, train_iters, loaded)
+
+
+def build_data_iterators(
+    config: MegatronConfig, datasets_provider: DatasetsProvider, train_iters: int, loaded: TrainingProgress
+) -> tuple[Iterator | None, Iterator | None, Iterator | None]:
+    """Megatron's sample budget per split; train and valid loaders resume at the consumed sample counts."""
+    training = config.training
+    gbs = training.global_batch_size
+    evaluations = train_iters // training.eval_interval + 1 if training.eval_interval else 1
+    num_samples = (
+        training.train_samples or train_iters * gbs,
+        evaluations * training.eval_iters * gbs,
+        training.eval_iters * gbs,
+    )
+    consumed = (loaded.consumed_train_samples, loaded.consumed_valid_samples, 0)
+    with preserve_rng_state():  # a resumed run restored its RNG already; building data must not move it
+        datasets = datasets_provider(num_samples)
+        iterators = [_loader_iterator(config, d, n) for d, n in zip(datasets, consumed, strict=True)]
+    return iterators[0], iterators[1], iterators[2]
+
+
+@contextlib.contextmanager
+def preserve_rng_state() -> Iterator[None]:
+    """Run the block without changing python's, numpy's or torch's (CPU and CUDA) global RNG state."""
+    python_state, numpy_state = random.getstate(), np.random.get_state()
+    with torch.random.fork_rng(devices=range(torch.cuda.device_count())):
+        yield
+    random.setstate(python_state)
+    np.random.set_state(numpy_state)
+
+
+def _loader_iterator(config: MegatronConfig, dataset: Any, consumed_samples: int) -> Iterator | None:
+    if dataset is None or len(dataset) == 0:
+        return None
+    loader = build_pretraining_data_loader(
+        dataset,
+        consumed_samples,
+        config.training.micro_batch_size,
+        state.get_data_parallel_rank(),
+        state.get_data_parallel_world_size(),
+        num_workers=config.data.num_workers,
+    )
+    return iter(loader)

@@ -1,0 +1,200 @@
+"""Pretrain stage: run `torchrun -m megatron_train.pretrain_gpt` on a tokenized corpus; the artifact is the
+run directory (checkpoints, metrics.jsonl, TensorBoard events).
+
+Inputs: the tokenize artifact (its manifest's `outputs[json_key]` names `<prefix>_text_document.bin/.idx`)
+and, optionally, a train_tokenizer artifact whose files become `--tokenizer-type/--vocab-file/...`; without
+one, the tokenizer flags of `params.config.tokenizer` are used. The run directory lives in the writer's
+scratch space until training finishes, so a rerun or retry after a crash resumes from its latest checkpoint
+(`--load` = `--save`); the files move into the artifact only when the last iteration is done.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+import os
+import shlex
+import signal
+import subprocess
+import sys
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from megatron_train.arguments import MegatronConfig, config_to_argv, validate_config
+from megatron_train.checkpointing import (
+    TRACKER_FILENAME,
+    checkpoint_dir,
+    read_latest_iteration,
+    read_metadata,
+)
+from megatron_train.data.config import DataConfig
+from megatron_train.models.config import TransformerConfig
+from megatron_train.training.config import OptimizerConfig, TrainingConfig
+from storage.artifacts import ArtifactRef, ArtifactStore, ArtifactWriter, run_stage
+from storage.fingerprint import hash_file
+
+STAGE = "pretrain"
+VERSION = "1"
+log = logging.getLogger("stages.pretrain")  # every line of the training job; flows attach handlers here
+
+
+def default_config() -> MegatronConfig:
+    """GPT-2 small (124M) with Megatron's usual recipe; the stage fills data, tokenizer and directories."""
+    return MegatronConfig(
+        model=TransformerConfig(num_layers=12, hidden_size=768, num_attention_heads=12, seq_length=1024),
+        data=DataConfig(mock_data=True),
+        training=TrainingConfig(micro_batch_size=4, global_batch_size=32, train_iters=20000, eval_interval=1000,
+                                eval_iters=10),
+        optimizer=OptimizerConfig(lr=6e-4, min_lr=6e-5, lr_decay_style="cosine", lr_warmup_fraction=0.01,
+                                  weight_decay=0.1, adam_beta2=0.95),
+    )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class PretrainParams:
+    """The training run (Megatron's flags as a typed config) and how many processes run it."""
+
+    config: MegatronConfig = field(default_factory=default_config)
+    nproc_per_node: int = 1
+    json_key: str = "text"
+    save_interval: int = 1000  # checkpoints in the run directory, what a retry resumes from
+
+
+def _tokenizer_flags(params: PretrainParams, tokenizer: ArtifactRef | None) -> tuple[dict, list[str]]:
+    """(tokenizer config fields, fingerprints of their files) from a train_tokenizer artifact or the params."""
+    if tokenizer is not None:
+        files = tokenizer.manifest()["tokenizer"]
+        fields = {"tokenizer_type": files["tokenizer_type"]}
+        for role, flag in (("vocab_file", "vocab_file"), ("merge_file", "merge_file"),
+                           ("tokenizer_json", "tokenizer_model")):  # fmt: skip
+            if files.get(role):
+                fields[flag] = tokenizer.local_path(files[role])
+        return fields, [tokenizer.fingerprint]
+    given = params.config.tokenizer
+    paths = [p for p in (given.vocab_file, given.merge_file, given.tokenizer_model) if p]
+    return {}, [hash_file(p) for p in paths]
+
+
+def _data_prefix(tokenized: ArtifactRef, json_key: str) -> str:
+    outputs = tokenized.manifest().get("outputs", {})
+    if json_key not in outputs:
+        raise ValueError(
+            f"{tokenized.url}: tokenize artifact has no output for json key {json_key!r} ({outputs})"
+        )
+    name = outputs[json_key]
+    tokenized.local_path(name + ".idx")
+    return tokenized.local_path(name + ".bin")[: -len(".bin")]
+
+
+def run_config(
+    params: PretrainParams, data_prefix: str, tokenizer_fields: dict, run_dir: str
+) -> MegatronConfig:
+    """A copy of the params' config pointed at this stage's data, tokenizer and run directory."""
+    config = copy.deepcopy(params.config)
+    return dataclasses.replace(
+        config,
+        data=dataclasses.replace(
+            config.data, data_path=[data_prefix], mock_data=False,
+            # the sample-index cache goes to scratch, never into the (immutable) tokenize artifact
+            data_cache_path=config.data.data_cache_path or os.path.join(os.path.dirname(run_dir), "data_cache"),
+        ),
+        tokenizer=dataclasses.replace(config.tokenizer, **tokenizer_fields),
+        checkpoint=dataclasses.replace(
+            config.checkpoint, save=run_dir, load=run_dir, save_interval=params.save_interval
+        ),
+        logging=dataclasses.replace(
+            config.logging, tensorboard_dir=os.path.join(run_dir, "tensorboard"),
+            metrics_file=os.path.join(run_dir, "metrics.jsonl"),
+        ),
+    )  # fmt: skip
+
+
+def torchrun_command(config: MegatronConfig, nproc_per_node: int) -> list[str]:
+    return [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc_per_node}",
+        "-m", "megatron_train.pretrain_gpt", *config_to_argv(config),
+    ]  # fmt: skip
+
+
+def launch(command: list[str], on_line: Callable[[str], None] | None = None) -> None:
+    """Run the training job, streaming each output line to the `stages.pretrain` logger (and `on_line`)."""
+    tail: deque[str] = deque(maxlen=40)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    # A session of its own: on an interruption the whole job (torchrun and its workers) is killed together.
+    proc = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True
+    )
+    try:
+        for line in proc.stdout:
+            line = line.rstrip("\n")
+            tail.append(line)
+            log.info("%s", line)
+            if on_line is not None:
+                on_line(line)
+        proc.wait()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    if proc.returncode != 0:
+        raise RuntimeError(
+            f"training exited with status {proc.returncode}; rerun the stage to resume from the last checkpoint.\n"
+            f"command: {shlex.join(command)}\nlast lines:\n" + "\n".join(tail)
+        )
+
+
+def run(
+    params: PretrainParams,
+    inputs: Sequence[ArtifactRef | None],
+    store: ArtifactStore,
+    *,
+    on_line: Callable[[str], None] | None = None,
+) -> ArtifactRef:
+    """inputs: [tokenize artifact] or [tokenize artifact, train_tokenizer artifact]."""
+    tokenized, tokenizer = (list(inputs) + [None])[:2]
+    tokenizer_fields, tokenizer_fingerprints = _tokenizer_flags(params, tokenizer)
+    # Validate now, with a placeholder data path: a bad flag fails before anything launches.
+    validate_config(run_config(params, "placeholder", tokenizer_fields, "run"), params.nproc_per_node)
+
+    def build(writer: ArtifactWriter) -> dict:
+        run_dir = os.path.join(writer.local_dir, "run")
+        config = run_config(params, _data_prefix(tokenized, params.json_key), tokenizer_fields, run_dir)
+        resumed_from = read_latest_iteration(run_dir) if os.path.isdir(run_dir) else None
+        if resumed_from is not None:
+            log.info("resuming %s from iteration %d", run_dir, resumed_from)
+        launch(torchrun_command(config, params.nproc_per_node), on_line)
+        iteration = read_latest_iteration(run_dir)
+        train_iters = config.training.train_iters
+        if train_iters is not None and iteration != train_iters:
+            raise RuntimeError(
+                f"training stopped at iteration {iteration} of {train_iters} (an exit condition fired); "
+                "rerun the stage to continue from there"
+            )
+        metadata = read_metadata(checkpoint_dir(run_dir, iteration))
+        # The marker moves first: a crash while moving leaves a run directory that restarts cleanly rather than
+        # a marker that points at a checkpoint already moved away.
+        names = sorted(
+            (os.path.relpath(os.path.join(folder, name), run_dir) for folder, _, files in os.walk(run_dir)
+             for name in files),
+            key=lambda name: name != TRACKER_FILENAME,
+        )  # fmt: skip
+        for name in names:
+            writer.put_file(os.path.join(run_dir, name), name)
+        return {
+            "iteration": iteration,
+            "consumed_train_samples": metadata["consumed_train_samples"],
+            "resumed_from": resumed_from,
+            "world_size": metadata["world_size"],
+        }
+
+    return run_stage(store, STAGE, VERSION, params, [tokenized, *tokenizer_fingerprints], build)
+
+
+def run_directory(ref: ArtifactRef) -> str:
+    """The local run directory of a pretrain artifact (for `--load` or `load_model_for_inference`); a remote
+    artifact is downloaded to the local cache first."""
+    for name in ref.files():
+        ref.local_path(name)
+    return os.path.dirname(ref.local_path("latest_checkpointed_iteration.txt"))

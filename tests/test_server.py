@@ -1,0 +1,302 @@
+"""The generation server: Megatron's PUT /api, OpenAI's /v1/completions, every 400, a real uvicorn server and
+the interactive client."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import uvicorn
+from fastapi.testclient import TestClient
+
+from megatron_train.checkpointing import load_model_for_inference
+from megatron_train.inference.generation import GenerationParams, generate
+from megatron_train.inference.server import ServerLimits, create_app
+from megatron_train.tokenizer import build_tokenizer
+from megatron_train.tools.text_generation_cli import put_request
+from tests.distributed import free_port
+from tests.test_generation import (  # noqa: F401 (one_torch_thread is an autouse fixture)
+    CharTokenizer,
+    build_tiny_gpt,
+    one_torch_thread,
+    save_tiny_checkpoint,
+)
+
+LIMITS = ServerLimits(
+    max_batch_size=4, max_tokens_to_generate=32, max_tokens_to_oom=200, max_request_bytes=2000
+)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return build_tiny_gpt()
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return CharTokenizer()
+
+
+@pytest.fixture(scope="module")
+def client(model, tokenizer):
+    return TestClient(create_app(model, tokenizer, LIMITS))
+
+
+def put(client, body) -> tuple[int, dict]:
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    response = client.put("/api", content=content, headers={"Content-Type": "application/json"})
+    return response.status_code, response.json()
+
+
+def test_health(client):
+    assert client.get("/health").json()["status"] == "ok"
+
+
+def test_api_answers_what_generate_returns(client, model, tokenizer):
+    status, body = put(
+        client, {"prompts": ["hello", "ab"], "tokens_to_generate": 6, "top_k": 1, "logprobs": True}
+    )
+    expected = generate(
+        model,
+        tokenizer,
+        ["hello", "ab"],
+        GenerationParams(tokens_to_generate=6, top_k=1, return_output_log_probs=True),
+    )
+    assert status == 200
+    assert body["text"] == expected.texts and body["segments"] == expected.segments
+    assert body["tokens"] == expected.tokens
+    assert body["logprobs"] == expected.logprobs  # JSON round-trips floats exactly
+    assert put(client, {"prompts": ["hello"], "tokens_to_generate": 3})[1]["logprobs"] is None
+
+
+def test_api_seeded_sampling_is_reproducible(client):
+    request = {"prompts": ["seed"], "tokens_to_generate": 12, "temperature": 10.0, "random_seed": 5}
+    first = put(client, request)[1]["text"]
+    assert first == put(client, request)[1]["text"]
+    assert first != put(client, {**request, "random_seed": 6})[1]["text"]
+
+
+def test_api_scores_with_zero_tokens(client, model, tokenizer):
+    status, body = put(client, {"prompts": ["score me"], "tokens_to_generate": 0, "logprobs": True})
+    assert status == 200 and body["text"] == ["score me"] and len(body["logprobs"][0]) == len("score me") - 1
+
+
+OK = {"prompts": ["ab"], "tokens_to_generate": 2}
+API_ERRORS = [
+    (b"{not json", "not valid JSON"),
+    (b"[1, 2]", "must be a JSON object"),
+    (b"\xff\xfe", "not valid JSON"),
+    ({"tokens_to_generate": 2}, "prompts argument required"),
+    ({**OK, "max_len": 4}, "max_len is no longer used"),
+    ({**OK, "sentences": ["a"]}, "sentences is no longer used"),
+    ({"prompts": "ab"}, "prompts is not a list of strings"),
+    ({"prompts": ["ab", 3]}, "prompts is not a list of strings"),
+    ({"prompts": []}, "prompts is empty"),
+    ({"prompts": ["a"] * 5}, "Maximum number of prompts is 4"),
+    ({**OK, "tokens_to_generate": "2"}, "tokens_to_generate must be an integer"),
+    ({**OK, "tokens_to_generate": -1}, "tokens_to_generate must be an integer"),
+    ({**OK, "tokens_to_generate": 33}, "between 0 and 32"),
+    ({**OK, "tokens_to_generate": True}, "tokens_to_generate must be an integer"),
+    ({**OK, "tokens_to_generate": 0}, "tokens_to_generate=0 implies logprobs should be True"),
+    ({**OK, "logprobs": "yes"}, "logprobs must be a boolean value"),
+    ({**OK, "temperature": 0.0}, "temperature must be a positive number"),
+    ({**OK, "temperature": "hot"}, "temperature must be a positive number"),
+    ({**OK, "top_k": 1001}, "top_k must be an integer"),
+    ({**OK, "top_k": 1.5}, "top_k must be an integer"),
+    ({**OK, "top_p": 1.5}, "top_p must be a float between 0 and 1.0"),
+    ({**OK, "top_k": 5, "top_p": 0.5}, "cannot set both top-k and top-p samplings."),
+    ({"prompts": ["ab", ""]}, "Empty prompts require add_BOS=true"),
+    ({**OK, "add_BOS": 1}, "add_BOS must be a boolean value"),
+    ({**OK, "stop_on_eol": "no"}, "stop_on_eol must be a boolean value"),
+    ({**OK, "random_seed": -5}, "random_seed must be a non-negative integer"),
+    ({**OK, "stop_token": "x"}, "stop_token must be an integer"),
+    ({**OK, "stop_strings": [""]}, "stop_strings must be a list of non-empty strings"),
+    ({**OK, "beam_width": 2}, "beam_width is not supported"),
+    ({"prompts": ["x" * 40] * 4, "tokens_to_generate": 20}, "Too many tokens.  240 is greater than 200"),
+    (
+        {"prompts": ["x" * 50], "tokens_to_generate": 20},
+        "Length of prompt + tokens_to_generate longer than allowed",
+    ),
+    (json.dumps({"prompts": ["x" * 2100]}).encode(), "limit is 2000"),
+]
+
+
+@pytest.mark.parametrize(("body", "message"), API_ERRORS, ids=[message for _, message in API_ERRORS])
+def test_api_bad_requests_answer_400_and_the_server_keeps_serving(client, body, message):
+    status, answer = put(client, body)
+    assert status == 400
+    assert message in answer["message"]
+    assert put(client, OK)[0] == 200
+
+
+def complete(client, body) -> tuple[int, dict]:
+    response = client.post("/v1/completions", json=body)
+    return response.status_code, response.json()
+
+
+def test_completions_shape_and_greedy_text(client, model, tokenizer):
+    status, body = complete(
+        client, {"prompt": ["hello", "ab"], "max_tokens": 5, "temperature": 0, "logprobs": 0}
+    )
+    expected = generate(
+        model,
+        tokenizer,
+        ["hello", "ab"],
+        GenerationParams(tokens_to_generate=5, top_k=1, return_output_log_probs=True),
+    )
+    assert status == 200 and body["object"] == "text_completion"
+    assert [choice["text"] for choice in body["choices"]] == expected.completions
+    assert [choice["index"] for choice in body["choices"]] == [0, 1]
+    assert body["usage"]["prompt_tokens"] == 7
+    assert body["usage"]["completion_tokens"] == sum(len(t) for t in expected.tokens) - 7
+    assert (
+        body["usage"]["total_tokens"] == body["usage"]["prompt_tokens"] + body["usage"]["completion_tokens"]
+    )
+    first = body["choices"][0]["logprobs"]
+    assert first["tokens"] == expected.segments[0][5:]
+    assert first["token_logprobs"] == pytest.approx(expected.logprobs[0][4:])
+    assert first["text_offset"][:2] == [0, len(first["tokens"][0])]
+
+
+def test_completions_echo_with_logprobs_covers_the_prompt(client, model, tokenizer):
+    body = complete(
+        client, {"prompt": "hello", "max_tokens": 3, "temperature": 0, "echo": True, "logprobs": 1}
+    )[1]
+    expected = generate(
+        model,
+        tokenizer,
+        ["hello"],
+        GenerationParams(tokens_to_generate=3, top_k=1, return_output_log_probs=True),
+    )
+    logprobs = body["choices"][0]["logprobs"]
+    assert logprobs["tokens"] == expected.segments[0]
+    assert logprobs["token_logprobs"] == [None, *expected.logprobs[0]]
+
+
+def test_completions_echo_and_stop(client, model, tokenizer):
+    greedy = generate(
+        model, tokenizer, ["hello"], GenerationParams(tokens_to_generate=8, top_k=1)
+    ).completions[0]
+    body = complete(client, {"prompt": "hello", "max_tokens": 8, "temperature": 0, "echo": True})[1]
+    assert body["choices"][0]["text"] == "hello" + greedy
+    stop = greedy[3:5]
+    body = complete(client, {"prompt": "hello", "max_tokens": 8, "temperature": 0, "stop": stop})[1]
+    assert body["choices"][0]["text"] == greedy[: greedy.find(stop)]
+    assert body["choices"][0]["finish_reason"] == "stop"
+
+
+COMPLETION_ERRORS = [
+    ({"max_tokens": 2}, "prompt is required"),
+    ({"prompt": 5}, "prompt is not a list of strings"),
+    ({"prompt": ""}, "prompt must not be empty"),
+    ({"prompt": "ab", "n": 2}, "n must be 1"),
+    ({"prompt": "ab", "stream": True}, "stream is not supported"),
+    ({"prompt": "ab", "max_tokens": -1}, "max_tokens must be an integer"),
+    ({"prompt": "ab", "max_tokens": 0}, "max_tokens=0 needs echo=true"),
+    ({"prompt": "ab", "temperature": 3}, "temperature must be between 0 and 2"),
+    ({"prompt": "ab", "top_p": 0}, "top_p must be in (0, 1]"),
+    ({"prompt": "ab", "logprobs": 6}, "logprobs must be 0 to 5"),
+    ({"prompt": "ab", "stop": ["a", "b", "c", "d", "e"]}, "up to 4"),
+    ({"prompt": "ab", "seed": -1}, "seed must be an integer"),
+]
+
+
+@pytest.mark.parametrize(("body", "message"), COMPLETION_ERRORS, ids=[m for _, m in COMPLETION_ERRORS])
+def test_completions_bad_requests(client, body, message):
+    status, answer = complete(client, body)
+    assert status == 400
+    assert message in answer["error"]["message"] and answer["error"]["type"] == "invalid_request_error"
+
+
+@pytest.fixture(scope="module")
+def live_server(model, tokenizer):
+    """A real uvicorn server on 127.0.0.1 and a free port, stopped after the module's tests."""
+    port = free_port()
+    server = uvicorn.Server(
+        uvicorn.Config(create_app(model, tokenizer, LIMITS), port=port, log_level="warning")
+    )
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline, "uvicorn did not start within 30 s"
+        time.sleep(0.05)
+    yield f"127.0.0.1:{port}"
+    server.should_exit = True
+    thread.join(timeout=10)
+
+
+def test_real_server_answers_concurrent_requests(live_server, model, tokenizer):
+    requests = [
+        {"prompts": ["hello"], "tokens_to_generate": 10, "top_k": 1},
+        {"prompts": ["ab", "xyz"], "top_k": 1, "tokens_to_generate": 8},
+    ]
+    with ThreadPoolExecutor(2) as pool:
+        answers = list(pool.map(lambda r: put_request(f"http://{live_server}/api", r, timeout=60), requests))
+    for request, (status, body) in zip(requests, answers, strict=True):
+        params = GenerationParams(tokens_to_generate=request["tokens_to_generate"], top_k=1)
+        assert status == 200
+        assert body["text"] == generate(model, tokenizer, request["prompts"], params).texts
+
+
+def test_cli_prints_the_response_and_errors(live_server):
+    result = subprocess.run(
+        [sys.executable, "-m", "megatron_train.tools.text_generation_cli", live_server],
+        input="hello\n3\nab\nmany\nab\n99\n",
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "Megatron Response: \nhello" in result.stdout
+    assert "Error: 'many' is not a whole number of tokens" in result.stdout
+    assert "Error 400: tokens_to_generate must be an integer between 0 and 32" in result.stdout
+
+
+def test_run_text_generation_server_serves_a_checkpoint(tmp_path):
+    load = save_tiny_checkpoint(str(tmp_path / "ckpt"))
+    port = free_port()
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "megatron_train.tools.run_text_generation_server",
+            "--load",
+            load,
+            "--port",
+            str(port),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert server.poll() is None, server.stderr.read().decode()
+            assert time.monotonic() < deadline, "the server did not answer /health within 120 s"
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as response:
+                    assert json.loads(response.read())["status"] == "ok"
+                    break
+            except OSError:
+                time.sleep(0.2)
+        status, body = put_request(
+            f"http://127.0.0.1:{port}/api", {"prompts": ["5 6 7"], "tokens_to_generate": 4, "top_k": 1}
+        )
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+    model, _ = load_model_for_inference(load)
+    expected = generate(model, build_tokenizer("NullTokenizer", vocab_size=100), ["5 6 7"], GREEDY4)
+    assert status == 200 and body["tokens"] == expected.tokens and body["text"] == expected.texts
+
+
+GREEDY4 = GenerationParams(tokens_to_generate=4, top_k=1)
