@@ -16,7 +16,7 @@ import dataclasses
 import sys
 from typing import Any
 
-from prefect import flow
+from prefect import flow, get_run_logger
 from pydantic import BaseModel, ConfigDict
 
 from flows.cli import parse_config
@@ -65,7 +65,7 @@ def _tokenizer_files(tokenizer_ref: dict[str, Any], kind: str, store_url: str) -
     return {"vocab_file": ref.local_path("vocab.txt")}
 
 
-@flow(name="corpus", log_prints=True)
+@flow(name="corpus")
 def corpus_flow(config: CorpusConfig = CorpusConfig()) -> dict[str, Any]:
     """Raw text to Megatron `.bin`/`.idx` token data; returns each stage's artifact reference."""
     store = config.store
@@ -84,7 +84,7 @@ def corpus_flow(config: CorpusConfig = CorpusConfig()) -> dict[str, Any]:
         )
         tokenize = dataclasses.replace(tokenize, **_tokenizer_files(refs["train_tokenizer"], kind, store))
     refs["tokenize"] = run_stage_task("tokenize", dataclasses.asdict(tokenize), [refs["dedup"]], store)
-    print(summary_table(summarize(refs, store)))
+    get_run_logger().info("corpus summary\n%s", summary_table(summarize(refs, store)))
     return refs
 
 
@@ -97,6 +97,7 @@ def run_corpus(config: CorpusConfig) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     config = parse_config(CorpusConfig, argv, description=__doc__.split("\n")[0])
     refs = run_corpus(config)
+    print(summary_table(summarize(refs, config.store)))
     print(f"tokens: {refs['tokenize']['url']}")
     return 0
 

@@ -186,3 +186,22 @@ def test_gpt_pretraining_dp2_and_tp2_equal_one_process(tmp_path) -> None:
         norms = [r["grad norm"] for r in records if "split" not in r]
         np.testing.assert_allclose(losses, expected, rtol=1e-5, err_msg=" ".join(variant))
         np.testing.assert_allclose(norms, expected_norms, rtol=1e-4, err_msg=" ".join(variant))
+
+
+def test_single_process_buffer_accumulates_in_fp32_for_bf16() -> None:
+    """Without torch.distributed the wrapper still accumulates micro-batches into its fp32 buffer."""
+    module = _model().to(torch.bfloat16)
+    model = DistributedDataParallel(module, DDPConfig(grad_reduce_in_fp32=True))
+    assert list(model.buffers_by_dtype) == [torch.float32]
+    x = torch.ones(2, 8, dtype=torch.bfloat16)
+    with model.no_sync():
+        model(x).float().sum().backward()
+    model(x).float().sum().backward()
+    model.finish_grad_sync()
+    reference = _model().to(torch.bfloat16)
+    reference(x).float().sum().backward()
+    for param, expected in zip(module.parameters(), reference.parameters(), strict=True):
+        assert param.grad is None and param.main_grad.dtype == torch.float32
+        torch.testing.assert_close(param.main_grad, 2 * expected.grad.float(), rtol=1e-2, atol=1e-2)
+    model.zero_grad_buffer()
+    assert all(not p.main_grad.any() for p in module.parameters())

@@ -15,7 +15,7 @@ import sys
 import numpy as np
 import pytest
 
-from megatron_train.arguments import config_to_argv, parse_args
+from megatron_train.arguments import config_from_dict, config_to_argv, config_to_dict, parse_args
 from megatron_train.checkpointing import read_latest_iteration
 from megatron_train.models.config import TransformerConfig
 from megatron_train.training.flops import num_floating_point_operations, peak_flops_per_device
@@ -107,6 +107,11 @@ def test_arguments_are_megatron_flags(tmp_path) -> None:
     assert config.model.fp16 and config.training.fp16 and not config.model.add_bias_linear
     assert (config.training.global_batch_size, config.optimizer.lr_decay_style) == (4, "cosine")
     assert parse_args(config_to_argv(config), 2) == config
+    stored = config_to_dict(config)
+    stored["model"]["a_flag_from_a_newer_version"] = 1
+    del stored["optimizer"]["adam_eps"]
+    restored = config_from_dict(json.loads(json.dumps(stored)))
+    assert restored.model == config.model and restored.optimizer.adam_eps == 1e-8
     with pytest.raises(SystemExit):
         parse_args(tiny_args(str(tmp_path), "--train-iters", "5", "--micro-batch-size", "3"), 1)
     for extra, _ in (
@@ -186,6 +191,17 @@ def test_cli_mock_data_end_to_end_then_sigkill_and_resume(tmp_path) -> None:
     output, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0, output
     assert train_losses(killed) == train_losses(reference)  # bitwise: JSON keeps every bit of a float
+
+
+def test_signal_handler_records_sigterm_and_restores_the_old_handler() -> None:
+    from megatron_train.training.signals import DistributedSignalHandler
+
+    before = signal.getsignal(signal.SIGTERM)
+    with DistributedSignalHandler() as handler:
+        assert not handler.signals_received()
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert handler.signals_received()
+    assert signal.getsignal(signal.SIGTERM) is before
 
 
 def test_sigterm_with_exit_signal_handler_saves_and_exits(tmp_path) -> None:

@@ -80,6 +80,13 @@ def setup_model_and_optimizer(
     if train_iters is None:
         train_iters = calculator.train_iters_for_samples(training.train_samples or 0)
     unwrapped = model_provider(config, padded_vocab_size).to(device)
+    if state.get_data_parallel_rank() == 0:
+        print(
+            " > number of parameters on (tensor, pipeline) model parallel rank "
+            f"({state.get_tensor_model_parallel_rank()}, {state.get_pipeline_model_parallel_rank()}): "
+            f"{sum(p.numel() for p in unwrapped.parameters())}",
+            flush=True,
+        )
     ddp_config = DDPConfig(
         grad_reduce_in_fp32=training.accumulate_allreduce_grads_in_fp32,
         overlap_grad_reduce=training.overlap_grad_reduce,

@@ -1,0 +1,237 @@
+"""The corpus flow end to end under Prefect: counts per stage, caching, partial reruns, kill and resume."""
+
+from __future__ import annotations
+
+import glob
+import json
+import lzma
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from flows.corpus import CorpusConfig, corpus_flow, main
+from stages.clean import CleanParams, clean_text
+from stages.download import EMBEDDED_CORPUS, DownloadParams
+from stages.quality_filters import first_failing_rule
+from stages.tokenize import TokenizeParams
+from storage.artifacts import ArtifactStore
+from storage.indexed_dataset import IndexedDataset
+
+ROOT = Path(__file__).resolve().parents[1]
+N_BASE, EXACT, NEAR = 30, [0, 5, 9], [2, 12, 20]
+JUNK = [
+    "too short to keep",
+    "lorem ipsum dolor sit amet " * 30,
+    "#### ### ## # " * 40 + " and the of " * 10,
+]
+
+
+def _base_chapters() -> list[dict]:
+    """Real KJV chapters that pass the default clean step (so the expectations below are exact)."""
+    chapters = []
+    with lzma.open(EMBEDDED_CORPUS, "rt") as f:
+        for line in f:
+            doc = json.loads(line)
+            text = clean_text(doc["text"], CleanParams())
+            if 400 < len(text.split()) < 1200 and first_failing_rule(text, CleanParams()) is None:
+                chapters.append({"id": doc["id"], "text": doc["text"]})
+            if len(chapters) == N_BASE:
+                return chapters
+    raise AssertionError("not enough clean chapters in the embedded corpus")
+
+
+def _near_copy(text: str) -> str:
+    """A few words changed in a long document: Jaccard far above 0.8."""
+    words = text.split(" ")
+    for i in range(7, len(words), len(words) // 4):
+        words[i] = "changed"
+    return " ".join(words)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    """30 real chapters, 3 exact and 3 near duplicates, 3 junk documents and one malformed line."""
+    base = _base_chapters()
+    docs = list(base)
+    docs += [{"id": f"exact-{i}", "text": base[i]["text"]} for i in EXACT]
+    docs += [{"id": f"near-{i}", "text": _near_copy(base[i]["text"])} for i in NEAR]
+    docs += [{"id": f"junk-{i}", "text": t} for i, t in enumerate(JUNK)]
+    path = tmp_path_factory.mktemp("corpus") / "corpus.jsonl"
+    lines = [json.dumps(d) for d in docs]
+    lines.insert(17, '{"id": "broken", "text": "no closing brace"')
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _config(store: Path, source: Path, **overrides) -> CorpusConfig:
+    base = {
+        "store": str(store),
+        "download": DownloadParams(source=str(source), docs_per_shard=16, skip_bad_records=True),
+        "tokenize": TokenizeParams(append_eod=True, workers=1),
+        "task_runner": "threads",
+    }
+    return CorpusConfig(**{**base, **overrides})
+
+
+def _manifest(refs: dict, stage: str) -> dict:
+    return ArtifactStore(refs[stage]["url"].rsplit("/", 2)[0]).ref(refs[stage]).manifest()
+
+
+def _token_files(refs: dict) -> dict[str, bytes]:
+    url = refs["tokenize"]["url"]
+    return {Path(p).name: Path(p).read_bytes() for p in sorted(glob.glob(f"{url}/tokens_*"))}
+
+
+def test_flow_counts_caching_and_partial_rerun(prefect_api_url, corpus, tmp_path):
+    store = tmp_path / "store"
+    refs = corpus_flow(_config(store, corpus))
+    assert not any(r["cache_hit"] for r in refs.values())
+
+    download = _manifest(refs, "download")["counts"]
+    assert download["docs"] == N_BASE + 3 + 3 + 3 and download["skipped_bad_records"] == 1
+    clean = _manifest(refs, "clean")["counts"]
+    assert clean["docs_in"] == 39 and clean["docs_out"] == 36
+    assert sum(clean["dropped"].values()) == 3 and clean["dropped"]["too_few_words"] == 1
+    dedup = _manifest(refs, "dedup")["counts"]
+    assert dedup["dropped"] == {"exact": 3, "near": 3} and dedup["docs_out"] == N_BASE
+
+    # Near-duplicate recall and precision on the planted pairs: every copy dropped, every original kept.
+    import pyarrow.parquet as pq
+
+    report = pq.read_table(f"{refs['dedup']['url']}/duplicates.parquet").to_pylist()
+    dropped = {r["id"] for r in report if not r["kept"]}
+    assert dropped == {f"exact-{i}" for i in EXACT} | {f"near-{i}" for i in NEAR}
+    base = _base_chapters()
+    clusters = {r["id"]: r["cluster"] for r in report}
+    assert all(
+        clusters[f"{kind}-{i}"] == base[i]["id"]
+        for kind, ids in (("exact", EXACT), ("near", NEAR))
+        for i in ids
+    )
+
+    tokenize = _manifest(refs, "tokenize")["summary"]
+    dataset = IndexedDataset(f"{refs['tokenize']['url']}/tokens_text_document")
+    assert tokenize["documents"] == N_BASE == len(dataset.document_indices) - 1
+    assert tokenize["tokens"] == int(dataset.sequence_lengths.sum()) > 10_000
+    assert _manifest(refs, "train_tokenizer")["counts"]["vocab_size"] <= 8192
+
+    # Nothing changed: every stage is a cache hit and no file is rewritten.
+    before = {p: p.stat().st_mtime_ns for p in store.rglob("*") if p.is_file()}
+    again = corpus_flow(_config(store, corpus))
+    assert all(r["cache_hit"] for r in again.values())
+    assert {p: p.stat().st_mtime_ns for p in store.rglob("*") if p.is_file()} == before
+
+    # One clean parameter changed: download is a hit, everything after it reruns.
+    changed = corpus_flow(_config(store, corpus, clean=CleanParams(min_words=20)))
+    assert changed["download"]["cache_hit"] and changed["download"]["key"] == refs["download"]["key"]
+    for stage in ("clean", "dedup", "train_tokenizer", "tokenize"):
+        assert not changed[stage]["cache_hit"] and changed[stage]["key"] != refs[stage]["key"], stage
+
+
+def test_malformed_record_without_skip_names_file_and_line(prefect_api_url, corpus, tmp_path):
+    config = _config(
+        tmp_path / "store", corpus, download=DownloadParams(source=str(corpus), docs_per_shard=16)
+    )
+    with pytest.raises(Exception, match=r"corpus.jsonl:18: "):
+        corpus_flow(config)
+    # The shard committed before the bad record is kept for the rerun.
+    assert len(glob.glob(str(tmp_path / "store" / "download" / "*" / "_shards" / "*.json"))) == 1
+
+
+def test_cli_runs_on_process_pool_and_matches_flow(prefect_api_url, corpus, tmp_path, capsys):
+    reference = corpus_flow(_config(tmp_path / "a", corpus))
+    argv = [
+        "--store",
+        str(tmp_path / "b"),
+        "--download.source",
+        str(corpus),
+        "--download.docs-per-shard",
+        "16",
+        "--download.skip-bad-records",
+        "true",
+        "--tokenize.workers",
+        "1",
+        "--task-runner",
+        "processes",
+    ]
+    assert main(argv) == 0
+    assert "cache hits: 0/5 stages" in capsys.readouterr().out
+    refs = {s: ArtifactStore(str(tmp_path / "b")).find(s, reference[s]["key"]) for s in reference}
+    assert all(refs.values()), "the CLI produced other keys than the flow for the same settings"
+    assert _token_files({"tokenize": refs["tokenize"].to_dict()}) == _token_files(reference)
+
+
+def test_sigkill_during_tokenize_then_rerun_is_byte_identical(prefect_api_url, corpus, tmp_path):
+    reference = corpus_flow(_config(tmp_path / "clean-run", corpus))
+    store = tmp_path / "killed"
+    cmd = [
+        sys.executable,
+        "-m",
+        "flows.corpus",
+        "--store",
+        str(store),
+        "--download.source",
+        str(corpus),
+        "--download.docs-per-shard",
+        "16",
+        "--download.skip-bad-records",
+        "true",
+        "--tokenize.workers",
+        "1",
+        "--tokenize.shard-size-mb",
+        "0.002",
+        "--task-runner",
+        "threads",
+    ]
+    env = {**os.environ, "PREFECT_API_URL": prefect_api_url}
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None:
+        if glob.glob(str(store / "tokenize" / "*" / "_shards" / "*.json")):
+            break
+        time.sleep(0.02)
+    assert proc.poll() is None, "the flow finished before it could be killed"
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not glob.glob(str(store / "tokenize" / "*" / "manifest.json"))
+
+    resumed = corpus_flow(_config(store, corpus))
+    assert resumed["tokenize"]["key"] == reference["tokenize"]["key"]
+    assert _token_files(resumed) == _token_files(reference)
+
+
+def test_cli_flags_cover_every_stage_parameter():
+    from flows.cli import parse_config
+
+    config = parse_config(
+        CorpusConfig,
+        ["--clean.min-words", "None", "--dedup.threshold", "0.7", "--tokenize.json-keys", '["text", "title"]'],
+        "test",
+    )
+    assert config.clean.min_words is None and config.clean.max_words == CleanParams().max_words
+    assert config.dedup.threshold == 0.7 and tuple(config.tokenize.json_keys) == ("text", "title")
+    assert config.tokenize.append_eod  # the flow's own default survives an override of a sibling field
+    with pytest.raises(SystemExit):
+        parse_config(CorpusConfig, ["--clean.no-such-flag", "1"], "test")
+
+
+def test_prefect_yaml_deployment_loads_with_its_schedule():
+    import yaml
+    from prefect.flows import load_flow_from_entrypoint
+
+    spec = yaml.safe_load((ROOT / "prefect.yaml").read_text())
+    (deployment,) = spec["deployments"]
+    flow = load_flow_from_entrypoint(str(ROOT / deployment["entrypoint"]))
+    assert flow.name == "corpus"
+    CorpusConfig.model_validate(deployment["parameters"]["config"])
+    runner = flow.to_deployment(
+        name=deployment["name"], cron=deployment["schedules"][0]["cron"], parameters=deployment["parameters"]
+    )
+    assert runner.schedules[0].schedule.cron == "0 3 * * *"
