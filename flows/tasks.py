@@ -8,18 +8,21 @@ machine, a Dask or Ray cluster through prefect-dask / prefect-ray on many), so e
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import inspect
-from collections.abc import Callable, Sequence
+import logging
+from collections.abc import Callable, Iterator, Sequence
 from types import ModuleType
 from typing import Any, Literal
 
-from prefect import task, unmapped
+from prefect import get_run_logger, task, unmapped
 from prefect.context import TaskRunContext
 from prefect.task_runners import ProcessPoolTaskRunner, TaskRunner, ThreadPoolTaskRunner
 
 from storage.artifacts import ArtifactRef, ArtifactStore
 
+STAGE_LOGGER = "megatron_flow.stage"
 TaskRunnerKind = Literal["threads", "processes", "dask", "ray"]
 
 # Errors that a retry can cure: network hiccups and object-store timeouts, not bad data or missing files.
@@ -91,6 +94,38 @@ def stage_module(name: str) -> ModuleType:
     return importlib.import_module(f"stages.{name}")
 
 
+def stage_params(module: ModuleType, values: dict[str, Any]) -> Any:
+    """A stage's typed params from the plain dict a Prefect task receives."""
+    from_dict = getattr(module, "params_from_dict", None)
+    return from_dict(values) if from_dict is not None else module.Params(**values)
+
+
+class _ToRunLogger(logging.Handler):
+    """Forwards the stages' log records (tokenize summaries, training lines...) to the Prefect run's log."""
+
+    def __init__(self, run_logger: logging.LoggerAdapter) -> None:
+        super().__init__(logging.INFO)
+        self.run_logger = run_logger
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.run_logger.log(record.levelno, record.getMessage())
+
+
+@contextlib.contextmanager
+def stage_logs_to_prefect() -> Iterator[None]:
+    stage_logger = logging.getLogger(STAGE_LOGGER)
+    handler = _ToRunLogger(get_run_logger())
+    previous = stage_logger.level, stage_logger.propagate
+    stage_logger.setLevel(logging.INFO)
+    stage_logger.propagate = False  # the run logger prints them already
+    stage_logger.addHandler(handler)
+    try:
+        yield
+    finally:
+        stage_logger.removeHandler(handler)
+        stage_logger.level, stage_logger.propagate = previous
+
+
 def _inputs(store: ArtifactStore, inputs: Sequence[dict | str]) -> list[ArtifactRef | str]:
     return [store.ref(i) if isinstance(i, dict) else i for i in inputs]
 
@@ -99,7 +134,7 @@ def _stage_cache_key(context: TaskRunContext, parameters: dict[str, Any]) -> str
     """Prefect's cache key: the stage's own fingerprint, but only while the artifact is really committed."""
     module = stage_module(parameters["stage"])
     store = ArtifactStore(parameters["store_url"], **(parameters.get("storage_options") or {}))
-    params = module.Params(**parameters["params"])
+    params = stage_params(module, parameters["params"])
     key = module.key(params, _inputs(store, parameters["inputs"]))
     return f"{module.STAGE}-{key}" if store.find(module.STAGE, key) else None
 
@@ -127,5 +162,6 @@ def run_stage_task(
     extra = (
         {"map_shards": prefect_map_shards} if "map_shards" in inspect.signature(module.run).parameters else {}
     )
-    ref = module.run(module.Params(**params), _inputs(store, inputs), store, **extra)
+    with stage_logs_to_prefect():
+        ref = module.run(stage_params(module, params), _inputs(store, inputs), store, **extra)
     return ref.to_dict()

@@ -164,10 +164,11 @@ def validate_config(config: MegatronConfig, world_size: int) -> None:
         raise ValueError("--save-interval needs --save <directory>")
     if parallel.tensor_model_parallel_size == 1:
         parallel.sequence_parallel = False  # as Megatron: nothing to split
-    if parallel.pipeline_model_parallel_size > 1 or parallel.use_distributed_optimizer:
+    if parallel.pipeline_model_parallel_size > 1:
+        raise ValueError("pipeline parallelism is not implemented yet; use --pipeline-model-parallel-size 1")
+    if parallel.use_distributed_optimizer and training.ddp_impl != "local":
         raise ValueError(
-            "pipeline parallelism and --use-distributed-optimizer are not implemented yet; "
-            "use --pipeline-model-parallel-size 1 without --use-distributed-optimizer"
+            "--use-distributed-optimizer shards the local DDP's grad buffer: use --ddp-impl local"
         )
     if config.model.seq_length is None:
         raise ValueError("set --seq-length")

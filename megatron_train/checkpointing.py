@@ -4,16 +4,18 @@ Layout of a run directory (Megatron's names where Megatron has them):
 
     <save>/latest_checkpointed_iteration.txt     written atomically, only after the folder is complete
     <save>/iter_0000100/metadata.json            iteration, consumed samples, args, layout, scheduler (last)
-    <save>/iter_0000100/mp_rank_00/model.safetensors       this TP rank's shard of the weights
-    <save>/iter_0000100/mp_rank_00/optimizer.safetensors   fp32 main params and Adam moments (DP rank 0)
-    <save>/iter_0000100/mp_rank_00/optimizer.json          step counts, param groups, loss scaler
-    <save>/iter_0000100/rng/rank_00000.safetensors / .json every rank's python, numpy, torch, CUDA and
-                                                           model-parallel-tracker RNG states
+    <save>/iter_0000100/mp_rank_00[_000]/model.safetensors     this (TP, PP) rank's shard of the weights
+    <save>/iter_0000100/mp_rank_00[_000]/optimizer.safetensors fp32 main params and Adam moments (DP rank 0)
+    <save>/iter_0000100/mp_rank_00[_000]/optimizer.json        step counts, param groups, loss scaler
+    <save>/iter_0000100/rng/rank_00000.safetensors / .json     every rank's python, numpy, torch, CUDA and
+                                                               model-parallel-tracker RNG states
 
-Each param's sharding is recorded in the safetensors metadata ("sharding": global shape, whether and along
-which dim it is split over TP, TP/PP rank and size), so a later tool can reshard across (TP, PP, DP) layouts;
-optimizer tensors are named `<param name>.<state>` (main_param, exp_avg, exp_avg_sq) and shard like their
-param. Loading needs the same TP/PP sizes (any DP size works except for RNG states: use --no-load-rng).
+Tensors are stored under global names (`decoder.layers.<global layer>.`), each with its global shape and its
+TP split (Megatron's tensor_model_parallel, partition_dim, partition_stride) and PP stage in the safetensors
+metadata; optimizer tensors are `<param name>.<state>` (main_param, exp_avg, exp_avg_sq) and shard like their
+param. So a checkpoint saved under one (TP, PP, DP) layout loads under another: each rank reads all TP shards
+of the tensors it holds, merges them and keeps its slice (`checkpoint_layout`). RNG states are per rank and
+load only when (TP, PP) is unchanged, as in Megatron; `tools/checkpoint_util.py` reshards offline.
 """
 
 from __future__ import annotations
@@ -32,12 +34,24 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from megatron_train.arguments import MegatronConfig, config_from_dict, config_to_dict
+from megatron_train.checkpoint_layout import (
+    VOCAB_PARAMS,
+    WORD_EMBEDDING,
+    TensorSharding,
+    global_param_name,
+    layer_number,
+    merge_tp_shards,
+    padded_vocab_sizes_agree,
+    resize_vocab,
+    split_tp_shard,
+)
+from megatron_train.models.transformer import get_layer_range
 from megatron_train.parallel import state
 from megatron_train.parallel.random import get_rng_tracker
 
 logger = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: global layer names, any (TP, PP) layout loads
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 METADATA_FILENAME = "metadata.json"
 # Model settings that change the weights' shapes or meaning: a checkpoint must agree on all of them.
@@ -114,16 +128,16 @@ def _atomic_save_tensors(tensors: dict[str, torch.Tensor], path: str, metadata: 
     os.replace(tmp, path)
 
 
-def _load_tensors(path: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """Read a safetensors file, turning a missing or damaged file into an actionable CheckpointError."""
+def _missing_file_error(path: str) -> CheckpointError:
+    return CheckpointError(f"checkpoint file {path} is missing: the save did not finish or files were moved")
+
+
+def _open_tensors(path: str) -> Any:
+    """A lazy safetensors handle (header checked, tensors read on demand), or an actionable CheckpointError."""
     if not os.path.exists(path):
-        raise CheckpointError(
-            f"checkpoint file {path} is missing: the save did not finish or files were moved"
-        )
+        raise _missing_file_error(path)
     try:
-        with safe_open(path, framework="pt") as handle:
-            metadata = handle.metadata() or {}
-        return load_file(path), metadata
+        return safe_open(path, framework="pt")
     except (SafetensorError, OSError, ValueError) as error:
         raise CheckpointError(
             f"checkpoint file {path} is corrupt ({error}); load an earlier iteration with --ckpt-step "
@@ -131,11 +145,15 @@ def _load_tensors(path: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
         ) from error
 
 
+def _load_tensors(path: str) -> dict[str, torch.Tensor]:
+    """Every tensor of a safetensors file (a damaged file raises CheckpointError)."""
+    _open_tensors(path)
+    return load_file(path)
+
+
 def _read_json(path: str) -> Any:
     if not os.path.exists(path):
-        raise CheckpointError(
-            f"checkpoint file {path} is missing: the save did not finish or files were moved"
-        )
+        raise _missing_file_error(path)
     try:
         with open(path) as handle:
             return json.load(handle)
@@ -143,43 +161,118 @@ def _read_json(path: str) -> Any:
         raise CheckpointError(f"checkpoint file {path} is not valid JSON ({error})") from error
 
 
-def _unique_tensors(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """Drop tied copies (e.g. the output layer sharing the word embedding): safetensors refuses aliases."""
-    unique: dict[str, torch.Tensor] = {}
-    aliases: dict[str, str] = {}
-    first_name: dict[tuple[int, tuple[int, ...]], str] = {}
-    for name, tensor in tensors.items():
-        key = (tensor.data_ptr(), tuple(tensor.shape))
-        if tensor.numel() and key in first_name:
-            aliases[name] = first_name[key]
-        else:
-            first_name[key] = name
-            unique[name] = tensor
-    return unique, aliases
+def sharding_record(
+    global_shape: list[int],
+    sharding: TensorSharding,
+    sequence_parallel: bool,
+    tp_rank: int,
+    tp_size: int,
+    pp_rank: int,
+    pp_size: int,
+    name: str,
+) -> dict[str, Any]:
+    """What a shard file records of one tensor: global shape, TP split, and PP stage and global layer."""
+    return {
+        "global_shape": global_shape,
+        "tensor_model_parallel": sharding.is_split,
+        "partition_dim": sharding.partition_dim,
+        "partition_stride": sharding.partition_stride,
+        "sequence_parallel": sequence_parallel,
+        "tp_rank": tp_rank,
+        "tp_size": tp_size,
+        "pp_rank": pp_rank,
+        "pp_size": pp_size,
+        "layer": layer_number(name),
+    }
 
 
-def _sharding_info(model: torch.nn.Module) -> dict[str, dict[str, Any]]:
-    """Per param: global shape and how it is split across TP (Megatron's param attributes) and PP."""
+def write_shard(
+    shard_dir: str,
+    weights: dict[str, torch.Tensor],
+    sharding: dict[str, dict[str, Any]],
+    optimizer_state: tuple[dict[str, torch.Tensor], dict] | None,
+) -> None:
+    """One (TP, PP) rank's files: model.safetensors and, given optimizer state, optimizer.safetensors/.json."""
+    os.makedirs(shard_dir, exist_ok=True)
+    metadata = {"format_version": str(FORMAT_VERSION), "sharding": json.dumps(sharding)}
+    _atomic_save_tensors(weights, os.path.join(shard_dir, "model.safetensors"), metadata)
+    if optimizer_state is not None:
+        tensors, meta = optimizer_state
+        if tensors:  # safetensors cannot read back an empty file (an optimizer that never stepped)
+            _atomic_save_tensors(tensors, os.path.join(shard_dir, "optimizer.safetensors"), metadata)
+        _atomic_write_text(os.path.join(shard_dir, "optimizer.json"), json.dumps(meta))
+
+
+def write_metadata_and_marker(root: str, iteration: int, metadata: dict[str, Any]) -> None:
+    """Complete a saved iteration: metadata.json, then the latest marker (never before the folder is whole)."""
+    _atomic_write_text(
+        os.path.join(checkpoint_dir(root, iteration), METADATA_FILENAME), json.dumps(metadata, indent=1)
+    )
+    _atomic_write_text(os.path.join(root, TRACKER_FILENAME), str(iteration))
+
+
+def _global_names(model: torch.nn.Module, config: MegatronConfig) -> dict[str, str]:
+    """This pipeline stage's state-dict names -> checkpoint names (global layer numbers; the last stage's
+    tied output layer -> the word embedding)."""
+    if state.get_virtual_pipeline_model_parallel_world_size() is not None:
+        raise CheckpointError(
+            "checkpoints of interleaved pipelines (--num-layers-per-virtual-pipeline-stage) are not supported "
+            "yet; save without virtual pipeline stages"
+        )
+    pp_rank = state.get_pipeline_model_parallel_rank()
+    layers = get_layer_range(config.model.num_layers, pp_rank, state.get_pipeline_model_parallel_world_size())
+    tied_copy = pp_rank > 0 and not config.model.untie_embeddings_and_output_weights
+    return {name: global_param_name(name, layers.start, tied_copy) for name in model.state_dict()}
+
+
+def _owned(names: dict[str, str]) -> dict[str, str]:
+    """Drop the tied output copy: the stage holding the word embedding saves it."""
+    return {local: name for local, name in names.items() if name != WORD_EMBEDDING or local == WORD_EMBEDDING}
+
+
+def _sharding_info(model: torch.nn.Module, names: dict[str, str]) -> dict[str, dict[str, Any]]:
+    """Per saved tensor: its record (Megatron's param attributes tell the TP split)."""
     tp_size = state.get_tensor_model_parallel_world_size()
+    params = dict(model.named_parameters())
+    weights = model.state_dict()
     info = {}
-    for name, param in model.named_parameters():
+    for local, name in names.items():
+        param = params.get(local)
         split = bool(getattr(param, "tensor_model_parallel", False))
-        dim = int(getattr(param, "partition_dim", -1)) if split else -1
-        global_shape = list(param.shape)
+        sharding = TensorSharding(
+            int(param.partition_dim) if split else -1, int(getattr(param, "partition_stride", 1))
+        )
+        global_shape = list(weights[local].shape)
         if split:
-            global_shape[dim] *= tp_size
-        info[name] = {
-            "global_shape": global_shape,
-            "tensor_model_parallel": split,
-            "partition_dim": dim,
-            "partition_stride": int(getattr(param, "partition_stride", 1)),
-            "sequence_parallel": bool(getattr(param, "sequence_parallel", False)),
-            "tp_rank": state.get_tensor_model_parallel_rank(),
-            "tp_size": tp_size,
-            "pp_rank": state.get_pipeline_model_parallel_rank(),
-            "pp_size": state.get_pipeline_model_parallel_world_size(),
-        }
+            global_shape[sharding.partition_dim] *= tp_size
+        info[name] = sharding_record(
+            global_shape,
+            sharding,
+            bool(getattr(param, "sequence_parallel", False)),
+            state.get_tensor_model_parallel_rank(),
+            tp_size,
+            state.get_pipeline_model_parallel_rank(),
+            state.get_pipeline_model_parallel_world_size(),
+            name,
+        )
     return info
+
+
+def _rename_optimizer_state(
+    tensors: dict[str, torch.Tensor], meta: dict, names: dict[str, str]
+) -> tuple[dict[str, torch.Tensor], dict]:
+    """The optimizer's per-param state under checkpoint names; params missing from `names` are dropped."""
+    renamed = {}
+    for key, tensor in tensors.items():
+        param, state_name = key.rsplit(".", 1)
+        if param in names:
+            renamed[f"{names[param]}.{state_name}"] = tensor
+    return renamed, {
+        **meta,
+        "param_names": [names[n] for n in meta["param_names"] if n in names],
+        "scalars": {names[n]: v for n, v in meta["scalars"].items() if n in names},
+        "tensor_states": {names[n]: v for n, v in meta["tensor_states"].items() if n in names},
+    }
 
 
 def _rng_state() -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -222,27 +315,19 @@ def save_checkpoint(
 ) -> str:
     """Every rank writes its part; rank 0 writes metadata.json and then the latest marker. Returns the folder.
 
-    `model` is the unwrapped module; `loaded` carries the consumed sample counts to store.
+    `model` is the unwrapped module (one pipeline stage); `loaded` carries the consumed sample counts to store.
     """
     root = config.checkpoint.save
     iteration_dir = checkpoint_dir(root, iteration)
-    shard_dir = _this_shard_dir(iteration_dir)
-    os.makedirs(shard_dir, exist_ok=True)
     os.makedirs(os.path.join(iteration_dir, "rng"), exist_ok=True)
-    dp_rank = state.get_data_parallel_rank()
-    if dp_rank == 0:
-        weights, aliases = _unique_tensors(model.state_dict())
-        metadata = {
-            "format_version": str(FORMAT_VERSION),
-            "sharding": json.dumps(_sharding_info(model)),
-            "aliases": json.dumps(aliases),
-        }
-        _atomic_save_tensors(weights, os.path.join(shard_dir, "model.safetensors"), metadata)
-        if optimizer is not None and not config.checkpoint.no_save_optim:
-            tensors, meta = optimizer.state_dict()
-            if tensors:  # safetensors cannot read back an empty file (an optimizer that never stepped)
-                _atomic_save_tensors(tensors, os.path.join(shard_dir, "optimizer.safetensors"), metadata)
-            _atomic_write_text(os.path.join(shard_dir, "optimizer.json"), json.dumps(meta))
+    names = _owned(_global_names(model, config))
+    optimizer_state = None
+    if optimizer is not None and not config.checkpoint.no_save_optim:
+        # every DP rank asks: a distributed optimizer gathers its shards into per-param tensors here
+        optimizer_state = _rename_optimizer_state(*optimizer.state_dict(), names)
+    if state.get_data_parallel_rank() == 0:
+        weights = {names[local]: tensor for local, tensor in model.state_dict().items() if local in names}
+        write_shard(_this_shard_dir(iteration_dir), weights, _sharding_info(model, names), optimizer_state)
     if not config.checkpoint.no_save_rng:
         tensors, meta = _rng_state()
         rng_prefix = os.path.join(iteration_dir, "rng", f"rank_{_rank():05d}")
@@ -265,8 +350,7 @@ def save_checkpoint(
             else None,
             "args": config_to_dict(config),
         }
-        _atomic_write_text(os.path.join(iteration_dir, METADATA_FILENAME), json.dumps(metadata, indent=1))
-        _atomic_write_text(os.path.join(root, TRACKER_FILENAME), str(iteration))
+        write_metadata_and_marker(root, iteration, metadata)
     _barrier()
     logger.info("saved checkpoint at iteration %d to %s", iteration, iteration_dir)
     return iteration_dir
@@ -284,17 +368,20 @@ def read_latest_iteration(load_dir: str) -> int | None:
     return int(text)
 
 
-def _resolve_iteration_dir(load_dir: str, iteration: int | None) -> str | None:
+def resolve_iteration_dir(load_dir: str, iteration: int | None) -> str | None:
+    """The folder of `iteration` (default: the latest marker's) in `load_dir`; None when nothing was saved."""
     if iteration is None:
         iteration = read_latest_iteration(load_dir)
         if iteration is None:
             return None
     iteration_dir = checkpoint_dir(load_dir, iteration)
     if not os.path.isdir(iteration_dir):
-        raise CheckpointError(
-            f"checkpoint folder {iteration_dir} does not exist (iterations there: "
-            f"{sorted(d for d in os.listdir(load_dir) if d.startswith('iter_'))})"
+        saved = (
+            sorted(d for d in os.listdir(load_dir) if d.startswith("iter_"))
+            if os.path.isdir(load_dir)
+            else []
         )
+        raise CheckpointError(f"checkpoint folder {iteration_dir} does not exist (iterations there: {saved})")
     return iteration_dir
 
 
@@ -308,8 +395,143 @@ def read_metadata(iteration_dir: str) -> dict:
     return metadata
 
 
+class SavedCheckpoint:
+    """One saved iteration seen as global tensors, whatever (TP, PP) layout wrote it.
+
+    Opening reads metadata.json and each pipeline stage's shard header; tensors are read only when asked
+    for, from the TP shards that hold them.
+    """
+
+    def __init__(self, iteration_dir: str) -> None:
+        self.iteration_dir = iteration_dir
+        self.metadata = read_metadata(iteration_dir)
+        self.tp_size: int = self.metadata["tensor_model_parallel_size"]
+        self.pp_size: int = self.metadata["pipeline_model_parallel_size"]
+        self.padded_vocab_size: int = self.metadata["padded_vocab_size"]
+        self._handles: dict[str, Any] = {}
+        self.params: dict[str, dict[str, Any]] = {}  # checkpoint name -> record, in model order
+        for pp_rank in range(self.pp_size):
+            path = self.path("model", 0, pp_rank)
+            self.params.update(json.loads((self._handle(path).metadata() or {}).get("sharding", "{}")))
+
+    def path(self, kind: str, tp_rank: int, pp_rank: int) -> str:
+        """`kind` is "model" or "optimizer"."""
+        return os.path.join(
+            model_shard_dir(self.iteration_dir, tp_rank, pp_rank, self.pp_size), f"{kind}.safetensors"
+        )
+
+    def _handle(self, path: str) -> Any:
+        if path not in self._handles:
+            self._handles[path] = _open_tensors(path)
+        return self._handles[path]
+
+    def _read(self, path: str, name: str) -> torch.Tensor:
+        try:
+            return self._handle(path).get_tensor(name)
+        except SafetensorError as error:
+            raise CheckpointError(
+                f"checkpoint file {path} holds no tensor {name!r} ({error}); the files of "
+                f"{self.iteration_dir} do not belong together: load another iteration"
+            ) from error
+
+    def _record(self, param: str) -> dict[str, Any]:
+        if param not in self.params:
+            raise CheckpointError(
+                f"{self.iteration_dir} holds no weight {param!r} (it holds {list(self.params)[:5]}...); the "
+                "checkpoint was saved from a different model"
+            )
+        return self.params[param]
+
+    def global_tensor(self, name: str, kind: str = "model") -> torch.Tensor:
+        """A whole tensor, its TP shards merged; optimizer tensors are named `<param>.<state>`."""
+        record = self._record(name if kind == "model" else name.rsplit(".", 1)[0])
+        sharding = TensorSharding(record["partition_dim"], record["partition_stride"])
+        tp_ranks = range(self.tp_size) if sharding.is_split else [0]
+        shards = [self._read(self.path(kind, tp_rank, record["pp_rank"]), name) for tp_rank in tp_ranks]
+        return merge_tp_shards(shards, sharding)
+
+    def tensor_for(
+        self, name: str, kind: str, tp_size: int, tp_rank: int, padded_vocab_size: int
+    ) -> torch.Tensor:
+        """TP rank `tp_rank`'s slice (of `tp_size`) of a tensor, the vocabulary re-padded to `padded_vocab_size`."""
+        param = name if kind == "model" else name.rsplit(".", 1)[0]
+        record = self._record(param)
+        sharding = TensorSharding(record["partition_dim"], record["partition_stride"])
+        repad = param in VOCAB_PARAMS and record["global_shape"][0] != padded_vocab_size
+        if sharding.is_split and tp_size == self.tp_size and not repad:  # the saved cut: read one shard
+            return self._read(self.path(kind, tp_rank, record["pp_rank"]), name)
+        tensor = self.global_tensor(name, kind)
+        if repad:  # weights and fp32 main params copy the last row, Adam moments start at zero
+            tensor = resize_vocab(tensor, padded_vocab_size, kind == "model" or name.endswith(".main_param"))
+        return split_tp_shard(tensor, sharding, tp_size, tp_rank, name)
+
+    def weights_for(
+        self, names: dict[str, str], tp_size: int, tp_rank: int, padded_vocab_size: int
+    ) -> dict[str, torch.Tensor]:
+        """{key: TP slice of checkpoint weight names[key]}."""
+        return {
+            key: self.tensor_for(name, "model", tp_size, tp_rank, padded_vocab_size)
+            for key, name in names.items()
+        }
+
+    def optimizer_json_paths(self) -> list[str]:
+        return [
+            os.path.join(model_shard_dir(self.iteration_dir, 0, pp_rank, self.pp_size), "optimizer.json")
+            for pp_rank in range(self.pp_size)
+        ]
+
+    def has_optimizer_state(self) -> bool:
+        return all(os.path.exists(path) for path in self.optimizer_json_paths())
+
+    def _optimizer_meta(self) -> tuple[dict, set[str]]:
+        """Every stage's optimizer.json merged (per-param entries are keyed by checkpoint name), and the
+        names of the optimizer tensors saved."""
+        stages = [_read_json(path) for path in self.optimizer_json_paths()]
+        meta = {**stages[0], "param_names": [], "scalars": {}, "tensor_states": {}}
+        tensor_names: set[str] = set()
+        for pp_rank, stage in enumerate(stages):
+            meta["param_names"] += stage["param_names"]
+            meta["scalars"].update(stage["scalars"])
+            meta["tensor_states"].update(stage["tensor_states"])
+            path = self.path("optimizer", 0, pp_rank)
+            if os.path.exists(path):
+                tensor_names.update(self._handle(path).keys())
+        return meta, tensor_names
+
+    def optimizer_state_for(
+        self, names: dict[str, str], tp_size: int, tp_rank: int, padded_vocab_size: int
+    ) -> tuple[dict[str, torch.Tensor], dict]:
+        """The optimizer's `state_dict()` form for params `names` (key -> checkpoint name), resharded like the
+        weights: tensors `<key>.<state>` and the JSON part keyed by `key`."""
+        saved, tensor_names = self._optimizer_meta()
+        tensors = {}
+        for key, name in names.items():
+            for state_name in [*saved["tensor_states"].get(name, []), "main_param"]:
+                if f"{name}.{state_name}" in tensor_names:
+                    tensors[f"{key}.{state_name}"] = self.tensor_for(
+                        f"{name}.{state_name}", "optimizer", tp_size, tp_rank, padded_vocab_size
+                    )
+        meta = {
+            **saved,
+            "param_names": list(names),
+            "scalars": {
+                key: saved["scalars"][name] for key, name in names.items() if name in saved["scalars"]
+            },
+            "tensor_states": {
+                key: saved["tensor_states"][name]
+                for key, name in names.items()
+                if name in saved["tensor_states"]
+            },
+        }
+        return tensors, meta
+
+
 def check_compatible(metadata: dict, config: MegatronConfig, padded_vocab_size: int, where: str) -> None:
-    """Refuse a checkpoint whose weights cannot fit this run's model, naming the first setting that differs."""
+    """Refuse a checkpoint whose weights cannot fit this run's model, naming the first setting that differs.
+
+    The parallel layout may differ; the padded vocabulary may differ only as TP sizes pad one true
+    vocabulary differently (Megatron pads to a multiple of --make-vocab-size-divisible-by x TP).
+    """
     saved_model = metadata["args"]["model"]
     for name in MODEL_ARGS_TO_CHECK:
         ours = getattr(config.model, name)
@@ -318,35 +540,36 @@ def check_compatible(metadata: dict, config: MegatronConfig, padded_vocab_size: 
                 f"checkpoint {where} was saved with {name}={saved_model[name]} but this run has {name}={ours}; "
                 f"pass --{name.replace('_', '-')} {saved_model[name]} or load a matching checkpoint"
             )
-    ours_layout = {
-        "padded_vocab_size": padded_vocab_size,
-        "tensor_model_parallel_size": state.get_tensor_model_parallel_world_size(),
-        "pipeline_model_parallel_size": state.get_pipeline_model_parallel_world_size(),
-    }
-    for name, ours in ours_layout.items():
-        if metadata[name] != ours:
-            raise CheckpointError(
-                f"checkpoint {where} was saved with {name}={metadata[name]} but this run has {name}={ours}; "
-                "resharding across layouts is not supported yet: use the saved layout and tokenizer settings"
-            )
+    saved_divisor = metadata["args"].get("tokenizer", {}).get("make_vocab_size_divisible_by", 128)
+    saved_multiple = saved_divisor * metadata["tensor_model_parallel_size"]
+    our_multiple = (
+        config.tokenizer.make_vocab_size_divisible_by * state.get_tensor_model_parallel_world_size()
+    )
+    saved_vocab = metadata["padded_vocab_size"]
+    if not padded_vocab_sizes_agree(saved_vocab, saved_multiple, padded_vocab_size, our_multiple):
+        raise CheckpointError(
+            f"checkpoint {where} was saved with padded_vocab_size={saved_vocab} but this run has "
+            f"padded_vocab_size={padded_vocab_size}, more than TP padding explains: use the checkpoint's "
+            "tokenizer (and --make-vocab-size-divisible-by)"
+        )
 
 
-def _load_model_weights(model: torch.nn.Module, path: str) -> None:
-    tensors, metadata = _load_tensors(path)
-    for alias, original in json.loads(metadata.get("aliases", "{}")).items():
-        tensors[alias] = tensors[original]
-    expected = model.state_dict()
-    missing = sorted(set(expected) - set(tensors))
-    unexpected = sorted(set(tensors) - set(expected))
-    if missing or unexpected:
-        raise CheckpointError(f"{path}: missing weights {missing[:5]}, unexpected weights {unexpected[:5]}")
-    for name, tensor in tensors.items():
-        if tensor.shape != expected[name].shape:
+def _load_model_weights(
+    model: torch.nn.Module,
+    saved: SavedCheckpoint,
+    names: dict[str, str],
+    padded_vocab_size: int,
+    tp_size: int,
+    tp_rank: int,
+) -> None:
+    weights = saved.weights_for(names, tp_size, tp_rank, padded_vocab_size)
+    for local, tensor in model.state_dict().items():
+        if weights[local].shape != tensor.shape:
             raise CheckpointError(
-                f"{path}: weight {name!r} has shape {tuple(tensor.shape)} but the model's is "
-                f"{tuple(expected[name].shape)}"
+                f"{saved.iteration_dir}: weight {names[local]!r} has shape {tuple(weights[local].shape)} for "
+                f"TP rank {tp_rank} of {tp_size} but the model's is {tuple(tensor.shape)}"
             )
-    model.load_state_dict(tensors)
+    model.load_state_dict(weights)
 
 
 def load_checkpoint(
@@ -356,55 +579,51 @@ def load_checkpoint(
     config: MegatronConfig,
     padded_vocab_size: int,
 ) -> TrainingProgress:
-    """Load `--load` (its latest iteration, or `--ckpt-step`) with Megatron's --finetune / --no-load-* rules.
+    """Load `--load` (its latest iteration, or `--ckpt-step`) with Megatron's --finetune / --no-load-* rules,
+    resharding weights and optimizer state when it was saved under another (TP, PP, DP) layout.
 
     Without a latest marker the run starts from scratch (Megatron's behaviour), unless
     --exit-on-missing-checkpoint asks for an error.
     """
     ckpt = config.checkpoint
-    iteration_dir = _resolve_iteration_dir(ckpt.load, ckpt.ckpt_step)
+    iteration_dir = resolve_iteration_dir(ckpt.load, ckpt.ckpt_step)
     if iteration_dir is None:
         message = f"no {TRACKER_FILENAME} in {ckpt.load}: nothing to load"
         if ckpt.exit_on_missing_checkpoint:
             raise CheckpointError(message + " (and --exit-on-missing-checkpoint is set)")
         logger.warning("%s; starting from random weights", message)
         return TrainingProgress()
-    metadata = read_metadata(iteration_dir)
+    saved = SavedCheckpoint(iteration_dir)
+    metadata = saved.metadata
     check_compatible(metadata, config, padded_vocab_size, iteration_dir)
-    shard_dir = _this_shard_dir(iteration_dir)
-    _load_model_weights(model, os.path.join(shard_dir, "model.safetensors"))
+    tp_size, tp_rank = state.get_tensor_model_parallel_world_size(), state.get_tensor_model_parallel_rank()
+    saved_layout = (saved.tp_size, saved.pp_size)
+    our_layout = (tp_size, state.get_pipeline_model_parallel_world_size())
+    if saved_layout != our_layout and _rank() == 0:
+        logger.info("resharding %s from (TP, PP) = %s to %s", iteration_dir, saved_layout, our_layout)
+    names = _global_names(model, config)
+    _load_model_weights(model, saved, names, padded_vocab_size, tp_size, tp_rank)
     if ckpt.finetune:
         if optimizer is not None:
             optimizer.reload_model_params()
         logger.info("loaded weights of %s for finetuning (iteration and samples reset)", iteration_dir)
         return TrainingProgress()
     if optimizer is not None and not ckpt.no_load_optim:
-        meta_path = os.path.join(shard_dir, "optimizer.json")
-        if not os.path.exists(meta_path):
+        if not saved.has_optimizer_state():
+            missing = next(p for p in saved.optimizer_json_paths() if not os.path.exists(p))
             raise CheckpointError(
-                f"{meta_path} is missing (saved with --no-save-optim?); pass --no-load-optim to load the "
+                f"{missing} is missing (saved with --no-save-optim?); pass --no-load-optim to load the "
                 "weights with a fresh optimizer"
             )
-        meta = _read_json(meta_path)
-        tensors = {}
-        if meta["tensor_states"] or optimizer.mixed_precision:
-            tensors, _ = _load_tensors(os.path.join(shard_dir, "optimizer.safetensors"))
-        optimizer.load_state_dict(tensors, meta, source=meta_path)
+        trained = {n: names[n] for n, p in model.named_parameters() if p.requires_grad}
+        tensors, meta = saved.optimizer_state_for(trained, tp_size, tp_rank, padded_vocab_size)
+        optimizer.load_state_dict(tensors, meta, source=saved.optimizer_json_paths()[0])
         if opt_param_scheduler is not None and metadata["opt_param_scheduler"] is not None:
             opt_param_scheduler.load_state_dict(metadata["opt_param_scheduler"])
     elif optimizer is not None:
         optimizer.reload_model_params()
     if not ckpt.no_load_rng:
-        prefix = os.path.join(iteration_dir, "rng", f"rank_{_rank():05d}")
-        world_size = dist.get_world_size() if dist.is_initialized() else 1
-        if metadata["world_size"] != world_size or not os.path.exists(prefix + ".safetensors"):
-            raise CheckpointError(
-                f"{iteration_dir} holds no RNG state for rank {_rank()} of {world_size} (saved by "
-                f"{metadata['world_size']} ranks, or with --no-save-rng); pass --no-load-rng to continue "
-                "with fresh RNG states"
-            )
-        tensors, _ = _load_tensors(prefix + ".safetensors")
-        _set_rng_state(tensors, _read_json(prefix + ".json"))
+        _load_rng_state(iteration_dir, metadata, saved_layout, our_layout)
     logger.info("loaded checkpoint %s", iteration_dir)
     return TrainingProgress(
         iteration=metadata["iteration"],
@@ -413,60 +632,57 @@ def load_checkpoint(
     )
 
 
+def _load_rng_state(
+    iteration_dir: str, metadata: dict, saved_layout: tuple[int, int], our_layout: tuple[int, int]
+) -> None:
+    """This rank's RNG states; skipped (as --no-load-rng) when (TP, PP) changed, as Megatron does: another
+    layout's per-rank streams mean nothing here."""
+    if saved_layout != our_layout:
+        if _rank() == 0:
+            logger.warning(
+                "(TP, PP) changed from %s to %s: RNG states are per rank and do not carry over, so they are "
+                "not loaded (as --no-load-rng); dropout continues from this run's --seed",
+                saved_layout,
+                our_layout,
+            )
+        return
+    prefix = os.path.join(iteration_dir, "rng", f"rank_{_rank():05d}")
+    world_size = dist.get_world_size() if dist.is_initialized() else 1
+    if metadata["world_size"] != world_size or not os.path.exists(prefix + ".safetensors"):
+        raise CheckpointError(
+            f"{iteration_dir} holds no RNG state for rank {_rank()} of {world_size} (saved by "
+            f"{metadata['world_size']} ranks, or with --no-save-rng); pass --no-load-rng to continue "
+            "with fresh RNG states"
+        )
+    _set_rng_state(_load_tensors(prefix + ".safetensors"), _read_json(prefix + ".json"))
+
+
 def load_model_for_inference(
     load_dir: str, iteration: int | None = None, device: torch.device | str | None = None
 ) -> tuple[torch.nn.Module, MegatronConfig]:
     """A GPTModel in eval mode with the checkpoint's weights, and the config it was trained with.
 
-    Single process: a checkpoint saved with TP > 1 is merged along each param's partition dim.
+    Single process: the TP shards and PP stages of any saved layout are merged into one model.
     """
     from megatron_train.device import get_device
     from megatron_train.models.gpt import GPTModel
 
-    iteration_dir = _resolve_iteration_dir(load_dir, iteration)
+    iteration_dir = resolve_iteration_dir(load_dir, iteration)
     if iteration_dir is None:
         raise CheckpointError(
             f"no {TRACKER_FILENAME} in {load_dir}: pass iteration= or a directory with a save"
         )
-    metadata = read_metadata(iteration_dir)
-    config = config_from_dict(metadata["args"])
-    if metadata["pipeline_model_parallel_size"] != 1:
-        raise CheckpointError(f"{iteration_dir}: merging pipeline-parallel checkpoints is not supported yet")
-    tp_size = metadata["tensor_model_parallel_size"]
+    saved = SavedCheckpoint(iteration_dir)
+    config = config_from_dict(saved.metadata["args"])
     config.parallel.tensor_model_parallel_size = 1
+    config.parallel.pipeline_model_parallel_size = 1
     config.parallel.sequence_parallel = False
-    model = GPTModel(config.model, metadata["padded_vocab_size"])
-    shards = [
-        _load_tensors(os.path.join(model_shard_dir(iteration_dir, r, 0, 1), "model.safetensors"))
-        for r in range(tp_size)
-    ]
-    weights = _merge_tp_shards(shards)
-    expected = model.state_dict()
-    missing = sorted(set(expected) - set(weights))
-    if missing:
-        raise CheckpointError(f"{iteration_dir}: weights missing for {missing[:5]}")
-    model.load_state_dict({k: v for k, v in weights.items() if k in expected})
+    model = GPTModel(config.model, saved.padded_vocab_size)
+    names = {name: name for name in model.state_dict()}
+    _load_model_weights(model, saved, names, saved.padded_vocab_size, tp_size=1, tp_rank=0)
     dtype = (
         torch.bfloat16 if config.training.bf16 else torch.float16 if config.training.fp16 else torch.float32
     )
     model.to(device=device or get_device(), dtype=dtype)
     model.eval()
     return model, config
-
-
-def _merge_tp_shards(shards: list[tuple[dict[str, torch.Tensor], dict[str, str]]]) -> dict[str, torch.Tensor]:
-    """Concatenate TP shards along their partition dim (strided params interleave their stride blocks)."""
-    first_tensors, first_meta = shards[0]
-    sharding = json.loads(first_meta.get("sharding", "{}"))
-    merged = {}
-    for name, tensor in first_tensors.items():
-        info = sharding.get(name)
-        if len(shards) == 1 or info is None or not info["tensor_model_parallel"]:
-            merged[name] = tensor
-            continue
-        dim, stride = info["partition_dim"], info["partition_stride"]
-        parts = [s[0][name].chunk(stride, dim=dim) for s in shards]
-        merged[name] = torch.cat([p[i] for i in range(stride) for p in parts], dim=dim)
-    for alias, original in json.loads(first_meta.get("aliases", "{}")).items():
-        merged[alias] = merged[original]
-    return merged

@@ -22,7 +22,13 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from megatron_train.arguments import MegatronConfig, config_to_argv, validate_config
+from megatron_train.arguments import (
+    MegatronConfig,
+    config_from_dict,
+    config_to_argv,
+    parse_args,
+    validate_config,
+)
 from megatron_train.checkpointing import (
     TRACKER_FILENAME,
     checkpoint_dir,
@@ -32,12 +38,19 @@ from megatron_train.checkpointing import (
 from megatron_train.data.config import DataConfig
 from megatron_train.models.config import TransformerConfig
 from megatron_train.training.config import OptimizerConfig, TrainingConfig
-from storage.artifacts import ArtifactRef, ArtifactStore, ArtifactWriter, run_stage
+from storage.artifacts import (
+    ArtifactRef,
+    ArtifactStore,
+    ArtifactWriter,
+    input_fingerprint,
+    run_stage,
+    stage_key,
+)
 from storage.fingerprint import hash_file
 
 STAGE = "pretrain"
 VERSION = "1"
-log = logging.getLogger("stages.pretrain")  # every line of the training job; flows attach handlers here
+log = logging.getLogger("megatron_flow.stage.pretrain")  # every line of the training job; flows forward it
 
 
 def default_config() -> MegatronConfig:
@@ -60,6 +73,29 @@ class PretrainParams:
     nproc_per_node: int = 1
     json_key: str = "text"
     save_interval: int = 1000  # checkpoints in the run directory, what a retry resumes from
+
+
+Params = PretrainParams
+
+
+def params_from_argv(
+    argv: Sequence[str], nproc_per_node: int = 1, save_interval: int = 1000
+) -> PretrainParams:
+    """Params from Megatron flags; the data path, tokenizer and directories are the stage's to fill."""
+    config = parse_args([*argv, "--mock-data"], world_size=nproc_per_node)
+    return PretrainParams(config=config, nproc_per_node=nproc_per_node, save_interval=save_interval)
+
+
+def params_from_dict(values: dict) -> PretrainParams:
+    """Inverse of `dataclasses.asdict(params)` (how flows pass params between Prefect tasks)."""
+    return PretrainParams(**{**values, "config": config_from_dict(values["config"])})
+
+
+def key(params: PretrainParams, inputs: Sequence[ArtifactRef | None]) -> str:
+    """The output's key, as `run` computes it."""
+    tokenized, tokenizer = (list(inputs) + [None])[:2]
+    fingerprints = _tokenizer_flags(params, tokenizer)[1]
+    return stage_key(STAGE, VERSION, params, [input_fingerprint(tokenized), *fingerprints])
 
 
 def _tokenizer_flags(params: PretrainParams, tokenizer: ArtifactRef | None) -> tuple[dict, list[str]]:

@@ -11,11 +11,13 @@ import contextlib
 from collections.abc import Iterator
 from functools import partial
 from types import SimpleNamespace
+from typing import NamedTuple
 
 import pytest
 import torch
 from torch import nn
 
+from megatron_train.models.transformer import get_layer_range
 from megatron_train.parallel import state
 from megatron_train.parallel.p2p import P2PCommunicator, p2p_counters
 from megatron_train.parallel.schedules import (
@@ -23,7 +25,6 @@ from megatron_train.parallel.schedules import (
     forward_backward_no_pipelining,
     forward_backward_pipelining_with_interleaving,
     get_forward_backward_func,
-    pipeline_layer_range,
     pipeline_tensor_shape,
     sync_embedding_weights,
 )
@@ -131,20 +132,23 @@ class SyncRecorder(nn.Module):
         return self.module(*args)
 
 
-def run_case(
-    pp: int,
-    vp: int | None,
-    num_microbatches: int,
-    forward_only: bool = False,
-    loss_scale: float | None = None,
-) -> dict:
+class Case(NamedTuple):
+    pp: int
+    vp: int | None  # None: 1F1B, else interleaved with vp chunks per rank
+    num_microbatches: int
+    forward_only: bool = False
+    loss_scale: float | None = None  # fp16-style: the loss is multiplied before backward
+
+
+def run_case(case: Case) -> dict:
     """Build this rank's chunks, run one step with the schedule the state picks, return what the test checks."""
+    pp, vp, num_microbatches, forward_only, loss_scale = case
     state.initialize_model_parallel(pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vp)
     try:
         pp_rank, num_chunks = state.get_pipeline_model_parallel_rank(), vp or 1
         stages = [
             StageStack(
-                pipeline_layer_range(NUM_LAYERS, pp, pp_rank, vp, chunk),
+                get_layer_range(NUM_LAYERS, pp_rank, pp, chunk, vp),
                 pre_process=pp_rank == 0 and chunk == 0,
                 post_process=pp_rank == pp - 1 and chunk == num_chunks - 1,
             )
@@ -189,14 +193,14 @@ def run_case(
         state.destroy_model_parallel()
 
 
-def run_cases(rank: int, world_size: int, cases: list[tuple]) -> list[dict]:
-    return [run_case(*case) for case in cases]
+def run_cases(rank: int, world_size: int, cases: list[Case]) -> list[dict]:
+    return [run_case(case) for case in cases]
 
 
-def check_case(results: list[dict], pp: int, vp: int | None, num_microbatches: int, **options) -> None:
+def check_case(results: list[dict], case: Case) -> None:
     """Losses on the last stage, every layer's grad somewhere, tied embedding grads equal on both ends."""
-    forward_only = options.get("forward_only", False)
-    loss_scale = options.get("loss_scale") or 1.0
+    pp, vp, num_microbatches, forward_only, loss_scale = case
+    loss_scale = loss_scale or 1.0
     ref_losses, ref_grads = reference(num_microbatches)
     schedule = "forward_backward_pipelining_" + ("without" if vp is None else "with") + "_interleaving"
     dp = len(results) // pp
@@ -229,22 +233,20 @@ def reference_embedding() -> torch.Tensor:
 
 
 TWO_RANK_CASES = [
-    (2, None, 4),  # 1F1B with a steady phase
-    (2, None, 1),  # fewer micro-batches than stages: warm-up only
-    (2, None, 3, False, 8.0),  # fp16-style loss scaling: grads are the scaled ones
-    (2, 2, 4),  # interleaved, 2 chunks per rank
-    (2, 2, 2),  # interleaved with m == p: everything is warm-up
-    (2, None, 3, True),  # forward only
-    (2, 2, 4, True),
+    Case(2, None, 4),  # 1F1B with a steady phase
+    Case(2, None, 1),  # fewer micro-batches than stages: warm-up only
+    Case(2, None, 3, loss_scale=8.0),
+    Case(2, 2, 4),  # interleaved, 2 chunks per rank
+    Case(2, 2, 2),  # interleaved with m == p: everything is warm-up
+    Case(2, None, 3, forward_only=True),
+    Case(2, 2, 4, forward_only=True),
 ]
 
 
 def test_two_stage_schedules_equal_the_unpipelined_model():
     all_results = run_distributed(run_cases, 2, TWO_RANK_CASES)
     for i, case in enumerate(TWO_RANK_CASES):
-        pp, vp, m, *rest = case
-        options = dict(zip(("forward_only", "loss_scale"), rest, strict=False))
-        check_case([ranks[i] for ranks in all_results], pp, vp, m, **options)
+        check_case([ranks[i] for ranks in all_results], case)
     # 1F1B, m = 4: each stage sends one [s, b, h] fp32 tensor per micro-batch (activations / grads).
     nbytes = SEQ * MICRO_BATCH * HIDDEN * 4
     assert [ranks[0]["bytes_sent"] for ranks in all_results] == [4 * nbytes, 4 * nbytes]
@@ -254,21 +256,20 @@ def test_two_stage_schedules_equal_the_unpipelined_model():
 
 
 FOUR_RANK_CASES = [
-    (4, None, 6),
-    (4, None, 2),
-    (4, 2, 8),
-    (4, 2, 4),
-    (4, 2, 4, True),
+    Case(4, None, 6),
+    Case(4, None, 2),
+    Case(4, 2, 8),
+    Case(4, 2, 4),
+    Case(4, 2, 4, forward_only=True),
+    Case(2, None, 3),  # PP=2 x DP=2: pipeline groups [0, 2] and [1, 3], not neighbours in rank order
+    Case(2, 2, 4, loss_scale=4.0),
 ]
-FOUR_RANK_DATA_PARALLEL_CASES = [(2, None, 3), (2, 2, 4)]  # PP groups [0, 2] and [1, 3]
 
 
 def test_four_ranks_pipeline_and_data_parallel_layouts():
-    all_results = run_distributed(run_cases, 4, FOUR_RANK_CASES + FOUR_RANK_DATA_PARALLEL_CASES)
-    for i, case in enumerate(FOUR_RANK_CASES + FOUR_RANK_DATA_PARALLEL_CASES):
-        pp, vp, m, *rest = case
-        options = dict(zip(("forward_only", "loss_scale"), rest, strict=False))
-        check_case([ranks[i] for ranks in all_results], pp, vp, m, **options)
+    all_results = run_distributed(run_cases, 4, FOUR_RANK_CASES)
+    for i, case in enumerate(FOUR_RANK_CASES):
+        check_case([ranks[i] for ranks in all_results], case)
 
 
 def constraint_errors(rank: int, world_size: int) -> list[str]:
@@ -309,17 +310,11 @@ def test_constraint_errors_name_the_flag_to_change():
 
 
 def test_layer_ranges_follow_megatrons_interleaved_assignment():
+    """The model's partition that the schedules rely on: chunk c of rank r is virtual stage c * p + r."""
     chunk_layers = {
-        (rank, chunk): list(pipeline_layer_range(8, 2, rank, 2, chunk))
-        for rank in range(2)
-        for chunk in range(2)
+        (rank, chunk): list(get_layer_range(8, rank, 2, chunk, 2)) for rank in range(2) for chunk in range(2)
     }
     assert chunk_layers == {(0, 0): [0, 1], (1, 0): [2, 3], (0, 1): [4, 5], (1, 1): [6, 7]}
-    assert list(pipeline_layer_range(8, 4, 3)) == [6, 7]
-    with pytest.raises(
-        ValueError, match=r"--num-layers 6 is not divisible by .* 2 x virtual pipeline size 2"
-    ):
-        pipeline_layer_range(6, 2, 0, 2, 0)
 
 
 def test_no_pipelining_in_one_process_matches_reference_and_defers_grad_sync():
@@ -404,16 +399,17 @@ def tp_gather(shard: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
 
 
 def run_gpt_case(
-    full_state: dict, ref_grads: dict, tp: int, pp: int, vp: int | None, sequence_parallel: bool
+    full_state: dict, ref_grads: dict, tp: int, pp: int, vp: int | None, sequence_parallel: bool, ddp: bool
 ) -> dict:
     """One step of this rank's stages; grads are checked here, so what travels back stays small."""
+    from megatron_train.distributed.ddp import DDPConfig, DistributedDataParallel
     from megatron_train.models.gpt import GPTModel
     from megatron_train.parallel.layers import allreduce_sequence_parallel_grads
 
     state.initialize_model_parallel(tp, pp, vp)
     try:
         pp_rank, num_chunks = state.get_pipeline_model_parallel_rank(), vp or 1
-        chunks = []
+        stages = []
         for chunk in range(num_chunks):
             if vp:
                 state.set_virtual_pipeline_model_parallel_rank(chunk)
@@ -429,8 +425,12 @@ def run_gpt_case(
                     if name != "output_layer.weight":  # the tied copy: sync_embedding_weights fills it
                         full = torch.from_numpy(full_state[gpt_global_name(stage, name)])
                         param.copy_(tp_split(full, param))
-            chunks.append(stage)
-        sync_embedding_weights(chunks)
+            stages.append(stage)
+        sync_embedding_weights(stages)
+        data_parallel = partial(
+            DistributedDataParallel, config=DDPConfig(), data_parallel_group=state.get_data_parallel_group()
+        )
+        chunks = [data_parallel(stage) for stage in stages] if ddp else stages
         losses = get_forward_backward_func()(
             gpt_forward_step,
             [iter(gpt_batches()) for _ in chunks] if vp else iter(gpt_batches()),
@@ -440,19 +440,23 @@ def run_gpt_case(
             GPT_MICRO_BATCH,
             sequence_parallel=sequence_parallel,
         )
-        for stage in chunks:
+        for chunk, stage in zip(chunks, stages, strict=True):
+            if ddp:  # grads now in param.main_grad, averaged over the DP replicas
+                chunk.finish_grad_sync()
             allreduce_sequence_parallel_grads(stage)
         allreduce_embedding_grads(chunks)
         checked = []
-        for stage in chunks:
+        for stage in stages:
             for name, param in stage.named_parameters():
                 global_name = gpt_global_name(stage, name)
                 torch.testing.assert_close(
-                    tp_gather(param.grad, param),
+                    tp_gather(param.main_grad if ddp else param.grad, param),
                     torch.from_numpy(ref_grads[global_name]),
                     rtol=RTOL,
                     atol=1e-6,
-                    msg=lambda m, n=global_name: f"tp={tp} pp={pp} vp={vp} sp={sequence_parallel} {n}: {m}",
+                    msg=lambda m, n=global_name: (
+                        f"tp={tp} pp={pp} vp={vp} sp={sequence_parallel} ddp={ddp} {n}: {m}"
+                    ),
                 )
                 checked.append(global_name)
         return {"losses": [entry["lm loss"].item() for entry in losses], "checked": checked}
@@ -466,11 +470,11 @@ def run_gpt_cases(
     return [run_gpt_case(full_state, ref_grads, *case) for case in cases]
 
 
-GPT_CASES = [  # (tp, pp, vp, sequence_parallel) on 4 ranks
-    (1, 2, None, False),  # PP=2 x DP=2
-    (1, 2, 2, False),  # PP=2 x v=2 x DP=2
-    (2, 2, None, True),  # TP=2 with sequence parallel x PP=2: stages exchange [s / 2, b, h]
-    (2, 2, 2, True),
+GPT_CASES = [  # (tp, pp, vp, sequence_parallel, ddp) on 4 ranks
+    (1, 2, None, False, True),  # PP=2 x DP=2, grads reduced by our DDP wrapper (no_sync until the last)
+    (1, 2, 2, False, True),  # PP=2 x v=2 x DP=2
+    (2, 2, None, True, False),  # TP=2 with sequence parallel x PP=2: stages exchange [s / 2, b, h]
+    (2, 2, 2, True, False),
 ]
 
 
@@ -485,7 +489,7 @@ def test_tiny_gpt_split_into_stages_equals_the_single_process_gpt():
     ref_grads = {name: param.grad.numpy() for name, param in model.named_parameters()}
 
     all_results = run_distributed(run_gpt_cases, 4, full_state, ref_grads, GPT_CASES, timeout=150)
-    for i, (_, pp, _, _) in enumerate(GPT_CASES):
+    for i, (_, pp, *_) in enumerate(GPT_CASES):
         results = [ranks[i] for ranks in all_results]
         ranks_per_stage = len(results) // pp
         for rank, result in enumerate(results):

@@ -4,8 +4,12 @@ all-reduces start during backward as soon as every grad in the bucket is ready.
 Each param gets `param.main_grad`, a view into the buffer; a post-accumulate-grad hook adds the fresh
 `.grad` into it and frees `.grad`. On the last micro-batch (outside `no_sync()`), a bucket that becomes
 complete is averaged over the data-parallel group with an async all-reduce (`overlap_grad_reduce`), or
-all buckets are reduced at `finish_grad_sync()` (no overlap). This buffer is what a distributed optimizer
-later shards (reduce-scatter instead of all-reduce).
+all buckets are reduced at `finish_grad_sync()` (no overlap).
+
+With `use_distributed_optimizer` (Megatron's --use-distributed-optimizer) the params also live in one contiguous
+buffer laid out like the grads, every bucket is padded to a multiple of the DP size, and DP rank r owns the
+r-th equal part of each bucket: buckets are reduce-scattered into their owners' parts instead of all-reduced,
+and after the optimizer updated its parts `all_gather_params()` gives every rank all the params again.
 """
 
 from __future__ import annotations
@@ -19,20 +23,37 @@ import torch.distributed as dist
 
 DEFAULT_BUCKET_SIZE = 40_000_000
 
+# torch >= 2.10 renamed reduce_scatter_tensor / all_gather_into_tensor (same arguments).
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 
 @dataclass
 class DDPConfig:
     grad_reduce_in_fp32: bool = False
     overlap_grad_reduce: bool = False
     bucket_size: int | None = None  # elements; None: max(40M, 1M * DP) as in Megatron
+    use_distributed_optimizer: bool = False  # shard buckets over DP: reduce-scatter grads, all-gather params
 
 
 class Bucket:
-    """A slice of the grad buffer holding whole params; reduced with one collective."""
+    """A slice of the grad buffer holding whole params; reduced with one collective.
 
-    def __init__(self, params: list[torch.nn.Parameter], data: torch.Tensor) -> None:
+    `offsets[i]` is where `params[i]` starts inside the bucket; `param_data` is the same slice of the param
+    buffer (distributed optimizer only, else None).
+    """
+
+    def __init__(
+        self,
+        params: list[torch.nn.Parameter],
+        offsets: list[int],
+        data: torch.Tensor,
+        param_data: torch.Tensor | None,
+    ) -> None:
         self.params = params
+        self.offsets = offsets
         self.data = data
+        self.param_data = param_data
         self.pending: set[torch.nn.Parameter] = set(params)
         self.handle: dist.Work | None = None
         self.launched = False
@@ -41,6 +62,11 @@ class Bucket:
         self.pending = set(self.params)
         self.handle = None
         self.launched = False
+
+    def shard(self, tensor: torch.Tensor, dp_rank: int, dp_size: int) -> torch.Tensor:
+        """DP rank `dp_rank`'s equal part of `tensor` (this bucket's grads or params)."""
+        size = tensor.numel() // dp_size
+        return tensor[dp_rank * size : (dp_rank + 1) * size]
 
 
 class DistributedDataParallel(torch.nn.Module):
@@ -54,6 +80,7 @@ class DistributedDataParallel(torch.nn.Module):
         self.config = config
         self.group = data_parallel_group
         self.dp_size = dist.get_world_size(data_parallel_group) if dist.is_initialized() else 1
+        self.dp_rank = dist.get_rank(data_parallel_group) if dist.is_initialized() else 0
         bucket_size = config.bucket_size or max(DEFAULT_BUCKET_SIZE, 1_000_000 * self.dp_size)
         params = [p for p in module.parameters() if p.requires_grad]
         self.buffers_by_dtype: dict[torch.dtype, torch.Tensor] = {}
@@ -80,19 +107,45 @@ class DistributedDataParallel(torch.nn.Module):
         return torch.float32 if self.config.grad_reduce_in_fp32 else param.dtype
 
     def _build_buffer(self, dtype: torch.dtype, params: list[torch.nn.Parameter], bucket_size: int) -> None:
-        numel = sum(p.numel() for p in params)
-        buffer = torch.zeros(numel, dtype=dtype, device=params[0].device)
-        self.buffers_by_dtype[dtype] = buffer
-        offset, bucket_start, bucket_params = 0, 0, []
+        """One grad buffer for `params` (and, sharded, one param buffer), split into buckets of whole params."""
+        groups, current, current_numel = [], [], 0
         for param in params:
-            param.main_grad = buffer[offset : offset + param.numel()].view_as(param)
-            offset += param.numel()
-            bucket_params.append(param)
-            if offset - bucket_start >= bucket_size or param is params[-1]:
-                bucket = Bucket(bucket_params, buffer[bucket_start:offset])
-                self.buckets.append(bucket)
-                self.bucket_of.update(dict.fromkeys(bucket_params, bucket))
-                bucket_start, bucket_params = offset, []
+            current.append(param)
+            current_numel += param.numel()
+            if current_numel >= bucket_size or param is params[-1]:
+                groups.append(current)
+                current, current_numel = [], 0
+        multiple = self.dp_size if self.config.use_distributed_optimizer else 1
+        sizes = [-(-sum(p.numel() for p in group) // multiple) * multiple for group in groups]
+        buffer = torch.zeros(sum(sizes), dtype=dtype, device=params[0].device)
+        self.buffers_by_dtype[dtype] = buffer
+        param_buffer = (
+            self._build_param_buffer(params, sum(sizes)) if self.config.use_distributed_optimizer else None
+        )
+        start = 0
+        for group, size in zip(groups, sizes, strict=True):
+            offsets, offset = [], start
+            for param in group:
+                param.main_grad = buffer[offset : offset + param.numel()].view_as(param)
+                if param_buffer is not None:
+                    param.data = (
+                        param_buffer[offset : offset + param.numel()].view_as(param).copy_(param.data)
+                    )
+                offsets.append(offset - start)
+                offset += param.numel()
+            param_data = param_buffer[start : start + size] if param_buffer is not None else None
+            bucket = Bucket(group, offsets, buffer[start : start + size], param_data)
+            self.buckets.append(bucket)
+            self.bucket_of.update(dict.fromkeys(group, bucket))
+            start += size
+
+    def _build_param_buffer(self, params: list[torch.nn.Parameter], numel: int) -> torch.Tensor:
+        dtypes = {p.dtype for p in params}
+        if len(dtypes) > 1:
+            raise ValueError(
+                f"--use-distributed-optimizer needs one param dtype per grad buffer, got {sorted(map(str, dtypes))}"
+            )
+        return torch.zeros(numel, dtype=params[0].dtype, device=params[0].device)
 
     def _on_grad_ready(self, param: torch.nn.Parameter) -> None:
         param.main_grad.add_(param.grad)
@@ -108,9 +161,12 @@ class DistributedDataParallel(torch.nn.Module):
         if self.dp_size == 1:
             return
         bucket.data.div_(self.dp_size)
-        bucket.handle = dist.all_reduce(
-            bucket.data, group=self.group, async_op=self.config.overlap_grad_reduce
-        )
+        async_op = self.config.overlap_grad_reduce
+        if self.config.use_distributed_optimizer:  # each rank keeps only its own part, reduced
+            local = bucket.shard(bucket.data, self.dp_rank, self.dp_size)
+            bucket.handle = _reduce_scatter(local, bucket.data, group=self.group, async_op=async_op)
+        else:
+            bucket.handle = dist.all_reduce(bucket.data, group=self.group, async_op=async_op)
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -130,6 +186,22 @@ class DistributedDataParallel(torch.nn.Module):
             if bucket.handle is not None and self.config.overlap_grad_reduce:
                 bucket.handle.wait()
             bucket.reset()
+
+    def all_gather_params(self) -> None:
+        """Distributed optimizer: after each rank updated its part of the param buffer, every rank gets all of it."""
+        if self.dp_size == 1:
+            return
+        handles = [
+            _all_gather(
+                bucket.param_data,
+                bucket.shard(bucket.param_data, self.dp_rank, self.dp_size),
+                group=self.group,
+                async_op=True,
+            )
+            for bucket in self.buckets
+        ]
+        for handle in handles:
+            handle.wait()
 
     def zero_grad_buffer(self) -> None:
         for buffer in self.buffers_by_dtype.values():

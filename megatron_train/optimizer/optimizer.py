@@ -3,6 +3,7 @@
 The model's params may be bf16/fp16; the optimizer keeps an fp32 copy of each (the "main" param) and fp32
 grads, steps on those, and copies the result back. With fp32 models the main param is the model param.
 Grads are read from `param.main_grad` (the local DDP's contiguous buffer) when present, else `param.grad`.
+`DistributedOptimizer` (distrib_optimizer.py) subclasses it and overrides the hooks that touch main params.
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ class MegatronOptimizer:
     """One optimizer step as Megatron takes it: grads -> fp32, unscale and overflow check, clip, step, copy back.
 
     `step()` returns `(update_successful, grad_norm)`; an fp16 step whose grads overflowed is skipped
-    (no update, grad_norm None) and the loss scaler backs off.
+    (no update, grad_norm None) and the loss scaler backs off. `main_params[i]` is the fp32 tensor the
+    optimizer steps for `model_params[i]` (None where a subclass holds no part of that param).
     """
 
     def __init__(
@@ -54,20 +56,21 @@ class MegatronOptimizer:
         self.mixed_precision = params_dtype != torch.float32
         self.names = [n for n, _ in named_params]
         self.model_params = [p for _, p in named_params]
-        if self.mixed_precision:
-            self.main_params = [p.detach().float().clone() for p in self.model_params]
-            for main, model in zip(self.main_params, self.model_params, strict=True):
-                for attr in ("tensor_model_parallel", "partition_dim", "partition_stride", "shared"):
-                    if hasattr(model, attr):
-                        setattr(main, attr, getattr(model, attr))
-        else:
-            self.main_params = list(self.model_params)
+        self.main_params = self._build_main_params()
+        for main, model in zip(self.main_params, self.model_params, strict=True):
+            if main is not None:
+                copy_parallel_attributes(model, main)
         main_of = {id(model): main for model, main in zip(self.model_params, self.main_params, strict=True)}
-        groups = get_param_groups(named_params)
+        groups = get_param_groups(named_params)  # a subclass's rank may hold no part of a group: kept empty
         for group in groups:
-            group["params"] = [main_of[id(p)] for p in group["params"]]
+            group["params"] = [main_of[id(p)] for p in group["params"] if main_of[id(p)] is not None]
         self.optimizer = _build_torch_optimizer(groups, config)
         self.grad_scaler = _build_grad_scaler(config, params_dtype)
+
+    def _build_main_params(self) -> list[torch.Tensor | None]:
+        if self.mixed_precision:
+            return [p.detach().float().clone() for p in self.model_params]
+        return list(self.model_params)
 
     @property
     def param_groups(self) -> list[dict]:
@@ -80,7 +83,8 @@ class MegatronOptimizer:
         for param in self.model_params:
             param.grad = None
         for param in self.main_params:
-            param.grad = None
+            if param is not None:
+                param.grad = None
 
     def _main_grads(self) -> tuple[list[torch.nn.Parameter], list[torch.Tensor]]:
         """Point each main param's .grad at the fp32 grad of its model param; return those that have one."""
@@ -103,8 +107,24 @@ class MegatronOptimizer:
             torch._foreach_mul_(grads, self.grad_scaler.inv_scale)
             finite = torch.stack([torch.isfinite(g).all() for g in grads]).all()
             found_inf = (~finite).float().to(found_inf.device)
-        all_reduce_model_parallel(found_inf, dist.ReduceOp.MAX)
+        self._all_reduce_grad_stats(found_inf, dist.ReduceOp.MAX)
         return bool(found_inf.item() > 0)
+
+    def _all_reduce_grad_stats(self, tensor: torch.Tensor, op: dist.ReduceOp) -> None:
+        """Reduce a statistic of the grads this rank holds over every rank holding other grads."""
+        all_reduce_model_parallel(tensor, op)
+
+    def _grad_norm(self, params: list[torch.Tensor], grads: list[torch.Tensor]) -> float:
+        return get_grad_norm_fp32(list(zip(params, grads, strict=True)))
+
+    def _copy_main_params_to_model_params(self) -> None:
+        if self.mixed_precision:
+            for model, main in zip(self.model_params, self.main_params, strict=True):
+                model.data.copy_(main.data)
+
+    def _local_part(self, index: int, full: torch.Tensor) -> torch.Tensor:
+        """The part of a full (checkpointed) tensor of `model_params[index]` that `main_params[index]` holds."""
+        return full
 
     @torch.no_grad()
     def step(self) -> tuple[bool, float | None]:
@@ -114,13 +134,11 @@ class MegatronOptimizer:
             self.grad_scaler.update(found_inf)
             if found_inf:
                 return False, None
-        grad_norm = get_grad_norm_fp32(list(zip(params, grads, strict=True)))
+        grad_norm = self._grad_norm(params, grads)
         if self.config.clip_grad > 0.0:
             clip_grads_by_total_norm(grads, self.config.clip_grad, grad_norm)
         self.optimizer.step()
-        if self.mixed_precision:
-            for model, main in zip(self.model_params, self.main_params, strict=True):
-                model.data.copy_(main.data)
+        self._copy_main_params_to_model_params()
         return True, grad_norm
 
     def reload_model_params(self) -> None:
@@ -129,15 +147,22 @@ class MegatronOptimizer:
             for model, main in zip(self.model_params, self.main_params, strict=True):
                 main.data.copy_(model.data)
 
+    def _full_param_states(self) -> list[tuple[str, torch.Tensor, dict]]:
+        """(name, fp32 main param, optimizer state) per param, each tensor the param's full shape."""
+        return [
+            (name, main.detach(), self.optimizer.state.get(main, {}))
+            for name, main in zip(self.names, self.main_params, strict=True)
+        ]
+
     def state_dict(self) -> tuple[dict[str, torch.Tensor], dict]:
         """(tensors keyed `<param name>.<state>`, JSON-able rest): fp32 main params, Adam moments, scalars."""
         tensors: dict[str, torch.Tensor] = {}
         scalars: dict[str, dict[str, float]] = {}
         tensor_states: dict[str, list[str]] = {}
-        for name, main in zip(self.names, self.main_params, strict=True):
+        for name, main, param_state in self._full_param_states():
             if self.mixed_precision:
-                tensors[f"{name}.main_param"] = main.detach()
-            for key, value in self.optimizer.state.get(main, {}).items():
+                tensors[f"{name}.main_param"] = main
+            for key, value in param_state.items():
                 if isinstance(value, torch.Tensor) and value.dim() > 0:
                     tensors[f"{name}.{key}"] = value
                     tensor_states.setdefault(name, []).append(key)
@@ -165,24 +190,35 @@ class MegatronOptimizer:
                 f"unexpected {extra[:5]}); load with --no-load-optim to start the optimizer afresh"
             )
         with torch.no_grad():
-            for name, main in zip(self.names, self.main_params, strict=True):
+            for index, (name, model, main) in enumerate(
+                zip(self.names, self.model_params, self.main_params, strict=True)
+            ):
+                if main is None:
+                    continue
                 if self.mixed_precision:
-                    main.copy_(_take(tensors, f"{name}.main_param", main, source))
+                    main.copy_(self._local_part(index, _take(tensors, f"{name}.main_param", model, source)))
                 state = {
                     key: torch.tensor(v, dtype=torch.float32)
                     for key, v in meta["scalars"].get(name, {}).items()
                 }
                 for key in meta["tensor_states"].get(name, []):
-                    state[key] = _take(tensors, f"{name}.{key}", main, source).clone()
+                    state[key] = self._local_part(
+                        index, _take(tensors, f"{name}.{key}", model, source)
+                    ).clone()
                 if state:
                     self.optimizer.state[main] = state
-            if self.mixed_precision:
-                for model, main in zip(self.model_params, self.main_params, strict=True):
-                    model.data.copy_(main.data)
+            self._copy_main_params_to_model_params()
         for group, saved in zip(self.optimizer.param_groups, meta["param_groups"], strict=True):
             group.update({k: tuple(v) if isinstance(v, list) else v for k, v in saved.items()})
         if self.grad_scaler is not None and meta["grad_scaler"] is not None:
             self.grad_scaler.load_state_dict(meta["grad_scaler"])
+
+
+def copy_parallel_attributes(source: torch.Tensor, target: torch.Tensor) -> None:
+    """Carry TP sharding and tied-weight marks over to an fp32 main param (the grad-norm rules read them)."""
+    for attr in ("tensor_model_parallel", "partition_dim", "partition_stride", "shared"):
+        if hasattr(source, attr):
+            setattr(target, attr, getattr(source, attr))
 
 
 def _take(tensors: dict[str, torch.Tensor], key: str, like: torch.Tensor, source: str) -> torch.Tensor:
@@ -227,10 +263,3 @@ def _build_grad_scaler(config: OptimizerConfig, params_dtype: torch.dtype) -> Co
         growth_interval=config.loss_scale_window,
         hysteresis=config.hysteresis,
     )
-
-
-def get_megatron_optimizer(
-    config: OptimizerConfig, model: torch.nn.Module, params_dtype: torch.dtype = torch.float32
-) -> MegatronOptimizer:
-    """The optimizer over `model`'s parameters (pass the unwrapped module so names match its state dict)."""
-    return MegatronOptimizer(list(model.named_parameters()), config, params_dtype)

@@ -103,11 +103,13 @@ class P2PCommunicator:
     def send_forward_recv_forward(
         self, output_tensor: torch.Tensor | None, recv_prev: bool
     ) -> torch.Tensor | None:
+        """Send an output forward; receive the next chunk's input from the previous rank if `recv_prev`."""
         return self.exchange(tensor_send_next=output_tensor, recv_prev=recv_prev)[0]
 
     def send_backward_recv_backward(
         self, input_tensor_grad: torch.Tensor | None, recv_next: bool
     ) -> torch.Tensor | None:
+        """Send an input gradient back; receive an output gradient from the next rank if `recv_next`."""
         return self.exchange(tensor_send_prev=input_tensor_grad, recv_next=recv_next)[1]
 
     def send_forward_backward_recv_forward_backward(
@@ -117,6 +119,7 @@ class P2PCommunicator:
         recv_prev: bool,
         recv_next: bool,
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Both directions at once (the steady 1F1B phase): returns (next input, next output gradient)."""
         return self.exchange(
             tensor_send_next=output_tensor,
             tensor_send_prev=input_tensor_grad,

@@ -46,30 +46,6 @@ def get_forward_backward_func() -> Callable[..., list[dict[str, Any]]]:
     return forward_backward_pipelining_without_interleaving
 
 
-def pipeline_layer_range(
-    num_layers: int,
-    pipeline_size: int,
-    pipeline_rank: int,
-    virtual_size: int | None = None,
-    virtual_rank: int = 0,
-) -> range:
-    """Global indices of the layers model chunk `virtual_rank` of pipeline rank `pipeline_rank` holds.
-
-    Megatron's interleaved assignment: the model is cut into p * v equal chunks and chunk c of rank r is
-    virtual stage c * p + r, so a micro-batch visits every rank v times.
-    """
-    num_chunks = pipeline_size * (virtual_size or 1)
-    if num_layers % num_chunks:
-        raise ValueError(
-            f"--num-layers {num_layers} is not divisible by --pipeline-model-parallel-size {pipeline_size} x "
-            f"virtual pipeline size {virtual_size or 1} = {num_chunks} model chunks; change --num-layers, "
-            "--pipeline-model-parallel-size or --num-layers-per-virtual-pipeline-stage"
-        )
-    layers_per_chunk = num_layers // num_chunks
-    start = (virtual_rank * pipeline_size + pipeline_rank) * layers_per_chunk
-    return range(start, start + layers_per_chunk)
-
-
 def pipeline_tensor_shape(
     seq_length: int, micro_batch_size: int, hidden_size: int, sequence_parallel: bool = False
 ) -> tuple[int, int, int]:
@@ -430,6 +406,18 @@ def _unwrapped_attr(model: nn.Module, name: str) -> Any:
     return getattr(model, name)
 
 
+def _hidden_size(model: nn.Module) -> int:
+    """`config.hidden_size` of the model, looking through wrappers (whose own `config` may be another kind)."""
+    while getattr(getattr(model, "config", None), "hidden_size", None) is None:
+        if not hasattr(model, "module"):
+            raise ValueError(
+                "cannot tell the pipeline activation shape: pass tensor_shape=(seq, micro_batch, hidden) "
+                "or give the model chunk a `config` with `hidden_size`"
+            )
+        model = model.module
+    return model.config.hidden_size
+
+
 def _communicator(
     chunk: nn.Module,
     seq_length: int,
@@ -440,14 +428,9 @@ def _communicator(
 ) -> P2PCommunicator:
     """The exchange for this step: shape from the model's hidden size unless given, dtype the parameters'."""
     if tensor_shape is None:
-        try:
-            hidden_size = _unwrapped_attr(chunk, "config").hidden_size
-        except AttributeError as error:
-            raise ValueError(
-                "cannot tell the pipeline activation shape: pass tensor_shape=(seq, micro_batch, hidden) "
-                "or give the model chunk a `config` with `hidden_size`"
-            ) from error
-        tensor_shape = pipeline_tensor_shape(seq_length, micro_batch_size, hidden_size, sequence_parallel)
+        tensor_shape = pipeline_tensor_shape(
+            seq_length, micro_batch_size, _hidden_size(chunk), sequence_parallel
+        )
     if dtype is None:
         dtype = next(chunk.parameters()).dtype
     return P2PCommunicator(tensor_shape, dtype)

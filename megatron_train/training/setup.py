@@ -91,10 +91,13 @@ def setup_model_and_optimizer(
         grad_reduce_in_fp32=training.accumulate_allreduce_grads_in_fp32,
         overlap_grad_reduce=training.overlap_grad_reduce,
         bucket_size=training.ddp_bucket_size,
+        use_distributed_optimizer=config.parallel.use_distributed_optimizer,
     )
     dp_group = state.get_data_parallel_group() if state.model_parallel_is_initialized() else None
     model = wrap_data_parallel(unwrapped, training.ddp_impl, ddp_config, dp_group)
-    optimizer = get_megatron_optimizer(config.optimizer, unwrapped, config.model.params_dtype)
+    optimizer = get_megatron_optimizer(
+        config.optimizer, model, config.model.params_dtype, config.parallel.use_distributed_optimizer
+    )
     scheduler = build_opt_param_scheduler(
         optimizer.optimizer,
         config.optimizer,

@@ -1,0 +1,67 @@
+"""The eval flow: corpus -> pretrain -> evaluate, each cached; writes the report (JSON, Markdown, PNG curves).
+
+python -m flows.eval                                       # the whole path on the embedded corpus
+python -m flows.eval --wikitext wiki.test.tokens --lambada lambada_test.jsonl -- --train-iters 2000
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from typing import Any
+
+from prefect import flow, get_run_logger
+from pydantic import BaseModel, ConfigDict
+
+from flows.pretrain import PretrainFlowConfig, pretrain_flow
+from flows.pretrain import parse as parse_pretrain
+from flows.tasks import make_task_runner, run_stage_task
+from stages.evaluate import EvaluateParams
+
+
+class EvalFlowConfig(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    pretrain: PretrainFlowConfig = PretrainFlowConfig()
+    evaluate: EvaluateParams = EvaluateParams()
+
+
+@flow(name="eval")
+def eval_flow(config: EvalFlowConfig = EvalFlowConfig()) -> dict[str, Any]:
+    """Everything from raw text to the evaluation report; returns every stage's artifact reference."""
+    refs = pretrain_flow(config.pretrain)
+    inputs = [refs["pretrain"], refs["tokenize"]]
+    store = config.pretrain.corpus.store
+    refs["evaluate"] = run_stage_task("evaluate", dataclasses.asdict(config.evaluate), inputs, store)
+    get_run_logger().info("report: %s/report.md", refs["evaluate"]["url"])
+    return refs
+
+
+def parse(argv: list[str] | None) -> EvalFlowConfig:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    split = argv.index("--") if "--" in argv else len(argv)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--wikitext", default=None, help="a WikiText-103 wiki.test.tokens file to score")
+    parser.add_argument("--lambada", default=None, help="a LAMBADA lambada_test.jsonl file to score")
+    args, rest = parser.parse_known_args(argv[:split])
+    return EvalFlowConfig(
+        pretrain=parse_pretrain([*rest, *argv[split:]]),
+        evaluate=EvaluateParams(wikitext_path=args.wikitext, lambada_path=args.lambada),
+    )
+
+
+def run_eval(config: EvalFlowConfig) -> dict[str, Any]:
+    corpus = config.pretrain.corpus
+    runner = make_task_runner(corpus.task_runner, corpus.workers, corpus.cluster_address)
+    return eval_flow.with_options(task_runner=runner)(config)
+
+
+def main(argv: list[str] | None = None) -> int:
+    refs = run_eval(parse(argv))
+    print(f"report: {refs['evaluate']['url']}/report.md")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

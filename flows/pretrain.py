@@ -1,0 +1,82 @@
+"""The pretrain flow: the corpus flow's token data, then `torchrun -m megatron_train.pretrain_gpt` as a stage.
+
+    python -m flows.pretrain                                   # a small GPT on the embedded corpus, 2 processes
+    python -m flows.pretrain --nproc-per-node 1 -- --num-layers 8 --hidden-size 512 --train-iters 2000
+
+Flags after `--` are Megatron's and override the small defaults below (later flags win). The stage is cached
+like every other: rerun with nothing changed returns the trained run at once; a retry after a crash resumes from
+the run's latest checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from typing import Any
+
+from prefect import flow, get_run_logger
+from pydantic import BaseModel, ConfigDict
+
+from flows.corpus import CorpusConfig, corpus_flow
+from flows.tasks import make_task_runner, run_stage_task
+from stages.pretrain import params_from_argv
+
+# A GPT small enough to train in a few minutes on 2 CPU cores, large enough for the validation loss to fall.
+SMALL_GPT_ARGS: tuple[str, ...] = (
+    "--num-layers", "4", "--hidden-size", "128", "--num-attention-heads", "4", "--seq-length", "128",
+    "--max-position-embeddings", "128", "--micro-batch-size", "8", "--global-batch-size", "16",
+    "--train-iters", "400", "--lr", "3e-3", "--min-lr", "3e-4", "--lr-decay-style", "cosine",
+    "--lr-warmup-iters", "40", "--weight-decay", "0.1", "--clip-grad", "1.0", "--split", "949,50,1",
+    "--eval-interval", "50", "--eval-iters", "5", "--log-interval", "10", "--seed", "1234",
+    "--hidden-dropout", "0.0", "--attention-dropout", "0.0",
+)  # fmt: skip
+
+
+class PretrainFlowConfig(BaseModel):
+    """The corpus to train on, Megatron's flags for the run, and how many processes run it."""
+
+    model_config = ConfigDict(frozen=True)
+
+    corpus: CorpusConfig = CorpusConfig()
+    megatron_args: tuple[str, ...] = SMALL_GPT_ARGS
+    nproc_per_node: int = 2
+    save_interval: int = 50
+
+
+@flow(name="pretrain")
+def pretrain_flow(config: PretrainFlowConfig = PretrainFlowConfig()) -> dict[str, Any]:
+    """Corpus (cached) -> pretrain; returns every stage's artifact reference."""
+    refs = corpus_flow(config.corpus)
+    params = params_from_argv(config.megatron_args, config.nproc_per_node, config.save_interval)
+    inputs = [refs["tokenize"], *([refs["train_tokenizer"]] if "train_tokenizer" in refs else [])]
+    refs["pretrain"] = run_stage_task("pretrain", dataclasses.asdict(params), inputs, config.corpus.store)
+    get_run_logger().info("trained run: %s", refs["pretrain"]["url"])
+    return refs
+
+
+def parse(argv: list[str] | None) -> PretrainFlowConfig:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    megatron = argv[argv.index("--") + 1 :] if "--" in argv else []
+    own = argv[: argv.index("--")] if "--" in argv else argv
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--store", default=CorpusConfig().store, help="artifact store URL")
+    parser.add_argument("--nproc-per-node", type=int, default=PretrainFlowConfig().nproc_per_node)
+    args = parser.parse_args(own)
+    return PretrainFlowConfig(
+        corpus=CorpusConfig(store=args.store),
+        megatron_args=(*SMALL_GPT_ARGS, *megatron),
+        nproc_per_node=args.nproc_per_node,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    config = parse(argv)
+    runner = make_task_runner(config.corpus.task_runner, config.corpus.workers, config.corpus.cluster_address)
+    refs = pretrain_flow.with_options(task_runner=runner)(config)
+    print(f"trained run: {refs['pretrain']['url']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,152 @@
+"""Pure resharding rules for checkpoints: TP shards <-> global tensors, layer numbers across PP stages, vocab padding.
+
+A checkpoint stores every tensor under its global name (`decoder.layers.<global index>.`) together with how it
+is split over tensor parallelism (Megatron's `partition_dim` and `partition_stride`). Any (TP, PP) layout can
+then take its part: merge the saved TP shards into the global tensor, resize the padded vocabulary if the new
+TP size pads it differently, and cut the new TP rank's slice. No files and no process groups here.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from megatron_train.models.config import TransformerConfig
+
+WORD_EMBEDDING = "embedding.word_embeddings.weight"
+OUTPUT_WEIGHT = "output_layer.weight"
+# Params whose first dim is the padded vocabulary (split across TP along it).
+VOCAB_PARAMS = (WORD_EMBEDDING, OUTPUT_WEIGHT)
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+
+
+@dataclass(frozen=True)
+class TensorSharding:
+    """How one param is laid out across TP ranks: `partition_dim` -1 means replicated on every rank.
+
+    With stride s the global dim is cut into TP * s equal chunks and TP rank r holds chunks r, r + TP, ...
+    (a SwiGLU fc1 [gate; up] has s = 2, so each rank holds [gate_r; up_r]).
+    """
+
+    partition_dim: int = -1
+    partition_stride: int = 1
+
+    @property
+    def is_split(self) -> bool:
+        return self.partition_dim >= 0
+
+
+def merge_tp_shards(shards: Sequence[torch.Tensor], sharding: TensorSharding) -> torch.Tensor:
+    """The global tensor from its TP shards, in TP rank order (inverse of `split_tp_shard`)."""
+    if not sharding.is_split or len(shards) == 1:
+        return shards[0]
+    dim, stride = sharding.partition_dim, sharding.partition_stride
+    pieces = [shard.chunk(stride, dim=dim) for shard in shards]
+    return torch.cat([rank_pieces[i] for i in range(stride) for rank_pieces in pieces], dim=dim)
+
+
+def split_tp_shard(
+    tensor: torch.Tensor, sharding: TensorSharding, tp_size: int, tp_rank: int, name: str = "tensor"
+) -> torch.Tensor:
+    """TP rank `tp_rank`'s slice of a global tensor (the same cut `_sharded_master_weight` makes at init)."""
+    if not sharding.is_split or tp_size == 1:
+        return tensor
+    dim, stride = sharding.partition_dim, sharding.partition_stride
+    if tensor.shape[dim] % (tp_size * stride):
+        raise ValueError(
+            f"{name}: dim {dim} of size {tensor.shape[dim]} cannot be split into {tp_size} TP ranks x stride "
+            f"{stride}; pick a tensor model parallel size that divides it"
+        )
+    pieces = tensor.chunk(tp_size * stride, dim=dim)
+    return torch.cat(pieces[tp_rank::tp_size], dim=dim).contiguous()
+
+
+def resize_vocab(tensor: torch.Tensor, padded_vocab_size: int, replicate_last_row: bool) -> torch.Tensor:
+    """Cut or extend the padding rows of a [padded vocab, ...] tensor.
+
+    Extra rows copy the last row for weights (Megatron's checkpoint converter does the same) or are zeros
+    (Adam moments: a fresh state). Rows beyond the true vocabulary are padding, so cutting them loses nothing
+    as long as the new size still holds the true vocabulary.
+    """
+    rows = tensor.shape[0]
+    if rows >= padded_vocab_size:
+        return tensor[:padded_vocab_size]
+    extra = padded_vocab_size - rows
+    fill = (
+        tensor[-1:].expand(extra, *tensor.shape[1:])
+        if replicate_last_row
+        else tensor.new_zeros(extra, *tensor.shape[1:])
+    )
+    return torch.cat((tensor, fill))
+
+
+def padded_vocab_sizes_agree(saved: int, saved_multiple: int, ours: int, our_multiple: int) -> bool:
+    """Whether one true vocabulary size pads to `saved` (multiple `saved_multiple` = divisible-by x TP) and
+    to `ours`: a TP change may re-pad the vocabulary, a different tokenizer may not."""
+    return max(saved - saved_multiple, ours - our_multiple) < min(saved, ours)
+
+
+def layer_number(name: str) -> int | None:
+    """The layer index in `decoder.layers.<i>.`, None for params outside the layer stack."""
+    match = _LAYER.match(name)
+    return int(match.group(1)) if match else None
+
+
+def renumber_layer(name: str, offset: int) -> str:
+    """`decoder.layers.<i>.x` -> `decoder.layers.<i + offset>.x` (local <-> global); other names unchanged."""
+    index = layer_number(name)
+    if index is None or offset == 0:
+        return name
+    return _LAYER.sub(f"decoder.layers.{index + offset}.", name, count=1)
+
+
+def global_param_name(local_name: str, layer_offset: int, holds_tied_output_copy: bool) -> str:
+    """The checkpoint name of a param of one pipeline stage.
+
+    The last stage's copy of a tied output layer (PP > 1) is the word embedding, which the first stage owns;
+    the pipeline engine keeps both copies equal, so the checkpoint stores it once, as the embedding.
+    """
+    if holds_tied_output_copy and local_name == OUTPUT_WEIGHT:
+        return WORD_EMBEDDING
+    return renumber_layer(local_name, layer_offset)
+
+
+def stage_tensor_names(
+    global_names: Sequence[str], layers: range, pre_process: bool, post_process: bool
+) -> list[str]:
+    """The checkpoint names one pipeline stage's shard holds (embedding first, final norm and output last),
+    in the order of `global_names`, a whole GPT model's tensors in module order."""
+    names = []
+    for name in global_names:
+        index = layer_number(name)
+        if index is not None:
+            owned = index in layers
+        elif name.startswith("embedding."):
+            owned = pre_process
+        elif name.startswith(("decoder.final_layernorm.", "output_layer.")):
+            owned = post_process
+        else:
+            raise ValueError(f"checkpoint tensor {name!r} belongs to no known GPT pipeline stage")
+        if owned:
+            names.append(name)
+    return names
+
+
+def check_layout(model: TransformerConfig, padded_vocab_size: int, tp_size: int, pp_size: int) -> None:
+    """Refuse a (TP, PP) layout the model cannot be cut into, naming the setting that does not divide."""
+    splits = (
+        ("--num-attention-heads", model.num_attention_heads, tp_size, "tensor"),
+        ("number of query groups (--num-query-groups)", model.num_query_groups_effective, tp_size, "tensor"),
+        ("--ffn-hidden-size", model.ffn_hidden_size, tp_size, "tensor"),
+        ("padded vocabulary size", padded_vocab_size, tp_size, "tensor"),
+        ("--num-layers", model.num_layers, pp_size, "pipeline"),
+    )
+    for what, size, parts, kind in splits:
+        if parts < 1 or size % parts:
+            raise ValueError(
+                f"{what} ({size}) is not divisible by the target {kind} model parallel size ({parts}); "
+                f"pick a {kind} model parallel size that divides it"
+            )

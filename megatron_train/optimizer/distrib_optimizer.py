@@ -1,0 +1,187 @@
+"""Megatron's distributed optimizer (`--use-distributed-optimizer`): fp32 main params and Adam states sharded
+over the data-parallel group, as Megatron-Core's DistributedOptimizer.
+
+Layout: our DDP (built with `DDPConfig(use_distributed_optimizer=True)`) pads every grad bucket to a multiple
+of the DP size, and DP rank r owns the r-th equal part of each bucket. A param may straddle two ranks' parts;
+each rank keeps the fp32 main copy and the optimizer state of only the elements inside its part (a
+`ParamShard`). One step: grads are reduce-scattered into the owners' parts (by the DDP, during backward with
+--overlap-grad-reduce); the found-inf flag and the grad norm are reduced over DP as well as model parallel;
+each rank steps its shards, copies them into the model's param buffer (rounding to bf16/fp16), and the
+buffer is all-gathered so every rank has the whole updated model.
+
+Checkpoints keep the layout-independent format of `MegatronOptimizer.state_dict()`: `state_dict()` gathers the
+shards to DP rank 0 (a collective: call it on every DP rank), `load_state_dict()` takes each rank's part.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from megatron_train.device import get_device
+from megatron_train.distributed.ddp import Bucket, DistributedDataParallel
+from megatron_train.optimizer.clip_grads import all_reduce_model_parallel, counts_towards_norm
+from megatron_train.optimizer.optimizer import MegatronOptimizer
+from megatron_train.training.config import OptimizerConfig
+
+
+@dataclass(frozen=True)
+class ParamShard:
+    """Elements [start, end) of a flattened param owned by this DP rank; the param begins at `offset` of
+    `bucket` (Megatron's param_range inside the gbuf_range_map)."""
+
+    bucket: Bucket
+    offset: int
+    start: int
+    end: int
+
+
+def shards_of_bucket(bucket: Bucket, dp_rank: int, dp_size: int) -> dict[torch.nn.Parameter, ParamShard]:
+    """The part of each param of `bucket` that falls into DP rank `dp_rank`'s equal part of the bucket."""
+    part = bucket.data.numel() // dp_size
+    low, high = dp_rank * part, (dp_rank + 1) * part
+    shards = {}
+    for param, offset in zip(bucket.params, bucket.offsets, strict=True):
+        start, end = max(low, offset) - offset, min(high, offset + param.numel()) - offset
+        if start < end:
+            shards[param] = ParamShard(bucket, offset, start, end)
+    return shards
+
+
+class DistributedOptimizer(MegatronOptimizer):
+    """MegatronOptimizer whose main params are this DP rank's shards of the model's param buffer."""
+
+    def __init__(
+        self,
+        model: DistributedDataParallel,
+        config: OptimizerConfig,
+        params_dtype: torch.dtype = torch.float32,
+    ) -> None:
+        if not isinstance(model, DistributedDataParallel) or not model.config.use_distributed_optimizer:
+            raise ValueError(
+                "--use-distributed-optimizer shards the local DDP's buffers: wrap the model with "
+                "DistributedDataParallel(module, DDPConfig(use_distributed_optimizer=True)) (--ddp-impl local)"
+            )
+        self.ddp = model
+        self.shards: dict[torch.nn.Parameter, ParamShard] = {}
+        for bucket in model.buckets:
+            self.shards.update(shards_of_bucket(bucket, model.dp_rank, model.dp_size))
+        super().__init__(list(model.module.named_parameters()), config, params_dtype)
+
+    def _model_shard(self, param: torch.nn.Parameter) -> torch.Tensor:
+        """This rank's elements of `param`, a view into the DDP's param buffer."""
+        shard = self.shards[param]
+        return param.detach().view(-1)[shard.start : shard.end]
+
+    def _build_main_params(self) -> list[torch.Tensor | None]:
+        """fp32 copies of this rank's shards (views of the param buffer itself for fp32 models); None where
+        this rank owns no element of a param."""
+        mains: list[torch.Tensor | None] = []
+        for param in self.model_params:
+            if param not in self.shards:
+                mains.append(None)
+            elif self.mixed_precision:
+                mains.append(self._model_shard(param).float().clone())
+            else:
+                mains.append(self._model_shard(param))
+        return mains
+
+    def _main_grads(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Each main shard's grad is its part of the reduce-scattered grad buffer (an fp32 copy for fp16)."""
+        params, grads = [], []
+        for model, main in zip(self.model_params, self.main_params, strict=True):
+            if main is None:
+                continue
+            shard = self.shards[model]
+            main.grad = model.main_grad.view(-1)[shard.start : shard.end].float()
+            params.append(main)
+            grads.append(main.grad)
+        return params, grads
+
+    def _all_reduce_grad_stats(self, tensor: torch.Tensor, op: dist.ReduceOp) -> None:
+        """Each DP rank holds different grads: reduce over DP, then over model parallel."""
+        if self.ddp.dp_size > 1:
+            dist.all_reduce(tensor, op=op, group=self.ddp.group)
+        all_reduce_model_parallel(tensor, op)
+
+    def _grad_norm(self, params: list[torch.Tensor], grads: list[torch.Tensor]) -> float:
+        """Global L2 norm from the shards: squares summed locally, over DP, then over TP/PP (replicas once)."""
+        total = torch.zeros((), dtype=torch.float32, device=get_device())
+        counted = [grad for param, grad in zip(params, grads, strict=True) if counts_towards_norm(param)]
+        if counted:
+            total += torch.stack(torch._foreach_norm(counted)).pow(2).sum().to(total.device)
+        self._all_reduce_grad_stats(total, dist.ReduceOp.SUM)
+        return total.sqrt().item()
+
+    def _copy_main_params_to_model_params(self) -> None:
+        """Write the updated shards into the param buffer, then all-gather it over DP."""
+        if self.mixed_precision:
+            for model, main in zip(self.model_params, self.main_params, strict=True):
+                if main is not None:
+                    self._model_shard(model).copy_(main)
+        self.ddp.all_gather_params()
+
+    def reload_model_params(self) -> None:
+        if self.mixed_precision:
+            for model, main in zip(self.model_params, self.main_params, strict=True):
+                if main is not None:
+                    main.copy_(self._model_shard(model))
+
+    def _local_part(self, index: int, full: torch.Tensor) -> torch.Tensor:
+        shard = self.shards[self.model_params[index]]
+        return full.reshape(-1)[shard.start : shard.end]
+
+    @torch.no_grad()
+    def _full_param_states(self) -> list[tuple[str, torch.Tensor, dict]]:
+        """Gather every DP rank's shards into full tensors on DP rank 0 (collective over DP; other ranks get
+        an empty list). Per bucket and state, each rank contributes its part of the bucket, zeros elsewhere."""
+        main_of = dict(zip(self.model_params, self.main_params, strict=True))
+        first_state = next(iter(self.optimizer.state.values()), {})
+        tensor_keys = self._broadcast_from_first_dp_rank(
+            [k for k, v in first_state.items() if isinstance(v, torch.Tensor) and v.dim() > 0]
+        )
+        keys = ["main_param", *tensor_keys] if self.mixed_precision else tensor_keys
+        full: dict[torch.nn.Parameter, dict[str, torch.Tensor]] = {p: {} for p in self.model_params}
+        for bucket in self.ddp.buckets:
+            part = bucket.data.numel() // self.ddp.dp_size
+            low = self.ddp.dp_rank * part
+            for key in keys:
+                local = torch.zeros(part, dtype=torch.float32, device=bucket.data.device)
+                for param in bucket.params:
+                    if param not in self.shards:
+                        continue
+                    shard, main = self.shards[param], main_of[param]
+                    value = main if key == "main_param" else self.optimizer.state[main][key]
+                    begin = shard.offset + shard.start - low
+                    local[begin : begin + shard.end - shard.start] = value.view(-1)
+                flat = self._gather_to_first_dp_rank(local)
+                if flat is not None:
+                    for param, offset in zip(bucket.params, bucket.offsets, strict=True):
+                        full[param][key] = flat[offset : offset + param.numel()].view_as(param).clone()
+        if self.ddp.dp_rank != 0:
+            return []
+        scalars = {k: v for k, v in first_state.items() if k not in tensor_keys}
+        return [
+            (name, full[param].pop("main_param", param.detach()), {**scalars, **full[param]})
+            for name, param in zip(self.names, self.model_params, strict=True)
+        ]
+
+    def _broadcast_from_first_dp_rank(self, keys: list[str]) -> list[str]:
+        """DP rank 0's state names (it owns the start of every bucket; a rank may own only padding)."""
+        if self.ddp.dp_size == 1:
+            return keys
+        first = dist.get_global_rank(self.ddp.group, 0) if self.ddp.group is not None else 0
+        message = [keys]
+        dist.broadcast_object_list(message, src=first, group=self.ddp.group)
+        return message[0]
+
+    def _gather_to_first_dp_rank(self, local: torch.Tensor) -> torch.Tensor | None:
+        """All ranks' `local` concatenated in DP rank order on DP rank 0; None on the others."""
+        if self.ddp.dp_size == 1:
+            return local
+        first = dist.get_global_rank(self.ddp.group, 0) if self.ddp.group is not None else 0
+        parts = [torch.empty_like(local) for _ in range(self.ddp.dp_size)] if self.ddp.dp_rank == 0 else None
+        dist.gather(local, parts, dst=first, group=self.ddp.group)
+        return torch.cat(parts) if parts is not None else None

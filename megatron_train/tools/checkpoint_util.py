@@ -1,0 +1,202 @@
+"""Reshard a checkpoint offline to another (TP, PP) layout, as Megatron's tools/checkpoint_util.py:
+
+    python -m megatron_train.tools.checkpoint_util --model-type GPT --load-dir A --save-dir B \\
+        --target-tensor-parallel-size 2 --target-pipeline-parallel-size 2
+
+One process, no process groups. The output is written one pipeline stage at a time: each tensor's source TP
+shards are merged, its padded vocabulary re-padded for the new TP size, and the result split for the target
+TP ranks, so memory peaks at about one stage. The output is a complete checkpoint (weights, optimizer state
+when the source has it, progress, scheduler, args with the new sizes) whose latest marker is written last.
+RNG states are per rank and do not carry across layouts: load the result with --no-load-rng.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+
+from tqdm import tqdm
+
+from megatron_train.arguments import config_from_dict, config_to_dict
+from megatron_train.checkpoint_layout import TensorSharding, check_layout, stage_tensor_names
+from megatron_train.checkpointing import (
+    CheckpointError,
+    SavedCheckpoint,
+    checkpoint_dir,
+    model_shard_dir,
+    resolve_iteration_dir,
+    sharding_record,
+    write_metadata_and_marker,
+    write_shard,
+)
+from megatron_train.models.transformer import get_layer_range
+from megatron_train.tokenizer import vocab_size_with_padding
+
+logger = logging.getLogger("megatron_train.tools.checkpoint_util")
+
+
+def target_padded_vocab_size(
+    saved: SavedCheckpoint, divisible_by: int, target_tp: int, true_vocab_size: int | None
+) -> int:
+    """Megatron's padding of --true-vocab-size for the target TP; without it, the saved padded size padded
+    further if the target TP needs it (never cuts a row: every saved row may hold a real token)."""
+    if true_vocab_size is None:
+        return vocab_size_with_padding(saved.padded_vocab_size, divisible_by, target_tp)
+    if true_vocab_size > saved.padded_vocab_size:
+        raise ValueError(
+            f"--true-vocab-size {true_vocab_size} exceeds the checkpoint's padded vocabulary "
+            f"({saved.padded_vocab_size}); pass the size of the tokenizer it was trained with"
+        )
+    return vocab_size_with_padding(true_vocab_size, divisible_by, target_tp)
+
+
+def convert_checkpoint(
+    load_dir: str,
+    save_dir: str,
+    target_tp: int | None = None,
+    target_pp: int | None = None,
+    iteration: int | None = None,
+    true_vocab_size: int | None = None,
+) -> str:
+    """Write `load_dir`'s checkpoint (latest, or `iteration`) to `save_dir` under (target_tp, target_pp),
+    each defaulting to the saved size. Returns the written iteration folder.
+
+    Raises ValueError for a layout the model cannot be cut into, CheckpointError for a broken checkpoint.
+    """
+    if os.path.realpath(load_dir) == os.path.realpath(save_dir):
+        raise ValueError(f"--save-dir {save_dir} is --load-dir: write the resharded checkpoint elsewhere")
+    iteration_dir = resolve_iteration_dir(load_dir, iteration)
+    if iteration_dir is None:
+        raise CheckpointError(f"{load_dir} holds no latest_checkpointed_iteration.txt: pass --iteration")
+    saved = SavedCheckpoint(iteration_dir)
+    target_tp, target_pp = target_tp or saved.tp_size, target_pp or saved.pp_size
+    metadata = saved.metadata
+    config = config_from_dict(metadata["args"])
+    padded_vocab_size = target_padded_vocab_size(
+        saved, config.tokenizer.make_vocab_size_divisible_by, target_tp, true_vocab_size
+    )
+    check_layout(config.model, padded_vocab_size, target_tp, target_pp)
+    with_optimizer = saved.has_optimizer_state()
+    out_dir = checkpoint_dir(save_dir, metadata["iteration"])
+    start, written_bytes = time.perf_counter(), 0
+    stages = tqdm(range(target_pp), desc="pipeline stages", unit="stage", disable=None)
+    for pp_rank in stages:
+        layers = get_layer_range(config.model.num_layers, pp_rank, target_pp)
+        names = stage_tensor_names(list(saved.params), layers, pp_rank == 0, pp_rank == target_pp - 1)
+        for tp_rank in range(target_tp):
+            weights = saved.weights_for({n: n for n in names}, target_tp, tp_rank, padded_vocab_size)
+            sharding = {
+                name: _target_record(saved.params[name], weights[name].shape, padded_vocab_size, tp_rank, target_tp,
+                                     pp_rank, target_pp, name)
+                for name in names
+            }  # fmt: skip
+            optimizer_state = None
+            if with_optimizer:
+                optimizer_state = saved.optimizer_state_for(
+                    {n: n for n in names}, target_tp, tp_rank, padded_vocab_size
+                )
+            shard_dir = model_shard_dir(out_dir, tp_rank, pp_rank, target_pp)
+            write_shard(shard_dir, weights, sharding, optimizer_state)
+            written_bytes += sum(os.path.getsize(os.path.join(shard_dir, f)) for f in os.listdir(shard_dir))
+    config.parallel.tensor_model_parallel_size = target_tp
+    config.parallel.pipeline_model_parallel_size = target_pp
+    data_parallel_size = metadata["data_parallel_size"]
+    write_metadata_and_marker(
+        save_dir,
+        metadata["iteration"],
+        {
+            **metadata,
+            "padded_vocab_size": padded_vocab_size,
+            "world_size": target_tp * target_pp * data_parallel_size,
+            "tensor_model_parallel_size": target_tp,
+            "pipeline_model_parallel_size": target_pp,
+            "args": config_to_dict(config),
+            "converted_from": {
+                "iteration_dir": os.path.abspath(iteration_dir),
+                "tensor_model_parallel_size": saved.tp_size,
+                "pipeline_model_parallel_size": saved.pp_size,
+                "padded_vocab_size": saved.padded_vocab_size,
+            },
+        },
+    )
+    seconds = time.perf_counter() - start
+    logger.info(
+        "resharded %s from (TP, PP) = (%d, %d) to (%d, %d) into %s: %.1f MB in %.1f s (%.1f MB/s)%s",
+        iteration_dir, saved.tp_size, saved.pp_size, target_tp, target_pp, out_dir, written_bytes / 1e6,
+        seconds, written_bytes / 1e6 / max(seconds, 1e-9), "" if with_optimizer else "; no optimizer state",
+    )  # fmt: skip
+    return out_dir
+
+
+def _target_record(
+    source: dict,
+    local_shape: tuple[int, ...],
+    padded_vocab_size: int,
+    tp_rank: int,
+    tp_size: int,
+    pp_rank: int,
+    pp_size: int,
+    name: str,
+) -> dict:
+    sharding = TensorSharding(source["partition_dim"], source["partition_stride"])
+    global_shape = list(local_shape)
+    if sharding.is_split:
+        global_shape[sharding.partition_dim] *= tp_size
+    return sharding_record(
+        global_shape, sharding, source["sequence_parallel"], tp_rank, tp_size, pp_rank, pp_size, name
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        description="Reshard a Megatron-Flow checkpoint to another tensor/pipeline parallel layout",
+        allow_abbrev=False,
+    )
+    parser.add_argument(
+        "--model-type", default="GPT", choices=["GPT"], help="Model family (Megatron's flag)."
+    )
+    parser.add_argument("--load-dir", required=True, help="Run directory to read (a training run's --save).")
+    parser.add_argument(
+        "--save-dir", required=True, help="Run directory to write the resharded checkpoint to."
+    )
+    parser.add_argument(
+        "--iteration", type=int, default=None, help="Iteration to convert; default: the latest."
+    )
+    parser.add_argument(
+        "--target-tensor-parallel-size", type=int, default=None, help="Default: the checkpoint's TP size."
+    )
+    parser.add_argument(
+        "--target-pipeline-parallel-size", type=int, default=None, help="Default: the checkpoint's PP size."
+    )
+    parser.add_argument(
+        "--true-vocab-size",
+        type=int,
+        default=None,
+        help="Tokenizer vocabulary before padding: re-pad it exactly for the target TP size (Megatron's flag).",
+    )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    logging.basicConfig(level=logging.INFO, format="[%(asctime)s] %(levelname)s %(name)s: %(message)s")
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        out_dir = convert_checkpoint(
+            args.load_dir,
+            args.save_dir,
+            args.target_tensor_parallel_size,
+            args.target_pipeline_parallel_size,
+            args.iteration,
+            args.true_vocab_size,
+        )
+    except (ValueError, CheckpointError) as error:
+        parser.error(str(error))
+    print(f"wrote {out_dir}; load it with --no-load-rng (RNG states do not carry across layouts)", flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,226 @@
+"""The evaluate stage: a trained run's report, as JSON, Markdown and PNG loss curves.
+
+Inputs: the pretrain artifact (the run directory) and the tokenize artifact it was trained on. The report
+holds the run's training and validation losses (from its metrics file, plotted), the perplexity of the whole
+held-out validation split (the `--split` the run used, every sample once), sample generations, and, when
+their files are given, WikiText-103 perplexity and LAMBADA accuracy computed as Megatron's tasks do.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from megatron_train.checkpointing import load_model_for_inference
+from megatron_train.data.builder import build_train_valid_test_datasets
+from megatron_train.data.samplers import collate
+from megatron_train.evaluation.lambada import evaluate_lambada
+from megatron_train.evaluation.wikitext import evaluate_wikitext
+from megatron_train.inference.generation import GenerationParams, generate
+from megatron_train.pretrain_gpt import tokenizer_from_config
+from stages.pretrain import run_directory
+from storage.artifacts import (
+    ArtifactRef,
+    ArtifactStore,
+    ArtifactWriter,
+    input_fingerprint,
+    run_stage,
+    stage_key,
+)
+
+STAGE = "evaluate"
+VERSION = "1"
+log = logging.getLogger("megatron_flow.stage.evaluate")
+
+
+@dataclass(frozen=True)
+class EvaluateParams:
+    """What goes into the report; the sampling settings make the sample generations reproducible."""
+
+    prompts: tuple[str, ...] = ("In the beginning", "And the LORD said unto Moses,", "Blessed are the")
+    tokens_to_generate: int = 48
+    temperature: float = 0.8
+    top_p: float = 0.9
+    seed: int = 1234
+    micro_batch_size: int = 8
+    max_validation_samples: int | None = None  # None: the whole validation split
+    wikitext_path: str | None = None  # a wiki.test.tokens file
+    lambada_path: str | None = None  # a lambada_test.jsonl file
+    strict_lambada: bool = True
+    overlapping_eval: int | None = None
+
+
+Params = EvaluateParams
+
+
+def key(params: EvaluateParams, inputs: Sequence[ArtifactRef]) -> str:
+    """The output's key, as `run` computes it."""
+    return stage_key(STAGE, VERSION, params, [input_fingerprint(i) for i in inputs])
+
+
+@torch.no_grad()
+def held_out_loss(model: torch.nn.Module, dataset, micro_batch_size: int, limit: int | None) -> dict:
+    """Mean token loss over the validation split's samples (Megatron's masking), and its perplexity."""
+    count = len(dataset) if limit is None else min(limit, len(dataset))
+    total, tokens = 0.0, 0.0
+    for start in range(0, count, micro_batch_size):
+        batch = collate([dataset[i] for i in range(start, min(count, start + micro_batch_size))])
+        losses = model(batch["tokens"], batch["position_ids"], labels=batch["labels"]).float()
+        total += float((losses * batch["loss_mask"]).sum())
+        tokens += float(batch["loss_mask"].sum())
+    loss = total / max(tokens, 1.0)
+    return {"samples": count, "tokens": int(tokens), "lm_loss": loss, "ppl": math.exp(min(20.0, loss))}
+
+
+def read_metrics(path: str) -> tuple[list[dict], list[dict]]:
+    """(training records, validation records) of a run's metrics.jsonl."""
+    train, valid = [], []
+    if os.path.exists(path):
+        with open(path) as f:
+            for line in f:
+                record = json.loads(line)
+                if record.get("split") == "valid":
+                    valid.append(record)
+                elif "split" not in record and record.get("lm loss") is not None:
+                    train.append(record)
+    return train, valid
+
+
+def plot_loss_curves(train: list[dict], valid: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
+    if train:
+        ax.plot([r["iteration"] for r in train], [r["lm loss"] for r in train], label="training loss")
+    if valid:
+        ax.plot([r["iteration"] for r in valid], [r["lm loss"] for r in valid], "o-", label="validation loss")
+    ax.set_xlabel("iteration")
+    ax.set_ylabel("lm loss (nats/token)")
+    ax.set_title("Loss curves")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def markdown_report(report: dict) -> str:
+    run = report["run"]
+    lines = [
+        "# Evaluation report",
+        "",
+        f"Checkpoint: `{run['checkpoint']}` (iteration {run['iteration']}, "
+        f"{run['parameters']:,} parameters, {run['consumed_train_samples']:,} training samples)",
+        "",
+        "![loss curves](loss_curves.png)",
+        "",
+        "| metric | value |",
+        "| --- | --- |",
+    ]
+    for name, value in report["metrics"].items():
+        lines.append(f"| {name} | {value:.4f} |" if isinstance(value, float) else f"| {name} | {value} |")
+    lines += ["", "## Sample generations", ""]
+    for sample in report["generations"]:
+        lines += [f"**{sample['prompt']}**{sample['completion']}", ""]
+    return "\n".join(lines) + "\n"
+
+
+def _evaluate(
+    params: EvaluateParams, pretrained: ArtifactRef, tokenized: ArtifactRef, writer: ArtifactWriter
+) -> dict:
+    started = time.time()
+    run_dir = run_directory(pretrained)
+    model, config = load_model_for_inference(run_dir)
+    model.eval()
+    tokenizer = tokenizer_from_config(config.tokenizer)
+    name = tokenized.manifest()["outputs"]["text"]
+    tokenized.local_path(name + ".idx")
+    prefix = tokenized.local_path(name + ".bin")[: -len(".bin")]
+    data = dataclasses.replace(
+        config.data, data_path=[prefix], data_cache_path=os.path.join(writer.local_dir, "data_cache")
+    )
+    _, valid, _ = build_train_valid_test_datasets(
+        data, config.model.seq_length, (1, None, 1), config.training.seed, tokenizer.eod, tokenizer.vocab_size
+    )
+    metrics: dict = {}
+    train, valid_records = read_metrics(os.path.join(run_dir, "metrics.jsonl"))
+    if train:
+        metrics["first training loss"] = train[0]["lm loss"]
+        metrics["final training loss"] = train[-1]["lm loss"]
+    if valid_records:
+        metrics["first validation loss (run)"] = valid_records[0]["lm loss"]
+        metrics["final validation loss (run)"] = valid_records[-1]["lm loss"]
+    if valid is not None:
+        held_out = held_out_loss(model, valid, params.micro_batch_size, params.max_validation_samples)
+        metrics["held-out loss (whole validation split)"] = held_out["lm_loss"]
+        metrics["held-out perplexity"] = held_out["ppl"]
+        metrics["held-out tokens"] = held_out["tokens"]
+    seq_length = config.model.seq_length
+    if params.wikitext_path:
+        wiki = evaluate_wikitext(model, tokenizer, params.wikitext_path, seq_length, params.overlapping_eval)
+        metrics["WikiText-103 adjusted perplexity"] = wiki.adjusted_ppl
+    if params.lambada_path:
+        lambada = evaluate_lambada(
+            model, tokenizer, params.lambada_path, seq_length, strict=params.strict_lambada
+        )
+        metrics["LAMBADA accuracy"] = lambada.accuracy
+    output = generate(
+        model,
+        tokenizer,
+        list(params.prompts),
+        GenerationParams(
+            tokens_to_generate=params.tokens_to_generate,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            random_seed=params.seed,
+        ),
+    )
+    report = {
+        "run": {
+            "checkpoint": pretrained.url,
+            "iteration": pretrained.manifest().get("iteration"),
+            "consumed_train_samples": pretrained.manifest().get("consumed_train_samples", 0),
+            "parameters": sum(p.numel() for p in model.parameters()),
+        },
+        "metrics": metrics,
+        "generations": [
+            {"prompt": p, "completion": c} for p, c in zip(params.prompts, output.completions, strict=True)
+        ],
+    }
+    for filename, text in (
+        ("report.json", json.dumps(report, indent=2)),
+        ("report.md", markdown_report(report)),
+    ):
+        path = os.path.join(writer.local_dir, filename)
+        with open(path, "w") as f:
+            f.write(text)
+        writer.put_file(path, filename)
+    plot = os.path.join(writer.local_dir, "loss_curves.png")
+    plot_loss_curves(train, valid_records, plot)
+    writer.put_file(plot, "loss_curves.png")
+    log.info(
+        "evaluate: %s",
+        ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items()),
+    )
+    return {"metrics": metrics, "seconds_evaluating": round(time.time() - started, 3)}
+
+
+def run(params: EvaluateParams, inputs: Sequence[ArtifactRef], store: ArtifactStore) -> ArtifactRef:
+    """inputs: [pretrain artifact, tokenize artifact]."""
+    if len(inputs) != 2:
+        raise ValueError(f"{STAGE} takes [pretrain artifact, tokenize artifact], got {list(inputs)!r}")
+    pretrained, tokenized = inputs
+    return run_stage(
+        store, STAGE, VERSION, params, inputs, lambda writer: _evaluate(params, pretrained, tokenized, writer)
+    )
