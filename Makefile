@@ -22,7 +22,7 @@ lint: setup
 	$(PY) -m ruff check . && $(PY) -m ruff format --check .
 
 bench: setup
-	@for b in benchmarks/*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
+	@for b in benchmarks/*.py; do m=$$(basename $$b .py); echo "== benchmarks.$$m"; $(PY) -m benchmarks.$$m || exit 1; done
 
 corpus: setup
 	$(PY) -m flows.corpus --store $(STORE)

@@ -10,7 +10,7 @@ the peer). Megatron itself runs those loops in C++; this peer is what a straight
 implementation costs. Times are CPU seconds of this process (medians of `--repeats`), which the other
 jobs on a shared machine disturb less than wall time.
 
-    .venv/bin/python benchmarks/dataset_index.py [--num-samples 20000000] [--repeats 3]
+    .venv/bin/python -m benchmarks.dataset_index [--num-samples 20000000] [--repeats 3]
 
 Ends with `ratio: <peer_time / our_time>` (higher is better).
 """

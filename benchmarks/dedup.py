@@ -11,7 +11,7 @@ Buckets -> Cluster -> Filter with LocalPipelineExecutor, its default 14 buckets 
 kept documents as Parquet. Reported: docs/s (median of repeats), recall and precision on the planted
 copies; last line `ratio: <ours/datatrove>` (docs/s).
 
-    .venv/bin/python benchmarks/dedup.py [--megabytes 24] [--workers 2] [--repeats 3]
+    .venv/bin/python -m benchmarks.dedup [--megabytes 24] [--workers 2] [--repeats 3]
 """
 
 from __future__ import annotations

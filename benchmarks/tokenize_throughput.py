@@ -3,7 +3,7 @@ merge, export) beside the bare `tokenizers.Tokenizer.encode_batch` of the same R
 texts in as many processes, both one thread per process. Also the peak memory (RSS of the whole process
 tree) of our run on the whole input and on half of it: it must not grow with the input.
 
-    .venv/bin/python benchmarks/tokenize_throughput.py --mb 20 --workers 2 --repeats 3
+    .venv/bin/python -m benchmarks.tokenize_throughput --mb 20 --workers 2 --repeats 3
 
 Needs ../shared (GCIDE corpus, GPT-2 vocabulary). Ends with `ratio: <ours MB/s / bare MB/s>`.
 """

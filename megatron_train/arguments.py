@@ -164,14 +164,58 @@ def validate_config(config: MegatronConfig, world_size: int) -> None:
         raise ValueError("--save-interval needs --save <directory>")
     if parallel.tensor_model_parallel_size == 1:
         parallel.sequence_parallel = False  # as Megatron: nothing to split
-    if parallel.pipeline_model_parallel_size > 1:
-        raise ValueError("pipeline parallelism is not implemented yet; use --pipeline-model-parallel-size 1")
+    validate_pipeline_parallel(config, dp)
     if parallel.use_distributed_optimizer and training.ddp_impl != "local":
         raise ValueError(
             "--use-distributed-optimizer shards the local DDP's grad buffer: use --ddp-impl local"
         )
     if config.model.seq_length is None:
         raise ValueError("set --seq-length")
+
+
+def validate_pipeline_parallel(config: MegatronConfig, data_parallel_size: int) -> None:
+    """Megatron's pipeline rules: every stage (and virtual stage) holds as many layers as the others, and the
+    interleaved schedule runs micro-batches in groups of --pipeline-model-parallel-size."""
+    parallel, training = config.parallel, config.training
+    pp, num_layers = parallel.pipeline_model_parallel_size, config.model.num_layers
+    if num_layers % pp:
+        raise ValueError(
+            f"--num-layers {num_layers} is not divisible by --pipeline-model-parallel-size {pp}; every "
+            "pipeline stage holds the same number of layers"
+        )
+    if pp > 1 and training.ddp_impl != "local":
+        raise ValueError(
+            "--pipeline-model-parallel-size > 1 needs --ddp-impl local: torch's DDP decides at forward time "
+            "whether to reduce grads, which the pipeline schedules' interleaved forwards and backwards break"
+        )
+    if parallel.num_layers_per_virtual_pipeline_stage is None:
+        return
+    if pp == 1:
+        raise ValueError(
+            "--num-layers-per-virtual-pipeline-stage splits pipeline stages into virtual stages: it needs "
+            "--pipeline-model-parallel-size > 1"
+        )
+    parallel.virtual_pipeline_model_parallel_size(num_layers)  # raises when the layers do not split evenly
+    if parallel.use_distributed_optimizer:
+        raise ValueError(
+            "--use-distributed-optimizer does not support several model chunks per rank yet: drop "
+            "--num-layers-per-virtual-pipeline-stage or --use-distributed-optimizer"
+        )
+    micro_batch_times_dp = training.micro_batch_size * data_parallel_size
+    batch_sizes = {training.global_batch_size}
+    if training.rampup_batch_size is not None:  # every global batch size of the ramp runs the schedule
+        start, increment, _ = training.rampup_batch_size
+        batch_sizes.update(range(start, training.global_batch_size, increment))
+    for batch_size in sorted(batch_sizes):
+        num_micro_batches = batch_size // micro_batch_times_dp
+        if num_micro_batches % pp:
+            raise ValueError(
+                f"the interleaved schedule (--num-layers-per-virtual-pipeline-stage) needs the number of "
+                f"micro-batches per step to be a multiple of --pipeline-model-parallel-size {pp}, but global "
+                f"batch size {batch_size} / (--micro-batch-size {training.micro_batch_size} x data-parallel "
+                f"size {data_parallel_size}) = {num_micro_batches}; change --global-batch-size or "
+                "--micro-batch-size"
+            )
 
 
 def config_to_dict(config: MegatronConfig) -> dict[str, dict[str, Any]]:

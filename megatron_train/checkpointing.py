@@ -51,7 +51,9 @@ from megatron_train.parallel.random import get_rng_tracker
 
 logger = logging.getLogger(__name__)
 
-FORMAT_VERSION = 2  # 2: global layer names, any (TP, PP) layout loads
+FORMAT_VERSION = 2  # 2: global layer names and PP stage records, any (TP, PP) layout loads
+# Version 1 wrote only PP = 1 checkpoints, whose names and records version 2 reads unchanged.
+READABLE_FORMAT_VERSIONS = (1, 2)
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 METADATA_FILENAME = "metadata.json"
 # Model settings that change the weights' shapes or meaning: a checkpoint must agree on all of them.
@@ -387,10 +389,10 @@ def resolve_iteration_dir(load_dir: str, iteration: int | None) -> str | None:
 
 def read_metadata(iteration_dir: str) -> dict:
     metadata = _read_json(os.path.join(iteration_dir, METADATA_FILENAME))
-    if metadata.get("format_version") != FORMAT_VERSION:
+    if metadata.get("format_version") not in READABLE_FORMAT_VERSIONS:
         raise CheckpointError(
-            f"{iteration_dir}/{METADATA_FILENAME}: format version {metadata.get('format_version')} is not "
-            f"{FORMAT_VERSION}, the one this code reads"
+            f"{iteration_dir}/{METADATA_FILENAME}: format version {metadata.get('format_version')} is not one "
+            f"this code reads ({READABLE_FORMAT_VERSIONS}); convert it with the code version that wrote it"
         )
     return metadata
 
@@ -409,6 +411,7 @@ class SavedCheckpoint:
         self.pp_size: int = self.metadata["pipeline_model_parallel_size"]
         self.padded_vocab_size: int = self.metadata["padded_vocab_size"]
         self._handles: dict[str, Any] = {}
+        self._saved_optimizer: tuple[dict, set[str]] | None = None
         self.params: dict[str, dict[str, Any]] = {}  # checkpoint name -> record, in model order
         for pp_rank in range(self.pp_size):
             path = self.path("model", 0, pp_rank)
@@ -442,37 +445,39 @@ class SavedCheckpoint:
             )
         return self.params[param]
 
-    def global_tensor(self, name: str, kind: str = "model") -> torch.Tensor:
-        """A whole tensor, its TP shards merged; optimizer tensors are named `<param>.<state>`."""
-        record = self._record(name if kind == "model" else name.rsplit(".", 1)[0])
-        sharding = TensorSharding(record["partition_dim"], record["partition_stride"])
+    def sharding(self, name: str, kind: str = "model") -> TensorSharding:
+        """How a tensor (optimizer tensors: `<param>.<state>`, split like their param) is cut across TP."""
+        record = self._record(_param_of(name, kind))
+        return TensorSharding(record["partition_dim"], record["partition_stride"])
+
+    def _repads(self, name: str, kind: str, padded_vocab_size: int) -> bool:
+        param = _param_of(name, kind)
+        return param in VOCAB_PARAMS and self._record(param)["global_shape"][0] != padded_vocab_size
+
+    def global_tensor(
+        self, name: str, kind: str = "model", padded_vocab_size: int | None = None
+    ) -> torch.Tensor:
+        """A whole tensor, its TP shards merged; given `padded_vocab_size`, its vocabulary padding re-cut."""
+        sharding = self.sharding(name, kind)
+        pp_rank = self._record(_param_of(name, kind))["pp_rank"]
         tp_ranks = range(self.tp_size) if sharding.is_split else [0]
-        shards = [self._read(self.path(kind, tp_rank, record["pp_rank"]), name) for tp_rank in tp_ranks]
-        return merge_tp_shards(shards, sharding)
+        tensor = merge_tp_shards([self._read(self.path(kind, r, pp_rank), name) for r in tp_ranks], sharding)
+        if padded_vocab_size is not None and self._repads(name, kind, padded_vocab_size):
+            # weights and fp32 main params copy the last row, Adam moments start at zero
+            tensor = resize_vocab(tensor, padded_vocab_size, kind == "model" or name.endswith(".main_param"))
+        return tensor
 
     def tensor_for(
         self, name: str, kind: str, tp_size: int, tp_rank: int, padded_vocab_size: int
     ) -> torch.Tensor:
-        """TP rank `tp_rank`'s slice (of `tp_size`) of a tensor, the vocabulary re-padded to `padded_vocab_size`."""
-        param = name if kind == "model" else name.rsplit(".", 1)[0]
-        record = self._record(param)
-        sharding = TensorSharding(record["partition_dim"], record["partition_stride"])
-        repad = param in VOCAB_PARAMS and record["global_shape"][0] != padded_vocab_size
-        if sharding.is_split and tp_size == self.tp_size and not repad:  # the saved cut: read one shard
-            return self._read(self.path(kind, tp_rank, record["pp_rank"]), name)
-        tensor = self.global_tensor(name, kind)
-        if repad:  # weights and fp32 main params copy the last row, Adam moments start at zero
-            tensor = resize_vocab(tensor, padded_vocab_size, kind == "model" or name.endswith(".main_param"))
-        return split_tp_shard(tensor, sharding, tp_size, tp_rank, name)
-
-    def weights_for(
-        self, names: dict[str, str], tp_size: int, tp_rank: int, padded_vocab_size: int
-    ) -> dict[str, torch.Tensor]:
-        """{key: TP slice of checkpoint weight names[key]}."""
-        return {
-            key: self.tensor_for(name, "model", tp_size, tp_rank, padded_vocab_size)
-            for key, name in names.items()
-        }
+        """TP rank `tp_rank`'s slice (of `tp_size`) of a tensor, the vocabulary padded to `padded_vocab_size`."""
+        sharding = self.sharding(name, kind)
+        if sharding.is_split and tp_size == self.tp_size and not self._repads(name, kind, padded_vocab_size):
+            pp_rank = self._record(_param_of(name, kind))["pp_rank"]
+            return self._read(self.path(kind, tp_rank, pp_rank), name)  # the saved cut: one shard
+        return split_tp_shard(
+            self.global_tensor(name, kind, padded_vocab_size), sharding, tp_size, tp_rank, name
+        )
 
     def optimizer_json_paths(self) -> list[str]:
         return [
@@ -486,32 +491,35 @@ class SavedCheckpoint:
     def _optimizer_meta(self) -> tuple[dict, set[str]]:
         """Every stage's optimizer.json merged (per-param entries are keyed by checkpoint name), and the
         names of the optimizer tensors saved."""
-        stages = [_read_json(path) for path in self.optimizer_json_paths()]
-        meta = {**stages[0], "param_names": [], "scalars": {}, "tensor_states": {}}
-        tensor_names: set[str] = set()
-        for pp_rank, stage in enumerate(stages):
-            meta["param_names"] += stage["param_names"]
-            meta["scalars"].update(stage["scalars"])
-            meta["tensor_states"].update(stage["tensor_states"])
-            path = self.path("optimizer", 0, pp_rank)
-            if os.path.exists(path):
-                tensor_names.update(self._handle(path).keys())
-        return meta, tensor_names
+        if self._saved_optimizer is None:
+            stages = [_read_json(path) for path in self.optimizer_json_paths()]
+            meta = {**stages[0], "param_names": [], "scalars": {}, "tensor_states": {}}
+            tensor_names: set[str] = set()
+            for pp_rank, stage in enumerate(stages):
+                meta["param_names"] += stage["param_names"]
+                meta["scalars"].update(stage["scalars"])
+                meta["tensor_states"].update(stage["tensor_states"])
+                path = self.path("optimizer", 0, pp_rank)
+                if os.path.exists(path):
+                    tensor_names.update(self._handle(path).keys())
+            self._saved_optimizer = meta, tensor_names
+        return self._saved_optimizer
 
-    def optimizer_state_for(
-        self, names: dict[str, str], tp_size: int, tp_rank: int, padded_vocab_size: int
-    ) -> tuple[dict[str, torch.Tensor], dict]:
-        """The optimizer's `state_dict()` form for params `names` (key -> checkpoint name), resharded like the
-        weights: tensors `<key>.<state>` and the JSON part keyed by `key`."""
+    def optimizer_tensor_names(self, names: dict[str, str]) -> dict[str, str]:
+        """{`<key>.<state>`: `<checkpoint name>.<state>`} for every optimizer tensor saved for the params
+        `names` (key -> checkpoint name)."""
         saved, tensor_names = self._optimizer_meta()
-        tensors = {}
-        for key, name in names.items():
-            for state_name in [*saved["tensor_states"].get(name, []), "main_param"]:
-                if f"{name}.{state_name}" in tensor_names:
-                    tensors[f"{key}.{state_name}"] = self.tensor_for(
-                        f"{name}.{state_name}", "optimizer", tp_size, tp_rank, padded_vocab_size
-                    )
-        meta = {
+        return {
+            f"{key}.{state_name}": f"{name}.{state_name}"
+            for key, name in names.items()
+            for state_name in [*saved["tensor_states"].get(name, []), "main_param"]
+            if f"{name}.{state_name}" in tensor_names
+        }
+
+    def optimizer_meta_for(self, names: dict[str, str]) -> dict:
+        """The JSON part of the optimizer's `state_dict()` for the params `names`, keyed by `key`."""
+        saved, _ = self._optimizer_meta()
+        return {
             **saved,
             "param_names": list(names),
             "scalars": {
@@ -523,7 +531,11 @@ class SavedCheckpoint:
                 if name in saved["tensor_states"]
             },
         }
-        return tensors, meta
+
+
+def _param_of(name: str, kind: str) -> str:
+    """The param an optimizer tensor `<param>.<state>` belongs to (a model tensor is its own)."""
+    return name if kind == "model" else name.rsplit(".", 1)[0]
 
 
 def check_compatible(metadata: dict, config: MegatronConfig, padded_vocab_size: int, where: str) -> None:
@@ -562,7 +574,10 @@ def _load_model_weights(
     tp_size: int,
     tp_rank: int,
 ) -> None:
-    weights = saved.weights_for(names, tp_size, tp_rank, padded_vocab_size)
+    weights = {
+        local: saved.tensor_for(name, "model", tp_size, tp_rank, padded_vocab_size)
+        for local, name in names.items()
+    }
     for local, tensor in model.state_dict().items():
         if weights[local].shape != tensor.shape:
             raise CheckpointError(
@@ -616,7 +631,11 @@ def load_checkpoint(
                 "weights with a fresh optimizer"
             )
         trained = {n: names[n] for n, p in model.named_parameters() if p.requires_grad}
-        tensors, meta = saved.optimizer_state_for(trained, tp_size, tp_rank, padded_vocab_size)
+        tensors = {
+            key: saved.tensor_for(name, "optimizer", tp_size, tp_rank, padded_vocab_size)
+            for key, name in saved.optimizer_tensor_names(trained).items()
+        }
+        meta = saved.optimizer_meta_for(trained)
         optimizer.load_state_dict(tensors, meta, source=saved.optimizer_json_paths()[0])
         if opt_param_scheduler is not None and metadata["opt_param_scheduler"] is not None:
             opt_param_scheduler.load_state_dict(metadata["opt_param_scheduler"])

@@ -8,15 +8,17 @@ from __future__ import annotations
 import functools
 import logging
 import sys
+from collections.abc import Callable, Iterator
 
 import torch
 
 from megatron_train.arguments import MegatronConfig, parse_args
 from megatron_train.data.builder import build_train_valid_test_datasets
+from megatron_train.device import get_device
 from megatron_train.models.gpt import GPTModel, model_provider
 from megatron_train.tokenizer import MegatronTokenizer, build_tokenizer, vocab_size_with_padding
 from megatron_train.training.config import TokenizerConfig
-from megatron_train.training.loop import pretrain
+from megatron_train.training.loop import LOSS_KEY, get_batch, pretrain
 
 
 def tokenizer_from_config(config: TokenizerConfig) -> MegatronTokenizer:
@@ -36,17 +38,36 @@ def tokenizer_from_config(config: TokenizerConfig) -> MegatronTokenizer:
     )
 
 
-def gpt_model_provider(config: MegatronConfig, padded_vocab_size: int) -> GPTModel:
+def gpt_model_provider(
+    config: MegatronConfig, padded_vocab_size: int, pre_process: bool = True, post_process: bool = True
+) -> GPTModel:
+    """This rank's pipeline stage (or virtual stage) of the GPT model."""
     return model_provider(
-        config.model, padded_vocab_size, sequence_parallel=config.parallel.sequence_parallel
+        config.model,
+        padded_vocab_size,
+        pre_process,
+        post_process,
+        sequence_parallel=config.parallel.sequence_parallel,
     )
 
 
-def forward_step(batch: dict[str, torch.Tensor], model: torch.nn.Module) -> torch.Tensor:
+def loss_func(
+    loss_mask: torch.Tensor, output_tensor: torch.Tensor
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Mean next-token loss over the micro-batch's unmasked tokens (Megatron's GPT loss_func)."""
-    losses = model(batch["tokens"], batch["position_ids"], labels=batch["labels"])
-    loss_mask = batch["loss_mask"].float()
-    return (losses.float() * loss_mask).sum() / loss_mask.sum().clamp(min=1.0)
+    loss_mask = loss_mask.float()
+    loss = (output_tensor.float() * loss_mask).sum() / loss_mask.sum().clamp(min=1.0)
+    return loss, {LOSS_KEY: loss.detach()}
+
+
+def forward_step(
+    data_iterator: Iterator, model: torch.nn.Module
+) -> tuple[torch.Tensor, Callable[[torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]]]:
+    """Megatron's GPT forward step: per-token losses [b, s] on the last pipeline stage (hidden states
+    [s, b, h] elsewhere, the input coming from the previous stage), and the loss function for them."""
+    batch = get_batch(data_iterator, get_device())
+    output_tensor = model(batch["tokens"], batch["position_ids"], labels=batch["labels"])
+    return output_tensor, functools.partial(loss_func, batch["loss_mask"])
 
 
 def datasets_provider(

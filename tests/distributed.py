@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import pickle
 import socket
 import time
 import traceback
@@ -32,7 +33,8 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, re
     torch.set_num_threads(1)
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
-        results.put((rank, "ok", fn(rank, world_size, *args)))
+        # Pickled to bytes here: tensors then travel by value, not as shared memory that dies with this process.
+        results.put((rank, "ok", pickle.dumps(fn(rank, world_size, *args))))
     except BaseException:  # noqa: BLE001 - the parent re-raises with this rank's traceback
         results.put((rank, "error", traceback.format_exc()))
     finally:
@@ -65,7 +67,7 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
                 time.sleep(0.01)
                 continue
             rank, status, value = results.get()
-            outcomes[rank] = (status, value)
+            outcomes[rank] = (status, pickle.loads(value) if status == "ok" else value)
             if status == "error":
                 break  # the other ranks may wait forever on the failed one
         for proc in procs:

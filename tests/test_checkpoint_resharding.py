@@ -161,14 +161,16 @@ def _read_losses(save_dir: str) -> list[float]:
 
 
 def _layouts_worker(rank: int, world_size: int, root: str) -> dict:
-    """Four ranks: train under TP2 (x DP2) and resume its iteration-2 checkpoint under TP4 and TP1 (x DP4);
+    """Four ranks: train under TP2 x DP2 (distributed optimizer) and resume its iteration-2 checkpoint under
+    TP4 (plain optimizer) and TP1 x DP4 (distributed optimizer);
     load the TP2 checkpoint under TP4 and TP2 x PP2; save a TP2 x PP2 Llama and load it under TP4."""
     from megatron_train.pretrain_gpt import main as pretrain_main
 
     ref, resume = f"{root}/gpt_tp2", ["--load", f"{root}/gpt_tp2", "--ckpt-step", "2", "--no-load-rng"]
-    pretrain_main(_train_argv(ref, 2, "--save-interval", "2"))
-    pretrain_main(_train_argv(f"{root}/resumed_tp4", 4, *resume))
-    pretrain_main(_train_argv(f"{root}/resumed_tp1", 1, *resume))
+    distributed_optimizer = "--use-distributed-optimizer"  # Adam state sharded over DP, saved per param
+    pretrain_main(_train_argv(ref, 2, "--save-interval", "2", distributed_optimizer))  # TP2 x DP2
+    pretrain_main(_train_argv(f"{root}/resumed_tp4", 4, *resume))  # TP4 x DP1, plain optimizer
+    pretrain_main(_train_argv(f"{root}/resumed_tp1", 1, *resume, distributed_optimizer))  # TP1 x DP4
     gpt_tokens, llama_tokens = _tokens(127), _tokens(LLAMA_TRUE_VOCAB)
     results = {
         "losses": {n: _read_losses(f"{root}/{n}") for n in ("gpt_tp2", "resumed_tp4", "resumed_tp1")},
@@ -347,6 +349,9 @@ def test_impossible_targets_are_refused_naming_the_setting(layouts, tmp_path, ca
         convert_checkpoint(llama, str(tmp_path / "out"), 1, 1, true_vocab_size=200)
     with pytest.raises(ValueError, match="is --load-dir"):
         convert_checkpoint(gpt, gpt, 1, 1)
+    convert_checkpoint(gpt, str(tmp_path / "done"), 1, 1)
+    with pytest.raises(ValueError, match="iter_0000004 already holds a complete checkpoint"):
+        convert_checkpoint(gpt, str(tmp_path / "done"), 4, 1)
     with pytest.raises(SystemExit):
         main(["--load-dir", gpt, "--save-dir", str(tmp_path / "out"), "--target-tensor-parallel-size", "3"])
     assert "--num-attention-heads (4) is not divisible" in capsys.readouterr().err
@@ -468,3 +473,57 @@ def test_layer_renumbering_and_stage_ownership() -> None:
         check_layout(
             TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=8, seq_length=16), 100, 8, 1
         )
+
+
+def test_bf16_main_params_and_adam_moments_follow_their_weights_through_repadding(tmp_path) -> None:
+    """A bf16 model's fp32 main params and Adam moments reshard like the weights: TP1 (vocab 120) -> TP2 (144,
+    new rows copy the last one, moments start at zero) -> loaded back under TP1 exactly as saved."""
+    config = _llama_config(str(tmp_path / "tp1"))
+    config.training.bf16 = config.model.bf16 = True
+    model_parallel_seed(3)
+    model = GPTModel(config.model, LLAMA_PADDED[1])
+    optimizer = get_megatron_optimizer(config.optimizer, model, torch.bfloat16)
+    for name, param in model.named_parameters():
+        param.grad = _noise(name, param.shape, split=False).to(torch.bfloat16)
+    optimizer.step()
+    save_checkpoint(1, model, optimizer, None, TrainingProgress(1, 4, 0), config, LLAMA_PADDED[1])
+    saved_tensors, saved_meta = optimizer.state_dict()
+
+    convert_checkpoint(str(tmp_path / "tp1"), str(tmp_path / "tp2"), 2, 1)
+    shards = [f"{tmp_path}/tp2/iter_0000001/mp_rank_{r:02d}/optimizer.safetensors" for r in range(2)]
+    for state_name in ("main_param", "exp_avg"):
+        name = f"embedding.word_embeddings.weight.{state_name}"
+        merged = torch.cat([_tensor(path, name) for path in shards])
+        original = saved_tensors[name]
+        assert merged.shape[0] == LLAMA_PADDED[2] and merged.dtype == torch.float32
+        assert torch.equal(merged[: LLAMA_PADDED[1]], original)
+        padding = original[-1:].expand(24, -1) if state_name == "main_param" else torch.zeros(24, 32)
+        assert torch.equal(merged[LLAMA_PADDED[1] :], padding)
+
+    config.checkpoint = CheckpointConfig(load=str(tmp_path / "tp2"), no_load_rng=True)
+    model_parallel_seed(4)
+    loaded = GPTModel(config.model, LLAMA_PADDED[1])
+    loaded_optimizer = get_megatron_optimizer(config.optimizer, loaded, torch.bfloat16)
+    assert load_checkpoint(loaded, loaded_optimizer, None, config, LLAMA_PADDED[1]).iteration == 1
+    tensors, meta = loaded_optimizer.state_dict()
+    assert meta == saved_meta and tensors.keys() == saved_tensors.keys()
+    assert all(torch.equal(tensors[k], saved_tensors[k]) for k in tensors)
+    original_weights = model.state_dict()
+    assert all(torch.equal(tensor, original_weights[name]) for name, tensor in loaded.state_dict().items())
+
+
+def test_version_1_checkpoints_load_and_unknown_versions_are_refused(tmp_path) -> None:
+    """Version 1 saved only PP = 1 layouts, whose names and records version 2 reads unchanged."""
+    config = _llama_config(str(tmp_path))
+    model_parallel_seed(0)
+    model = GPTModel(config.model, LLAMA_PADDED[1])
+    save_checkpoint(1, model, None, None, TrainingProgress(1, 4, 0), config, LLAMA_PADDED[1])
+    metadata_path = tmp_path / "iter_0000001" / "metadata.json"
+    metadata = json.loads(metadata_path.read_text())
+    metadata_path.write_text(json.dumps({**metadata, "format_version": 1}))
+    loaded, _ = load_model_for_inference(str(tmp_path), device="cpu")
+    original = model.state_dict()
+    assert all(torch.equal(tensor, original[name]) for name, tensor in loaded.state_dict().items())
+    metadata_path.write_text(json.dumps({**metadata, "format_version": 3}))
+    with pytest.raises(CheckpointError, match=r"metadata.json: format version 3 is not one this code reads"):
+        load_model_for_inference(str(tmp_path), device="cpu")

@@ -36,19 +36,22 @@ FP16 = ["--fp16", "--initial-loss-scale", "16777216", "--hysteresis", "1", "--tr
 # name -> flags, on top of tiny_args + 4 iterations, dropout 0, a real .bin/.idx; grouped by world size
 RUNS_DP2 = {
     "dp2": [DIST],
-    "dp2_overlap": [DIST, "--overlap-grad-reduce", "--ddp-bucket-size", "1000"],  # params straddle ranks
+    # reduce-scatter during backward, 1000-element buckets (params straddle ranks' parts), 2 micro-batches
+    "dp2_overlap": [DIST, "--overlap-grad-reduce", "--ddp-bucket-size", "1000", "--micro-batch-size", "1"],
     "dp2_clip": [DIST, *SGD_CLIPPED],
     "dp2_bf16": [DIST, "--bf16"],
     "dp2_bf16_replicated": ["--bf16"],
     "dp2_fp16": [DIST, *FP16],
     "dp2_fp16_replicated": FP16,
     "saved_dp2": [DIST, "--exit-interval", "2"],
+    "saved_dp2_bf16": [DIST, "--bf16", "--exit-interval", "2"],
 }  # fmt: skip
 RUNS_DP1 = {
     "dp1": [],  # 2 micro-batches of 2: the same global batch of 4
     "dp1_clip": SGD_CLIPPED,
     "dp1_sgd": ["--optimizer", "sgd", "--lr", "0.5", "--clip-grad", "0"],
     "resumed_dp1": ["--no-load-rng"],  # loads saved_dp2, saved with the distributed optimizer at DP=2
+    "resumed_dp1_bf16": ["--bf16", "--no-load-rng"],  # loads saved_dp2_bf16
     "saved_dp1": ["--exit-interval", "2"],
 }
 RUNS_WORLD4 = {
@@ -56,7 +59,7 @@ RUNS_WORLD4 = {
     "tp2dp2": [DIST, "--tensor-model-parallel-size", "2", "--sequence-parallel"],
     "resumed_dp4": [DIST, "--micro-batch-size", "1", "--no-load-rng"],  # loads saved_dp1
 }
-LOADS = {"resumed_dp1": "saved_dp2", "resumed_dp4": "saved_dp1"}
+LOADS = {"resumed_dp1": "saved_dp2", "resumed_dp1_bf16": "saved_dp2_bf16", "resumed_dp4": "saved_dp1"}
 
 
 def _gpt(dtype: torch.dtype) -> GPTModel:
@@ -74,12 +77,18 @@ def _gpt(dtype: torch.dtype) -> GPTModel:
     return GPTModel(config, VOCAB)
 
 
-def _backward(model: torch.nn.Module, seed: int, loss_scale: float = 1.0) -> None:
+def _backward(model: DistributedDataParallel, seed: int, loss_scale: float, sync: bool = True) -> None:
+    """Next-token loss on random tokens, backward into the grad buffer, then (with `sync`) the DP reduction."""
     generator = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, VOCAB, (2, 16), generator=generator)
     loss = model(tokens, labels=torch.roll(tokens, -1, dims=1)).float().mean()
     (loss * loss_scale).backward()
-    model.finish_grad_sync()
+    if sync:
+        model.finish_grad_sync()
+
+
+def _flat_params(model: DistributedDataParallel) -> torch.Tensor:
+    return torch.cat([p.detach().float().reshape(-1) for p in model.module.parameters()])
 
 
 def _pretrain(runs: dict[str, list[str]], argvs: dict[str, list[str]]) -> None:
@@ -127,24 +136,21 @@ def _fp16_overflow(rank: int, world_size: int) -> dict:
     model = DistributedDataParallel(_gpt(torch.float16), DDPConfig(use_distributed_optimizer=True))
     config = OptimizerConfig(lr=1e-3, initial_loss_scale=1024.0, hysteresis=1)
     optimizer = DistributedOptimizer(model, config, torch.float16)
-    before = torch.cat([p.detach().float().reshape(-1) for p in model.module.parameters()])
-    generator = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, VOCAB, (2, 16), generator=generator)
-    loss = model(tokens, labels=torch.roll(tokens, -1, dims=1)).float().mean()
-    (loss * optimizer.get_loss_scale()).backward()
+    before = _flat_params(model)
+    _backward(model, seed=rank, loss_scale=optimizer.get_loss_scale(), sync=False)
     bucket = model.buckets[0]
     if rank == 1:
         bucket.data[bucket.data.numel() // 2] = float("inf")  # the first element of rank 1's part
     model.finish_grad_sync()
     own_part_finite = bool(torch.isfinite(bucket.shard(bucket.data, rank, world_size)).all())
     skipped = optimizer.step()
-    after_skip = torch.cat([p.detach().float().reshape(-1) for p in model.module.parameters()])
+    after_skip = _flat_params(model)
     scale_after_skip = optimizer.get_loss_scale()
     optimizer.zero_grad()
     model.zero_grad_buffer()
     _backward(model, seed=rank + 1, loss_scale=optimizer.get_loss_scale())
     stepped = optimizer.step()
-    final = torch.cat([p.detach().float().reshape(-1) for p in model.module.parameters()])
+    final = _flat_params(model)
     return {
         "own_part_finite": own_part_finite,
         "skipped": skipped,
@@ -175,7 +181,7 @@ def _world4(rank: int, world_size: int, argvs: dict[str, list[str]]) -> dict:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
     """Every run of this module in three process groups (DP=2, then DP=1, then 4 ranks: each resume needs
-    the previous group's checkpoint); name -> its save folder, plus the in-worker results."""
+    the previous group's checkpoint): the runs' parent folder and the in-worker results."""
     tmp = tmp_path_factory.mktemp("distopt")
     common = ["--data-path", write_corpus(str(tmp)), "--split", "90,10,0", "--train-iters", "4",
               "--hidden-dropout", "0.0", "--attention-dropout", "0.0"]  # fmt: skip
@@ -213,8 +219,8 @@ def _relative_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor])
 
 
 def test_sharded_training_equals_one_process_without_it(runs) -> None:
-    """DP=2 (also with overlap and 1000-element buckets, so params straddle buckets' rank parts), DP=4 and
-    TP2 x DP2 with SP: the losses and grad norms of 4 iterations, and the final weights, of DP=1."""
+    """DP=2 (also overlapped, accumulating, params straddling), DP=4 and TP2 x DP2 with SP: the losses and
+    grad norms of 4 iterations, and the final weights, of DP=1."""
     expected = _losses(runs, "dp1")
     norms = [r["grad norm"] for r in _records(runs, "dp1")]
     assert len(expected) == 4 and expected[0] != expected[-1]
@@ -292,15 +298,27 @@ def test_checkpoints_move_between_sharded_and_replicated_and_dp_sizes(runs) -> N
     for name in ("resumed_dp1", "resumed_dp4"):
         assert [r["iteration"] for r in _records(runs, name)] == [3, 4]
         np.testing.assert_allclose(_losses(runs, name), expected[2:], rtol=1e-5, err_msg=name)
-    saved = load_file(
-        str(runs["dir"] / "saved_dp2" / "iter_0000002" / "mp_rank_00" / "optimizer.safetensors")
+    # the same state as the replicated optimizer's after the same two steps, whole (gathered over DP)
+    sharded, replicated = (
+        runs["dir"] / name / "iter_0000002" / "mp_rank_00" for name in ("saved_dp2", "saved_dp1")
     )
-    weights = _final_weights(runs, "dp1")
-    names = {key.rsplit(".", 1)[0] for key in saved}
-    assert len(names) == len(list(_gpt(torch.float32).parameters()))  # every param, gathered whole over DP
-    assert all(
-        saved[f"{n}.{state}"].shape == weights[n].shape for n in names for state in ("exp_avg", "exp_avg_sq")
+    saved, expected_state = (load_file(str(d / "optimizer.safetensors")) for d in (sharded, replicated))
+    assert len(saved) == 2 * len(list(_gpt(torch.float32).parameters()))  # exp_avg and exp_avg_sq per param
+    assert _relative_difference(saved, expected_state) < 1e-5
+    meta, expected_meta = (json.loads((d / "optimizer.json").read_text()) for d in (sharded, replicated))
+    assert (
+        meta["scalars"] == expected_meta["scalars"] and meta["param_groups"] == expected_meta["param_groups"]
     )
+
+
+def test_tied_word_embedding_gets_a_bucket_of_its_own() -> None:
+    """Pipeline stages sum the tied embedding's grads after the reduce-scatter: its DP split must not depend on
+    the stage's other params."""
+    module = _gpt(torch.float32)
+    tied = module.shared_embedding_or_output_weight()
+    buckets = DistributedDataParallel(module, DDPConfig(use_distributed_optimizer=True)).buckets
+    assert [len(b.params) for b in buckets if any(p is tied for p in b.params)] == [1]
+    assert sum(len(b.params) for b in buckets) == len(list(module.parameters()))
 
 
 def test_refuses_torch_ddp_and_a_plain_module() -> None:
@@ -310,3 +328,18 @@ def test_refuses_torch_ddp_and_a_plain_module() -> None:
         parse_args(tiny_args("/tmp/unused", "--train-iters", "1", DIST, "--ddp-impl", "torch"), 1)
     with pytest.raises(ValueError, match="DDPConfig\\(use_distributed_optimizer=True\\)"):
         DistributedOptimizer(torch.nn.Linear(2, 2), OptimizerConfig(lr=1e-3))
+
+
+def test_bf16_checkpoint_holds_the_gathered_fp32_main_params(runs) -> None:
+    """Every rank's fp32 main shard lands in its place: the gathered main params round exactly to the saved
+    bf16 weights; resumed at DP=1 without sharding, iterations 3 and 4 follow the uninterrupted run."""
+    shard = runs["dir"] / "saved_dp2_bf16" / "iter_0000002" / "mp_rank_00"
+    saved, weights = (
+        load_file(str(shard / "optimizer.safetensors")),
+        load_file(str(shard / "model.safetensors")),
+    )
+    mains = {k.removesuffix(".main_param"): v for k, v in saved.items() if k.endswith(".main_param")}
+    assert len(mains) == len(list(_gpt(torch.float32).parameters()))
+    for name, main in mains.items():
+        assert main.dtype == torch.float32 and torch.equal(main.bfloat16(), weights[name]), name
+    np.testing.assert_allclose(_losses(runs, "resumed_dp1_bf16"), _losses(runs, "dp2_bf16")[2:], rtol=1e-5)

@@ -9,7 +9,9 @@ all buckets are reduced at `finish_grad_sync()` (no overlap).
 With `use_distributed_optimizer` (Megatron's --use-distributed-optimizer) the params also live in one contiguous
 buffer laid out like the grads, every bucket is padded to a multiple of the DP size, and DP rank r owns the
 r-th equal part of each bucket: buckets are reduce-scattered into their owners' parts instead of all-reduced,
-and after the optimizer updated its parts `all_gather_params()` gives every rank all the params again.
+and after the optimizer updated its parts `all_gather_params()` gives every rank all the params again. The
+word embedding tied across pipeline stages gets a bucket of its own (as in Megatron-Core), so both stages'
+copies split the same way over DP and their grads can be summed after the reduce-scatter.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import torch.distributed as dist
 
 DEFAULT_BUCKET_SIZE = 40_000_000
 
-# torch >= 2.10 renamed reduce_scatter_tensor / all_gather_into_tensor (same arguments).
+# Newer torch names for reduce_scatter_tensor / all_gather_into_tensor (same arguments); older torch has only those.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
@@ -83,6 +85,8 @@ class DistributedDataParallel(torch.nn.Module):
         self.dp_rank = dist.get_rank(data_parallel_group) if dist.is_initialized() else 0
         bucket_size = config.bucket_size or max(DEFAULT_BUCKET_SIZE, 1_000_000 * self.dp_size)
         params = [p for p in module.parameters() if p.requires_grad]
+        tied = getattr(module, "shared_embedding_or_output_weight", None)
+        self.alone_in_bucket = tied() if config.use_distributed_optimizer and callable(tied) else None
         self.buffers_by_dtype: dict[torch.dtype, torch.Tensor] = {}
         self.buckets: list[Bucket] = []
         self.bucket_of: dict[torch.nn.Parameter, Bucket] = {}
@@ -110,9 +114,12 @@ class DistributedDataParallel(torch.nn.Module):
         """One grad buffer for `params` (and, sharded, one param buffer), split into buckets of whole params."""
         groups, current, current_numel = [], [], 0
         for param in params:
+            if param is self.alone_in_bucket and current:
+                groups.append(current)
+                current, current_numel = [], 0
             current.append(param)
             current_numel += param.numel()
-            if current_numel >= bucket_size or param is params[-1]:
+            if current_numel >= bucket_size or param is self.alone_in_bucket or param is params[-1]:
                 groups.append(current)
                 current, current_numel = [], 0
         multiple = self.dp_size if self.config.use_distributed_optimizer else 1

@@ -135,8 +135,9 @@ class DistributedOptimizer(MegatronOptimizer):
 
     @torch.no_grad()
     def _full_param_states(self) -> list[tuple[str, torch.Tensor, dict]]:
-        """Gather every DP rank's shards into full tensors on DP rank 0 (collective over DP; other ranks get
-        an empty list). Per bucket and state, each rank contributes its part of the bucket, zeros elsewhere."""
+        """Gather every DP rank's shards into full tensors on DP rank 0, in CPU memory as Megatron's
+        get_parameter_state_dp_zero (collective over DP; other ranks get an empty list). Per bucket and state,
+        each rank contributes its part of the bucket."""
         main_of = dict(zip(self.model_params, self.main_params, strict=True))
         first_state = next(iter(self.optimizer.state.values()), {})
         tensor_keys = self._broadcast_from_first_dp_rank(
@@ -159,7 +160,9 @@ class DistributedOptimizer(MegatronOptimizer):
                 flat = self._gather_to_first_dp_rank(local)
                 if flat is not None:
                     for param, offset in zip(bucket.params, bucket.offsets, strict=True):
-                        full[param][key] = flat[offset : offset + param.numel()].view_as(param).clone()
+                        full[param][key] = (
+                            flat[offset : offset + param.numel()].view_as(param).to("cpu", copy=True)
+                        )
         if self.ddp.dp_rank != 0:
             return []
         scalars = {k: v for k, v in first_state.items() if k not in tensor_keys}
@@ -168,20 +171,22 @@ class DistributedOptimizer(MegatronOptimizer):
             for name, param in zip(self.names, self.model_params, strict=True)
         ]
 
+    @property
+    def _first_dp_rank_global(self) -> int:
+        return dist.get_global_rank(self.ddp.group, 0) if self.ddp.group is not None else 0
+
     def _broadcast_from_first_dp_rank(self, keys: list[str]) -> list[str]:
         """DP rank 0's state names (it owns the start of every bucket; a rank may own only padding)."""
         if self.ddp.dp_size == 1:
             return keys
-        first = dist.get_global_rank(self.ddp.group, 0) if self.ddp.group is not None else 0
         message = [keys]
-        dist.broadcast_object_list(message, src=first, group=self.ddp.group)
+        dist.broadcast_object_list(message, src=self._first_dp_rank_global, group=self.ddp.group)
         return message[0]
 
     def _gather_to_first_dp_rank(self, local: torch.Tensor) -> torch.Tensor | None:
         """All ranks' `local` concatenated in DP rank order on DP rank 0; None on the others."""
         if self.ddp.dp_size == 1:
             return local
-        first = dist.get_global_rank(self.ddp.group, 0) if self.ddp.group is not None else 0
         parts = [torch.empty_like(local) for _ in range(self.ddp.dp_size)] if self.ddp.dp_rank == 0 else None
-        dist.gather(local, parts, dst=first, group=self.ddp.group)
+        dist.gather(local, parts, dst=self._first_dp_rank_global, group=self.ddp.group)
         return torch.cat(parts) if parts is not None else None

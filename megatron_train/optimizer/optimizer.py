@@ -58,7 +58,7 @@ class MegatronOptimizer:
         self.model_params = [p for _, p in named_params]
         self.main_params = self._build_main_params()
         for main, model in zip(self.main_params, self.model_params, strict=True):
-            if main is not None:
+            if main is not None and main is not model:
                 copy_parallel_attributes(model, main)
         main_of = {id(model): main for model, main in zip(self.model_params, self.main_params, strict=True)}
         groups = get_param_groups(named_params)  # a subclass's rank may hold no part of a group: kept empty

@@ -18,11 +18,14 @@ import os
 import sys
 import time
 
+import torch
 from tqdm import tqdm
 
 from megatron_train.arguments import config_from_dict, config_to_dict
-from megatron_train.checkpoint_layout import TensorSharding, check_layout, stage_tensor_names
+from megatron_train.checkpoint_layout import TensorSharding, check_layout, split_tp_shard, stage_tensor_names
 from megatron_train.checkpointing import (
+    FORMAT_VERSION,
+    METADATA_FILENAME,
     CheckpointError,
     SavedCheckpoint,
     checkpoint_dir,
@@ -81,25 +84,34 @@ def convert_checkpoint(
     check_layout(config.model, padded_vocab_size, target_tp, target_pp)
     with_optimizer = saved.has_optimizer_state()
     out_dir = checkpoint_dir(save_dir, metadata["iteration"])
+    if os.path.exists(os.path.join(out_dir, METADATA_FILENAME)):
+        raise ValueError(
+            f"{out_dir} already holds a complete checkpoint: delete it or pick another --save-dir"
+        )
     start, written_bytes = time.perf_counter(), 0
     stages = tqdm(range(target_pp), desc="pipeline stages", unit="stage", disable=None)
     for pp_rank in stages:
         layers = get_layer_range(config.model.num_layers, pp_rank, target_pp)
         names = stage_tensor_names(list(saved.params), layers, pp_rank == 0, pp_rank == target_pp - 1)
+        params = {name: name for name in names}  # the files keep checkpoint names
+        weights = _split_for_tp(saved, params, "model", target_tp, padded_vocab_size)
+        optimizer_tensors = optimizer_meta = None
+        if with_optimizer:
+            optimizer_tensors = _split_for_tp(
+                saved, saved.optimizer_tensor_names(params), "optimizer", target_tp, padded_vocab_size
+            )
+            optimizer_meta = saved.optimizer_meta_for(params)
         for tp_rank in range(target_tp):
-            weights = saved.weights_for({n: n for n in names}, target_tp, tp_rank, padded_vocab_size)
             sharding = {
-                name: _target_record(saved.params[name], weights[name].shape, padded_vocab_size, tp_rank, target_tp,
+                name: _target_record(saved.params[name], weights[tp_rank][name].shape, tp_rank, target_tp,
                                      pp_rank, target_pp, name)
                 for name in names
             }  # fmt: skip
-            optimizer_state = None
-            if with_optimizer:
-                optimizer_state = saved.optimizer_state_for(
-                    {n: n for n in names}, target_tp, tp_rank, padded_vocab_size
-                )
+            optimizer_state = (
+                None if optimizer_tensors is None else (optimizer_tensors[tp_rank], optimizer_meta)
+            )
             shard_dir = model_shard_dir(out_dir, tp_rank, pp_rank, target_pp)
-            write_shard(shard_dir, weights, sharding, optimizer_state)
+            write_shard(shard_dir, weights[tp_rank], sharding, optimizer_state)
             written_bytes += sum(os.path.getsize(os.path.join(shard_dir, f)) for f in os.listdir(shard_dir))
     config.parallel.tensor_model_parallel_size = target_tp
     config.parallel.pipeline_model_parallel_size = target_pp
@@ -109,6 +121,7 @@ def convert_checkpoint(
         metadata["iteration"],
         {
             **metadata,
+            "format_version": FORMAT_VERSION,
             "padded_vocab_size": padded_vocab_size,
             "world_size": target_tp * target_pp * data_parallel_size,
             "tensor_model_parallel_size": target_tp,
@@ -131,10 +144,21 @@ def convert_checkpoint(
     return out_dir
 
 
+def _split_for_tp(
+    saved: SavedCheckpoint, names: dict[str, str], kind: str, tp_size: int, padded_vocab_size: int
+) -> list[dict[str, torch.Tensor]]:
+    """Per target TP rank, {key: its slice of saved tensor names[key]}: each tensor is merged once."""
+    shards: list[dict[str, torch.Tensor]] = [{} for _ in range(tp_size)]
+    for key, name in names.items():
+        tensor, sharding = saved.global_tensor(name, kind, padded_vocab_size), saved.sharding(name, kind)
+        for tp_rank, shard in enumerate(shards):
+            shard[key] = split_tp_shard(tensor, sharding, tp_size, tp_rank, name)
+    return shards
+
+
 def _target_record(
     source: dict,
     local_shape: tuple[int, ...],
-    padded_vocab_size: int,
     tp_rank: int,
     tp_size: int,
     pp_rank: int,

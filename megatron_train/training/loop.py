@@ -1,5 +1,8 @@
 """Megatron's training loop: `pretrain` sets up, `train` runs steps with logging, evaluation, checkpoints
-and exit conditions, `train_step` is one optimizer step over several micro-batches, `evaluate` validates."""
+and exit conditions, `train_step` is one optimizer step over several micro-batches, `evaluate` validates.
+
+Every step, with or without pipeline parallelism, goes through `get_forward_backward_func()` (no pipelining,
+1F1B or interleaved 1F1B); the loss exists on the last pipeline stage, which holds the last rank that logs."""
 
 from __future__ import annotations
 
@@ -7,8 +10,9 @@ import contextlib
 import math
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -17,6 +21,11 @@ from megatron_train.arguments import MegatronConfig
 from megatron_train.checkpointing import TrainingProgress, save_checkpoint
 from megatron_train.device import get_device
 from megatron_train.parallel import allreduce_sequence_parallel_grads, state
+from megatron_train.parallel.schedules import (
+    ForwardStepFunc,
+    allreduce_embedding_grads,
+    get_forward_backward_func,
+)
 from megatron_train.training.flops import num_floating_point_operations, peak_flops_per_device
 from megatron_train.training.logging import (
     MetricsWriter,
@@ -29,14 +38,14 @@ from megatron_train.training.setup import (
     ModelProvider,
     TrainingSetup,
     build_data_iterators,
+    checkpoint_model,
     initialize_distributed,
     set_random_seed,
     setup_model_and_optimizer,
 )
 from megatron_train.training.signals import DistributedSignalHandler
 
-# forward_step(batch, model) -> mean loss of the micro-batch over its loss-masked tokens (a scalar).
-ForwardStep = Callable[[dict[str, torch.Tensor], torch.nn.Module], torch.Tensor]
+LOSS_KEY = "lm loss"  # the entry of loss_func's reduced dict that the loop averages, logs and evaluates
 
 
 def get_batch(data_iterator: Iterator, device: torch.device) -> dict[str, torch.Tensor]:
@@ -51,55 +60,86 @@ def average_across_data_parallel(value: torch.Tensor) -> torch.Tensor:
     return value
 
 
+def average_loss(reduced: list[dict[str, torch.Tensor]]) -> float | None:
+    """The mean of `LOSS_KEY` over micro-batches and data-parallel ranks on the last pipeline stage (where the
+    schedule computed it; Megatron logs from there); None on the other stages."""
+    if not state.is_pipeline_last_stage(ignore_virtual=True):
+        return None
+    loss = torch.stack([entry[LOSS_KEY].float() for entry in reduced]).mean()
+    return average_across_data_parallel(loss).item()
+
+
+def _per_chunk(items: list) -> Any:
+    """The schedules take one model and iterator, or lists of them when there are several model chunks."""
+    return items if len(items) > 1 else items[0]
+
+
 def train_step(
-    forward_step: ForwardStep,
-    data_iterator: Iterator,
+    forward_step_func: ForwardStepFunc,
+    data_iterators: list[Iterator],
     setup: TrainingSetup,
     config: MegatronConfig,
-) -> tuple[float, bool, float | None]:
-    """One global batch: accumulate grads over micro-batches (reduced on the last), then one optimizer step.
+) -> tuple[float | None, bool, float | None]:
+    """One global batch through the pipeline schedule, then Megatron's grad finalisation and optimizer step.
 
-    Returns (loss averaged over micro-batches and DP ranks, skipped (fp16 overflow), grad norm).
+    Returns (loss averaged over micro-batches and DP ranks, None off the last pipeline stage; skipped (fp16
+    overflow); grad norm over the whole model).
     """
-    model, optimizer = setup.model, setup.optimizer
-    model.zero_grad_buffer()
+    optimizer = setup.optimizer
+    for chunk in setup.model:
+        chunk.zero_grad_buffer()
     optimizer.zero_grad()
-    num_micro = setup.calculator.num_micro_batches
     loss_scale = optimizer.get_loss_scale()
-    device = get_device()
-    losses = []
-    for micro in range(num_micro):
-        sync = contextlib.nullcontext() if micro == num_micro - 1 else model.no_sync()
-        with sync:
-            loss = forward_step(get_batch(data_iterator, device), model)
-            (loss * (loss_scale / num_micro)).backward()
-        losses.append(loss.detach().float())
-    model.finish_grad_sync()
-    if config.parallel.sequence_parallel:
-        allreduce_sequence_parallel_grads(setup.unwrapped_model)
+    reduced = get_forward_backward_func()(
+        forward_step_func,
+        _per_chunk(data_iterators),
+        _per_chunk(setup.model),
+        setup.calculator.num_micro_batches,
+        config.model.seq_length,
+        config.training.micro_batch_size,
+        sequence_parallel=config.parallel.sequence_parallel,
+        grad_scale_func=lambda loss: loss * loss_scale,
+    )
+    for chunk, unwrapped in zip(setup.model, setup.unwrapped_model, strict=True):
+        chunk.finish_grad_sync()
+        if config.parallel.sequence_parallel:
+            allreduce_sequence_parallel_grads(unwrapped)
+    allreduce_embedding_grads(setup.model)
     update_successful, grad_norm = optimizer.step()
     if update_successful:
         setup.scheduler.step(increment=setup.calculator.current_global_batch_size)
-    mean_loss = average_across_data_parallel(torch.stack(losses).mean())
-    return mean_loss.item(), not update_successful, grad_norm
+    return average_loss(reduced), not update_successful, grad_norm
 
 
 @torch.no_grad()
 def evaluate(
-    forward_step: ForwardStep,
-    data_iterator: Iterator,
-    model: torch.nn.Module,
+    forward_step_func: ForwardStepFunc,
+    data_iterators: list[Iterator],
+    model: list[torch.nn.Module],
     eval_iters: int,
     num_micro: int,
-) -> float:
-    """Mean loss over `eval_iters` global batches, averaged over DP ranks; the model goes back to train mode."""
-    model.eval()
-    device = get_device()
-    losses = [
-        forward_step(get_batch(data_iterator, device), model).float() for _ in range(eval_iters * num_micro)
-    ]
-    model.train()
-    return average_across_data_parallel(torch.stack(losses).mean()).item()
+    config: MegatronConfig,
+) -> float | None:
+    """Mean loss over `eval_iters` global batches run forward-only through the pipeline schedule, averaged over
+    DP ranks (None off the last pipeline stage); the model goes back to train mode."""
+    for chunk in model:
+        chunk.eval()
+    schedule = get_forward_backward_func()
+    reduced = []
+    for _ in range(eval_iters):
+        reduced += schedule(
+            forward_step_func,
+            _per_chunk(data_iterators),
+            _per_chunk(model),
+            num_micro,
+            config.model.seq_length,
+            config.training.micro_batch_size,
+            forward_only=True,
+            sequence_parallel=config.parallel.sequence_parallel,
+        )
+    for chunk in model:
+        chunk.train()
+    return average_loss(reduced)
 
 
 @dataclass
@@ -122,13 +162,13 @@ class Trainer:
         self,
         config: MegatronConfig,
         setup: TrainingSetup,
-        forward_step: ForwardStep,
+        forward_step_func: ForwardStepFunc,
         padded_vocab_size: int,
         writer: MetricsWriter | None,
     ) -> None:
         self.config = config
         self.setup = setup
-        self.forward_step = forward_step
+        self.forward_step_func = forward_step_func
         self.padded_vocab_size = padded_vocab_size
         self.writer = writer
         self.progress = TrainingProgress(**vars(setup.loaded))
@@ -140,7 +180,7 @@ class Trainer:
         if self.config.checkpoint.save and self.last_saved_iteration != self.progress.iteration:
             save_checkpoint(
                 self.progress.iteration,
-                self.setup.unwrapped_model,
+                checkpoint_model(self.setup.unwrapped_model),
                 self.setup.optimizer,
                 self.setup.scheduler,
                 self.progress,
@@ -176,14 +216,15 @@ class Trainer:
             if self.writer is not None:
                 self.writer.write(stats)
 
-    def evaluate_and_log(self, data_iterator: Iterator, split: str) -> float:
+    def evaluate_and_log(self, data_iterators: list[Iterator], split: str) -> float | None:
         training = self.config.training
         loss = evaluate(
-            self.forward_step,
-            data_iterator,
+            self.forward_step_func,
+            data_iterators,
             self.setup.model,
             training.eval_iters,
             self.setup.calculator.num_micro_batches,
+            self.config,
         )
         if split == "valid":
             self.progress.consumed_valid_samples += (
@@ -219,7 +260,7 @@ class Trainer:
             return f"reached --exit-interval {training.exit_interval}"
         return None
 
-    def train(self, train_iterator: Iterator, valid_iterator: Iterator | None) -> bool:
+    def train(self, train_iterators: list[Iterator], valid_iterators: list[Iterator] | None) -> bool:
         """Step until --train-iters; True when an exit condition stopped the run early (after saving)."""
         training, ckpt = self.config.training, self.config.checkpoint
         interval = IntervalStats(start=time.perf_counter())
@@ -229,7 +270,7 @@ class Trainer:
             while self.progress.iteration < self.setup.train_iters:
                 self.setup.calculator.update(self.progress.consumed_train_samples)
                 loss, skipped, grad_norm = train_step(
-                    self.forward_step, train_iterator, self.setup, self.config
+                    self.forward_step_func, train_iterators, self.setup, self.config
                 )
                 self.progress.iteration += 1
                 batch = self.setup.calculator.current_global_batch_size
@@ -237,7 +278,7 @@ class Trainer:
                 interval.iterations += 1
                 interval.samples += batch
                 interval.skipped += int(skipped)
-                if not skipped:
+                if not skipped and loss is not None:  # the loss exists on the last pipeline stage
                     if math.isfinite(loss):
                         interval.loss_sum += loss
                         interval.advanced += 1
@@ -248,11 +289,11 @@ class Trainer:
                     interval = IntervalStats(start=time.perf_counter())
                 paused = time.perf_counter()  # evaluating and saving do not count as iteration time
                 if (
-                    valid_iterator is not None
+                    valid_iterators is not None
                     and training.eval_iters
                     and _every(self.progress.iteration, training.eval_interval)
                 ):
-                    self.evaluate_and_log(valid_iterator, "valid")
+                    self.evaluate_and_log(valid_iterators, "valid")
                 if ckpt.save and _every(self.progress.iteration, ckpt.save_interval):
                     self.save()
                 interval.start += time.perf_counter() - paused
@@ -278,41 +319,45 @@ def pretrain(
     config: MegatronConfig,
     model_provider: ModelProvider,
     datasets_provider: DatasetsProvider,
-    forward_step: ForwardStep,
+    forward_step_func: ForwardStepFunc,
     padded_vocab_size: int,
 ) -> TrainingProgress:
     """Megatron's `pretrain`: initialise, build model/optimizer/data, train, evaluate valid and test, save.
 
+    `forward_step_func(data_iterator, model) -> (output_tensor, loss_func)` is Megatron's forward step (see
+    `parallel.schedules`); `loss_func(output_tensor)` returns `(loss, {LOSS_KEY: detached loss})`.
     Returns the final iteration and consumed sample counts.
     """
     created_group = initialize_distributed(config.training.distributed_timeout_minutes)
     parallel = config.parallel
     state.initialize_model_parallel(
-        parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
+        parallel.tensor_model_parallel_size,
+        parallel.pipeline_model_parallel_size,
+        parallel.virtual_pipeline_model_parallel_size(config.model.num_layers),
     )
     writer = None
     try:
         set_random_seed(config.training.seed)
         setup = setup_model_and_optimizer(config, model_provider, padded_vocab_size, get_device())
-        train_iter, valid_iter, test_iter = build_data_iterators(
-            config, datasets_provider, setup.train_iters, setup.loaded
+        train_iters, valid_iters, test_iters = build_data_iterators(
+            config, datasets_provider, setup.train_iters, setup.loaded, num_chunks=len(setup.model)
         )
         metrics_file = config.logging.metrics_file
         if metrics_file is None and config.checkpoint.save:
             metrics_file = os.path.join(config.checkpoint.save, "metrics.jsonl")
         if _is_logging_rank():
             writer = MetricsWriter(config.logging.tensorboard_dir, metrics_file, setup.loaded.iteration)
-        trainer = Trainer(config, setup, forward_step, padded_vocab_size, writer)
+        trainer = Trainer(config, setup, forward_step_func, padded_vocab_size, writer)
         exited_early = False
-        if not config.training.skip_train and train_iter is not None:
-            exited_early = trainer.train(train_iter, valid_iter)
+        if not config.training.skip_train and train_iters is not None:
+            exited_early = trainer.train(train_iters, valid_iters)
             if not exited_early:
                 trainer.save()
         if not exited_early:
-            if valid_iter is not None and config.training.eval_iters:
-                trainer.evaluate_and_log(valid_iter, "valid")
-            if test_iter is not None and config.training.eval_iters:
-                trainer.evaluate_and_log(test_iter, "test")
+            if valid_iters is not None and config.training.eval_iters:
+                trainer.evaluate_and_log(valid_iters, "valid")
+            if test_iters is not None and config.training.eval_iters:
+                trainer.evaluate_and_log(test_iters, "test")
         return trainer.progress
     finally:
         if writer is not None:

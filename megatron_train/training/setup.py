@@ -22,10 +22,13 @@ from megatron_train.device import get_backend, set_device_for_local_rank
 from megatron_train.distributed import DDPConfig, wrap_data_parallel
 from megatron_train.optimizer import MegatronOptimizer, get_megatron_optimizer
 from megatron_train.parallel import model_parallel_seed, state
+from megatron_train.parallel.schedules import sync_embedding_weights
 from megatron_train.training.lr_scheduler import OptimizerParamScheduler, build_opt_param_scheduler
 from megatron_train.training.microbatches import MicroBatchCalculator
 
-ModelProvider = Callable[[MegatronConfig, int], torch.nn.Module]
+# model_provider(config, padded_vocab_size, pre_process, post_process): one pipeline stage (or virtual stage);
+# pre_process: it holds the embedding, post_process: the final norm and output layer (Megatron's hook).
+ModelProvider = Callable[[MegatronConfig, int, bool, bool], torch.nn.Module]
 DatasetsProvider = Callable[[tuple[int, int, int]], tuple[Any, Any, Any]]
 
 
@@ -55,15 +58,48 @@ def set_random_seed(seed: int) -> None:
 
 @dataclass
 class TrainingSetup:
-    """Everything the loop needs, built in Megatron's order."""
+    """Everything the loop needs, built in Megatron's order.
 
-    model: torch.nn.Module  # the data-parallel wrapper
-    unwrapped_model: torch.nn.Module
+    `model` holds this rank's model chunks, each in its data-parallel wrapper: one chunk, or one per virtual
+    pipeline stage under the interleaved schedule (chunk c of pipeline rank r is virtual stage c * PP + r).
+    """
+
+    model: list[torch.nn.Module]
+    unwrapped_model: list[torch.nn.Module]
     optimizer: MegatronOptimizer
     scheduler: OptimizerParamScheduler
     calculator: MicroBatchCalculator
     train_iters: int
     loaded: TrainingProgress
+
+
+def build_model_chunks(
+    config: MegatronConfig, model_provider: ModelProvider, padded_vocab_size: int, device: torch.device
+) -> list[torch.nn.Module]:
+    """This rank's pipeline stage, one chunk per virtual stage, tied embedding copies made equal."""
+    virtual_size = state.get_virtual_pipeline_model_parallel_world_size()
+    chunks = []
+    for virtual_rank in range(virtual_size or 1):
+        if virtual_size is not None:
+            state.set_virtual_pipeline_model_parallel_rank(virtual_rank)
+        pre_process, post_process = state.is_pipeline_first_stage(), state.is_pipeline_last_stage()
+        chunk = model_provider(config, padded_vocab_size, pre_process, post_process).to(device)
+        if post_process and not pre_process:
+            mark_tied_output_copy(chunk)
+        chunks.append(chunk)
+    if virtual_size is not None:
+        state.set_virtual_pipeline_model_parallel_rank(0)
+    sync_embedding_weights(chunks)
+    return chunks
+
+
+def mark_tied_output_copy(chunk: torch.nn.Module) -> None:
+    """Mark the last stage's copy of the tied word embedding `shared` (as Megatron-Core does), so the grad
+    norm counts that weight once, on the first stage."""
+    tied = getattr(chunk, "shared_embedding_or_output_weight", None)
+    weight = tied() if callable(tied) else None
+    if weight is not None:
+        weight.shared = True
 
 
 def setup_model_and_optimizer(
@@ -79,12 +115,12 @@ def setup_model_and_optimizer(
     train_iters = training.train_iters
     if train_iters is None:
         train_iters = calculator.train_iters_for_samples(training.train_samples or 0)
-    unwrapped = model_provider(config, padded_vocab_size).to(device)
+    unwrapped = build_model_chunks(config, model_provider, padded_vocab_size, device)
     if state.get_data_parallel_rank() == 0:
         print(
             " > number of parameters on (tensor, pipeline) model parallel rank "
             f"({state.get_tensor_model_parallel_rank()}, {state.get_pipeline_model_parallel_rank()}): "
-            f"{sum(p.numel() for p in unwrapped.parameters())}",
+            f"{sum(p.numel() for chunk in unwrapped for p in chunk.parameters())}",
             flush=True,
         )
     ddp_config = DDPConfig(
@@ -94,9 +130,16 @@ def setup_model_and_optimizer(
         use_distributed_optimizer=config.parallel.use_distributed_optimizer,
     )
     dp_group = state.get_data_parallel_group() if state.model_parallel_is_initialized() else None
-    model = wrap_data_parallel(unwrapped, training.ddp_impl, ddp_config, dp_group)
+    model = [wrap_data_parallel(chunk, training.ddp_impl, ddp_config, dp_group) for chunk in unwrapped]
+    if training.ddp_impl == "torch":
+        # torch's DDP decides at forward time whether backward reduces, but the schedules leave no_sync()
+        # only before the last backward; without no_sync it reduces after every micro-batch (same grads).
+        for chunk in model:
+            chunk.no_sync = contextlib.nullcontext
+    # Several chunks: one optimizer over all of them, params named `<chunk>.<name>`.
+    optimized = model[0] if len(model) == 1 else torch.nn.ModuleList(unwrapped)
     optimizer = get_megatron_optimizer(
-        config.optimizer, model, config.model.params_dtype, config.parallel.use_distributed_optimizer
+        config.optimizer, optimized, config.model.params_dtype, config.parallel.use_distributed_optimizer
     )
     scheduler = build_opt_param_scheduler(
         optimizer.optimizer,
@@ -107,14 +150,30 @@ def setup_model_and_optimizer(
     )
     loaded = TrainingProgress()
     if config.checkpoint.load:
-        loaded = load_checkpoint(unwrapped, optimizer, scheduler, config, padded_vocab_size)
+        loaded = load_checkpoint(checkpoint_model(unwrapped), optimizer, scheduler, config, padded_vocab_size)
+        sync_embedding_weights(unwrapped)
     return TrainingSetup(model, unwrapped, optimizer, scheduler, calculator, train_iters, loaded)
 
 
+def checkpoint_model(chunks: list[torch.nn.Module]) -> torch.nn.Module | list[torch.nn.Module]:
+    """What save/load_checkpoint take: the stage's module, or Megatron's list of chunks when interleaved."""
+    return chunks[0] if len(chunks) == 1 else chunks
+
+
 def build_data_iterators(
-    config: MegatronConfig, datasets_provider: DatasetsProvider, train_iters: int, loaded: TrainingProgress
-) -> tuple[Iterator | None, Iterator | None, Iterator | None]:
-    """Megatron's sample budget per split; train and valid loaders resume at the consumed sample counts."""
+    config: MegatronConfig,
+    datasets_provider: DatasetsProvider,
+    train_iters: int,
+    loaded: TrainingProgress,
+    num_chunks: int = 1,
+) -> tuple[list[Iterator] | None, list[Iterator] | None, list[Iterator] | None]:
+    """Megatron's sample budget per split; train and valid loaders resume at the consumed sample counts.
+
+    Each split gets one iterator per model chunk (the interleaved schedule reads them independently), or None
+    when the split is empty. Every pipeline stage reads the data: the first takes the tokens, the last the
+    labels and loss mask, and every stage the position ids (rotary embeddings need them, and
+    --reset-position-ids makes them depend on the documents).
+    """
     training = config.training
     gbs = training.global_batch_size
     evaluations = train_iters // training.eval_interval + 1 if training.eval_interval else 1
@@ -126,7 +185,10 @@ def build_data_iterators(
     consumed = (loaded.consumed_train_samples, loaded.consumed_valid_samples, 0)
     with preserve_rng_state():  # a resumed run restored its RNG already; building data must not move it
         datasets = datasets_provider(num_samples)
-        iterators = [_loader_iterator(config, d, n) for d, n in zip(datasets, consumed, strict=True)]
+        iterators = [
+            _chunk_iterators(config, dataset, samples, num_chunks)
+            for dataset, samples in zip(datasets, consumed, strict=True)
+        ]
     return iterators[0], iterators[1], iterators[2]
 
 
@@ -140,15 +202,21 @@ def preserve_rng_state() -> Iterator[None]:
     np.random.set_state(numpy_state)
 
 
-def _loader_iterator(config: MegatronConfig, dataset: Any, consumed_samples: int) -> Iterator | None:
+def _chunk_iterators(
+    config: MegatronConfig, dataset: Any, consumed_samples: int, num_chunks: int
+) -> list[Iterator] | None:
     if dataset is None or len(dataset) == 0:
         return None
-    loader = build_pretraining_data_loader(
-        dataset,
-        consumed_samples,
-        config.training.micro_batch_size,
-        state.get_data_parallel_rank(),
-        state.get_data_parallel_world_size(),
-        num_workers=config.data.num_workers,
-    )
-    return iter(loader)
+    return [
+        iter(
+            build_pretraining_data_loader(
+                dataset,
+                consumed_samples,
+                config.training.micro_batch_size,
+                state.get_data_parallel_rank(),
+                state.get_data_parallel_world_size(),
+                num_workers=config.data.num_workers,
+            )
+        )
+        for _ in range(num_chunks)
+    ]

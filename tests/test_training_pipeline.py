@@ -1,0 +1,254 @@
+"""Pipeline parallelism in the training loop: `pretrain` under PP=2 and PP=4 (1F1B), interleaved virtual
+stages, TP2 x PP2 with sequence parallel and PP2 x DP2 logs the single-process run's losses, grad norms and
+validation loss, and ends with its weights; `pretrain_gpt` under PP=2 resumes bitwise; Megatron's pipeline
+flag rules refuse bad layouts with the flag to change."""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from megatron_train.arguments import MegatronConfig, parse_args
+from megatron_train.checkpoint_layout import (
+    WORD_EMBEDDING,
+    TensorSharding,
+    global_param_name,
+    merge_tp_shards,
+    split_tp_shard,
+)
+from megatron_train.models.gpt import GPTModel
+from megatron_train.parallel import state
+from megatron_train.pretrain_gpt import (
+    datasets_provider,
+    forward_step,
+    gpt_model_provider,
+    tokenizer_from_config,
+)
+from megatron_train.tokenizer import vocab_size_with_padding
+from megatron_train.training.loop import pretrain
+from tests.distributed import run_distributed
+from tests.test_training import pretrain_worker, read_marker, read_metrics, tiny_args, write_corpus
+
+VOCAB = 127  # NullTokenizer: ids 0..126 and eod 127 (the corpus' eod), padded to 128 under TP 1 and 2
+PADDED_VOCAB = 128
+RTOL = 1e-5
+
+
+def argv(run_dir: str, data_prefix: str, *extra: str) -> list[str]:
+    """A 4-layer GPT, 3 steps of global batch 8 in micro-batches of 2, no dropout; metrics in run_dir."""
+    return [
+        "--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+        "--max-position-embeddings", "16", "--vocab-size", str(VOCAB), "--make-vocab-size-divisible-by", "64",
+        "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "3", "--lr", "3e-3",
+        "--lr-warmup-iters", "1", "--hidden-dropout", "0.0", "--attention-dropout", "0.0",
+        "--data-path", data_prefix, "--split", "90,10,0", "--log-interval", "1", "--eval-interval", "1000",
+        "--eval-iters", "1", "--num-workers", "0", "--seed", "7",
+        "--metrics-file", os.path.join(run_dir, "metrics.jsonl"), *extra,
+    ]  # fmt: skip
+
+
+def _sharding(param: torch.nn.Parameter) -> TensorSharding:
+    if not getattr(param, "tensor_model_parallel", False):
+        return TensorSharding()
+    return TensorSharding(int(param.partition_dim), int(param.partition_stride))
+
+
+def _global_names(stage: GPTModel) -> dict[str, str]:
+    """Stage param name -> the single-process model's name (global layer numbers, tied output = embedding)."""
+    tied_copy = stage.post_process and not stage.pre_process and stage.share_embeddings_and_output_weights
+    start = stage.decoder.layer_range.start
+    return {name: global_param_name(name, start, tied_copy) for name, _ in stage.named_parameters()}
+
+
+def model_from_weights(
+    initial: dict[str, np.ndarray],
+    built: list[tuple[GPTModel, int]],
+    config: MegatronConfig,
+    padded_vocab_size: int,
+    pre_process: bool,
+    post_process: bool,
+) -> GPTModel:
+    """A model provider: this stage of the single-process model `initial` (its TP shard of its layers; the
+    tied output copy is left for the pipeline to sync); records (stage, TP rank) in `built`."""
+    stage = gpt_model_provider(config, padded_vocab_size, pre_process, post_process)
+    tp_size, tp_rank = state.get_tensor_model_parallel_world_size(), state.get_tensor_model_parallel_rank()
+    with torch.no_grad():
+        for name, param in stage.named_parameters():
+            global_name = _global_names(stage)[name]
+            if global_name == WORD_EMBEDDING and not pre_process:
+                continue
+            full = torch.from_numpy(initial[global_name])
+            param.copy_(split_tp_shard(full, _sharding(param), tp_size, tp_rank, global_name))
+    built.append((stage, tp_rank))
+    return stage
+
+
+def pretrain_from_weights(rank: int, world_size: int, initial: dict[str, np.ndarray], runs: list[list[str]]):
+    """`pretrain` once per argv, every layout starting from the single-process model `initial`. Returns per run
+    the last rank's metrics and this rank's final weights as (global name, TP rank, sharding, values)."""
+    results = []
+    for run in runs:
+        config = parse_args(run, world_size)
+        tokenizer = tokenizer_from_config(config.tokenizer)
+        padded_vocab_size = vocab_size_with_padding(
+            tokenizer.vocab_size,
+            config.tokenizer.make_vocab_size_divisible_by,
+            config.parallel.tensor_model_parallel_size,
+        )
+        built: list[tuple[GPTModel, int]] = []
+        pretrain(
+            config,
+            functools.partial(model_from_weights, initial, built),
+            functools.partial(datasets_provider, config, tokenizer),
+            forward_step,
+            padded_vocab_size,
+        )
+        weights = [
+            (_global_names(stage)[name], tp_rank, _sharding(param), param.detach().numpy().copy())
+            for stage, tp_rank in built
+            for name, param in stage.named_parameters()
+        ]
+        metrics_dir = os.path.dirname(run[run.index("--metrics-file") + 1])
+        results.append(
+            {"metrics": read_metrics(metrics_dir) if rank == world_size - 1 else [], "weights": weights}
+        )
+    return results
+
+
+def merge_weights(per_rank: list[dict]) -> dict[str, torch.Tensor]:
+    """The full model from every rank's shards; copies of one shard (DP replicas, the tied output layer) must
+    be equal."""
+    shards: dict[str, dict[int, np.ndarray]] = {}
+    shardings: dict[str, TensorSharding] = {}
+    for result in per_rank:
+        for name, tp_rank, sharding, values in result["weights"]:
+            held = shards.setdefault(name, {})
+            if tp_rank in held:
+                np.testing.assert_array_equal(values, held[tp_rank], err_msg=f"copies of {name} differ")
+            held[tp_rank] = values
+            shardings[name] = sharding
+    return {
+        name: merge_tp_shards([torch.from_numpy(held[r]) for r in sorted(held)], shardings[name])
+        for name, held in shards.items()
+    }
+
+
+def _train(records: list[dict], key: str) -> list[float]:
+    return [r[key] for r in records if "split" not in r]
+
+
+def _valid(records: list[dict]) -> list[float]:
+    return [r["lm loss"] for r in records if r.get("split") == "valid"]
+
+
+LAYOUTS_2 = {
+    "pp2": ["--pipeline-model-parallel-size", "2"],
+    "pp2-virtual": ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"],
+}
+LAYOUTS_4 = {
+    "pp4": ["--pipeline-model-parallel-size", "4"],
+    "tp2-pp2-sp": [
+        "--pipeline-model-parallel-size",
+        "2",
+        "--tensor-model-parallel-size",
+        "2",
+        "--sequence-parallel",
+    ],
+    "pp2-dp2": ["--pipeline-model-parallel-size", "2"],
+    "pp2-virtual-dp2": [
+        "--pipeline-model-parallel-size",
+        "2",
+        "--num-layers-per-virtual-pipeline-stage",
+        "1",
+    ],
+}
+
+
+@pytest.fixture(scope="module")
+def layouts(tmp_path_factory) -> dict[str, dict]:
+    """The reference (one process) and every layout, each trained from the same initial weights."""
+    tmp = tmp_path_factory.mktemp("pipeline")
+    data = write_corpus(str(tmp))
+    reference_argv = argv(str(tmp / "reference"), data)
+    torch.manual_seed(0)
+    model = GPTModel(parse_args(reference_argv, 1).model, PADDED_VOCAB)
+    initial = {name: param.detach().numpy() for name, param in model.state_dict().items()}
+
+    def run(world_size: int, layouts: dict[str, list[str]]) -> dict[str, dict]:
+        runs = [argv(str(tmp / name), data, *flags) for name, flags in layouts.items()]
+        per_rank = run_distributed(pretrain_from_weights, world_size, initial, runs, timeout=300)
+        return {
+            name: {"metrics": per_rank[-1][i]["metrics"], "weights": merge_weights([r[i] for r in per_rank])}
+            for i, name in enumerate(layouts)
+        }
+
+    return {**run(1, {"reference": []}), **run(2, LAYOUTS_2), **run(4, LAYOUTS_4), "initial": initial}
+
+
+@pytest.mark.parametrize("layout", [*LAYOUTS_2, *LAYOUTS_4])
+def test_pipeline_layouts_train_like_one_process(layouts, layout) -> None:
+    reference, result = layouts["reference"], layouts[layout]
+    expected = _train(reference["metrics"], "lm loss")
+    assert len(expected) == 3 and len(set(expected)) == 3
+    np.testing.assert_allclose(_train(result["metrics"], "lm loss"), expected, rtol=RTOL)
+    # the grad norm spans every stage, the tied embedding counted once
+    np.testing.assert_allclose(
+        _train(result["metrics"], "grad norm"), _train(reference["metrics"], "grad norm"), rtol=RTOL
+    )
+    np.testing.assert_allclose(_valid(result["metrics"]), _valid(reference["metrics"]), rtol=RTOL)
+    assert len(_valid(result["metrics"])) == 1
+    final, expected_final = result["weights"], reference["weights"]
+    assert set(final) == set(expected_final)
+    for name, values in final.items():
+        assert not torch.equal(values, torch.from_numpy(layouts["initial"][name])), name  # it trained
+        torch.testing.assert_close(
+            values, expected_final[name], rtol=RTOL, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}"
+        )
+
+
+def test_pretrain_gpt_pp2_resumes_bitwise(tmp_path) -> None:
+    """`pretrain_gpt` at PP=2: a run stopped by --exit-interval and resumed from its checkpoint logs the
+    uninterrupted run's losses; console lines and metrics come from the last rank."""
+    data = ["--data-path", write_corpus(str(tmp_path)), "--split", "90,10,0", "--num-layers", "4",
+            "--pipeline-model-parallel-size", "2", "--global-batch-size", "8", "--train-iters", "4"]  # fmt: skip
+    full, split = str(tmp_path / "full"), str(tmp_path / "split")
+    runs = [tiny_args(full, *data), tiny_args(split, *data, "--exit-interval", "2"), tiny_args(split, *data)]
+    first_rank, last_rank = run_distributed(pretrain_worker, 2, runs, timeout=300)
+    assert first_rank == [[], [], []]
+    reference, stopped, resumed = (_train(records, "lm loss") for records in last_rank)
+    assert len(reference) == 4 and len(set(reference)) == 4
+    assert stopped == reference[:2]
+    assert resumed == reference
+    assert read_marker(full) == 4 and read_marker(split) == 4
+
+
+def _refusal(capsys, world_size: int, *extra: str) -> str:
+    with pytest.raises(SystemExit):
+        parse_args(tiny_args("/tmp/unused", "--train-iters", "1", *extra), world_size)
+    return capsys.readouterr().err
+
+
+def test_pipeline_flags_follow_megatrons_rules(capsys) -> None:
+    config = parse_args(
+        tiny_args("/tmp/unused", "--train-iters", "1", "--num-layers", "8", "--pipeline-model-parallel-size",
+                  "2", "--num-layers-per-virtual-pipeline-stage", "2", "--global-batch-size", "8"), 4
+    )  # fmt: skip
+    assert config.parallel.virtual_pipeline_model_parallel_size(config.model.num_layers) == 2
+    error = _refusal(capsys, 2, "--num-layers", "3", "--pipeline-model-parallel-size", "2")
+    assert "--num-layers 3 is not divisible by --pipeline-model-parallel-size 2" in error
+    error = _refusal(capsys, 2, "--num-layers", "4", "--pipeline-model-parallel-size", "2",
+                     "--num-layers-per-virtual-pipeline-stage", "3")  # fmt: skip
+    assert "--num-layers 4 must split evenly" in error
+    # global batch 6 / (micro-batch 2 x DP 1) = 3 micro-batches, not a multiple of PP 2
+    error = _refusal(capsys, 2, "--num-layers", "4", "--pipeline-model-parallel-size", "2",
+                     "--num-layers-per-virtual-pipeline-stage", "1", "--global-batch-size", "6")  # fmt: skip
+    assert "multiple of --pipeline-model-parallel-size 2" in error and "= 3;" in error
+    assert "--global-batch-size" in error
+    error = _refusal(capsys, 1, "--num-layers-per-virtual-pipeline-stage", "1")
+    assert "needs --pipeline-model-parallel-size > 1" in error
+    error = _refusal(capsys, 2, "--pipeline-model-parallel-size", "2", "--ddp-impl", "torch")
+    assert "needs --ddp-impl local" in error
