@@ -77,3 +77,17 @@ def test_eval_flow_end_to_end_then_cached(prefect_api_url, tmp_path):
     again = eval_flow(config)
     assert all(ref["cache_hit"] for ref in again.values())
     assert {k: v["key"] for k, v in again.items()} == {k: v["key"] for k, v in refs.items()}
+
+
+def test_demo_main_on_the_embedded_corpus_prints_where_the_report_is(prefect_api_url, tmp_path, capsys):
+    """`make demo`'s entry point on the embedded KJV (a tiny model, so it stays quick), twice: the second is cached."""
+    from flows.demo import main
+
+    argv = ["--store", str(tmp_path / "store"), "--nproc-per-node", "1", "--", *TINY_GPT, "--train-iters", "10"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "cache hits: 0/6 stages" in out and "report: " in out and "sample generations:" in out
+    report = Path(out.split("report: ")[1].split()[0])
+    assert report.name == "report.md" and report.exists()
+    assert main(argv) == 0
+    assert "cache hits: 6/6 stages" in capsys.readouterr().out

@@ -205,8 +205,10 @@ def test_pipeline_layouts_train_like_one_process(layouts, layout) -> None:
     assert set(final) == set(expected_final)
     for name, values in final.items():
         assert not torch.equal(values, torch.from_numpy(layouts["initial"][name])), name  # it trained
+        # atol: Adam divides by sqrt(v), so near-zero grads (the key bias's: zero in exact arithmetic) turn
+        # TP's reordered float sums into weight differences of ~1e-6 after 3 steps of lr 3e-3
         torch.testing.assert_close(
-            values, expected_final[name], rtol=RTOL, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}"
+            values, expected_final[name], rtol=RTOL, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}"
         )
 
 
