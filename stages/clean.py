@@ -33,7 +33,6 @@ from storage.artifacts import (
     ArtifactRef,
     ArtifactStore,
     ArtifactWriter,
-    input_fingerprint,
     run_stage,
     stage_key,
 )
@@ -109,7 +108,7 @@ Params = CleanParams
 
 def key(params: CleanParams, inputs: Sequence[ArtifactRef]) -> str:
     """The output's key, as `run` computes it."""
-    return stage_key(STAGE, VERSION, params, [input_fingerprint(i) for i in inputs])
+    return stage_key(STAGE, VERSION, params, inputs)
 
 
 def run(

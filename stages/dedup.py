@@ -40,7 +40,6 @@ from storage.artifacts import (
     ArtifactRef,
     ArtifactStore,
     ArtifactWriter,
-    input_fingerprint,
     run_stage,
     stage_key,
 )
@@ -232,7 +231,7 @@ Params = DedupParams
 
 def key(params: DedupParams, inputs: Sequence[ArtifactRef]) -> str:
     """The output's key, as `run` computes it."""
-    return stage_key(STAGE, VERSION, params, [input_fingerprint(i) for i in inputs])
+    return stage_key(STAGE, VERSION, params, inputs)
 
 
 def run(

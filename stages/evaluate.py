@@ -31,7 +31,6 @@ from storage.artifacts import (
     ArtifactRef,
     ArtifactStore,
     ArtifactWriter,
-    input_fingerprint,
     run_stage,
     stage_key,
 )
@@ -63,7 +62,7 @@ Params = EvaluateParams
 
 def key(params: EvaluateParams, inputs: Sequence[ArtifactRef]) -> str:
     """The output's key, as `run` computes it."""
-    return stage_key(STAGE, VERSION, params, [input_fingerprint(i) for i in inputs])
+    return stage_key(STAGE, VERSION, params, inputs)
 
 
 @torch.no_grad()

@@ -42,7 +42,6 @@ from storage.artifacts import (
     ArtifactRef,
     ArtifactStore,
     ArtifactWriter,
-    input_fingerprint,
     run_stage,
     stage_key,
 )
@@ -95,7 +94,7 @@ def key(params: PretrainParams, inputs: Sequence[ArtifactRef | None]) -> str:
     """The output's key, as `run` computes it."""
     tokenized, tokenizer = (list(inputs) + [None])[:2]
     fingerprints = _tokenizer_flags(params, tokenizer)[1]
-    return stage_key(STAGE, VERSION, params, [input_fingerprint(tokenized), *fingerprints])
+    return stage_key(STAGE, VERSION, params, [tokenized, *fingerprints])
 
 
 def _tokenizer_flags(params: PretrainParams, tokenizer: ArtifactRef | None) -> tuple[dict, list[str]]:

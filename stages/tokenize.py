@@ -72,7 +72,6 @@ from storage.artifacts import (
     ArtifactRef,
     ArtifactStore,
     ArtifactWriter,
-    input_fingerprint,
     run_stage,
     stage_key,
 )
@@ -725,9 +724,7 @@ Params = TokenizeParams
 def key(params: TokenizeParams, inputs) -> str:
     """The output's key, as `run` computes it."""
     fingerprints = _resolve_inputs(inputs)[1]
-    return stage_key(
-        STAGE, VERSION, params.fingerprint_fields(), [input_fingerprint(i) for i in fingerprints]
-    )
+    return stage_key(STAGE, VERSION, params.fingerprint_fields(), fingerprints)
 
 
 def run(params: TokenizeParams, inputs, store: ArtifactStore) -> ArtifactRef:

@@ -26,7 +26,6 @@ from storage.artifacts import (
     ArtifactRef,
     ArtifactStore,
     ArtifactWriter,
-    input_fingerprint,
     run_stage,
     stage_key,
 )
@@ -152,7 +151,7 @@ Params = TrainTokenizerParams
 
 def key(params: TrainTokenizerParams, inputs: Sequence[ArtifactRef]) -> str:
     """The output's key, as `run` computes it."""
-    return stage_key(STAGE, VERSION, params, [input_fingerprint(i) for i in inputs])
+    return stage_key(STAGE, VERSION, params, inputs)
 
 
 def run(

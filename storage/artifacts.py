@@ -255,14 +255,15 @@ class ArtifactStore:
         return ArtifactRef(**{**data, "storage_options": data.get("storage_options") or self.storage_options})
 
 
-def stage_key(stage: str, version: str, params: Any, input_fingerprints: Sequence[str]) -> str:
-    """The output key: stage name, version, canonical params and the inputs' fingerprints."""
-    description = {"stage": stage, "version": version, "params": params, "inputs": list(input_fingerprints)}
-    return hash_bytes(canonical_json(description).encode())
-
-
 def input_fingerprint(item: ArtifactRef | str) -> str:
     return item.fingerprint if isinstance(item, ArtifactRef) else item
+
+
+def stage_key(stage: str, version: str, params: Any, inputs: Sequence[ArtifactRef | str]) -> str:
+    """The output key: stage name, version, canonical params and the inputs' fingerprints."""
+    fingerprints = [input_fingerprint(i) for i in inputs]
+    description = {"stage": stage, "version": version, "params": params, "inputs": fingerprints}
+    return hash_bytes(canonical_json(description).encode())
 
 
 def run_stage(
@@ -279,7 +280,7 @@ def run_stage(
     writer (skipping shards already committed) and returns the manifest's extra fields (counts, ...).
     """
     fingerprints = [input_fingerprint(i) for i in inputs]
-    key = stage_key(stage, version, params, fingerprints)
+    key = stage_key(stage, version, params, inputs)
     found = store.find(stage, key)
     if found is not None:
         log.info("%s: cache hit %s", stage, found.url)

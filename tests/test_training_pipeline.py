@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import os
+from typing import NamedTuple
 
 import numpy as np
 import pytest
@@ -87,11 +88,14 @@ def model_from_weights(
     return stage
 
 
-def pretrain_from_weights(rank: int, world_size: int, initial: dict[str, np.ndarray], runs: list[list[str]]):
-    """`pretrain` once per argv, every layout starting from the single-process model `initial`. Returns per run
-    the last rank's metrics and this rank's final weights as (global name, TP rank, sharding, values)."""
+def pretrain_from_weights(
+    rank: int, world_size: int, initial: dict[str, dict[str, np.ndarray]], runs: list[tuple[list[str], str]]
+):
+    """`pretrain` once per (argv, model), every layout starting from the single-process model `initial[model]`.
+    Returns per run the last rank's metrics and this rank's final weights as (global name, TP rank, sharding,
+    values)."""
     results = []
-    for run in runs:
+    for run, model in runs:
         config = parse_args(run, world_size)
         tokenizer = tokenizer_from_config(config.tokenizer)
         padded_vocab_size = vocab_size_with_padding(
@@ -102,7 +106,7 @@ def pretrain_from_weights(rank: int, world_size: int, initial: dict[str, np.ndar
         built: list[tuple[GPTModel, int]] = []
         pretrain(
             config,
-            functools.partial(model_from_weights, initial, built),
+            functools.partial(model_from_weights, initial[model], built),
             functools.partial(datasets_provider, config, tokenizer),
             forward_step,
             padded_vocab_size,
@@ -137,7 +141,7 @@ def merge_weights(per_rank: list[dict]) -> dict[str, torch.Tensor]:
     }
 
 
-def _train(records: list[dict], key: str) -> list[float]:
+def _train(records: list[dict], key: str) -> list:
     return [r[key] for r in records if "split" not in r]
 
 
@@ -145,71 +149,106 @@ def _valid(records: list[dict]) -> list[float]:
     return [r["lm loss"] for r in records if r.get("split") == "valid"]
 
 
-LAYOUTS_2 = {
-    "pp2": ["--pipeline-model-parallel-size", "2"],
-    "pp2-virtual": ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"],
-}
-LAYOUTS_4 = {
-    "pp4": ["--pipeline-model-parallel-size", "4"],
-    "tp2-pp2-sp": [
-        "--pipeline-model-parallel-size",
-        "2",
-        "--tensor-model-parallel-size",
-        "2",
-        "--sequence-parallel",
+def assert_series_close(actual: list, expected: list, rtol: float, what: str) -> None:
+    """Equal lengths, None (a skipped step's loss and grad norm) in the same places, the rest close."""
+    assert [a is None for a in actual] == [e is None for e in expected], what
+    np.testing.assert_allclose(
+        [a for a in actual if a is not None], [e for e in expected if e is not None], rtol=rtol, err_msg=what
+    )
+
+
+MODELS = {
+    "gpt": [],  # GPT-2: learned absolute positions, embedding tied to the output layer across the pipeline
+    "llama": [  # rotary positions on every stage, untied output layer
+        "--position-embedding-type", "rope", "--untie-embeddings-and-output-weights", "--normalization",
+        "RMSNorm", "--swiglu", "--disable-bias-linear",
     ],
-    "pp2-dp2": ["--pipeline-model-parallel-size", "2"],
-    "pp2-virtual-dp2": [
-        "--pipeline-model-parallel-size",
-        "2",
-        "--num-layers-per-virtual-pipeline-stage",
-        "1",
-    ],
+}  # fmt: skip
+PP2, PP4 = ["--pipeline-model-parallel-size", "2"], ["--pipeline-model-parallel-size", "4"]
+VIRTUAL = ["--num-layers-per-virtual-pipeline-stage", "1"]  # 4 layers, PP 2: 2 chunks of 1 layer per rank
+# 2^22 overflows the fp16 grads: the scale halves per step (hysteresis 1) until they fit; those steps skip
+FP16 = ["--fp16", "--initial-loss-scale", "4194304", "--hysteresis", "1", "--train-iters", "6"]
+
+
+class Case(NamedTuple):
+    world_size: int
+    model: str
+    reference: str | None  # the one-process case it must train like (None: it is one)
+    flags: list[str]
+
+
+CASES = {
+    "gpt": Case(1, "gpt", None, []),
+    "gpt-fp16": Case(1, "gpt", None, FP16),
+    "llama": Case(1, "llama", None, []),
+    "pp2": Case(2, "gpt", "gpt", PP2),  # 1F1B
+    "pp2-virtual": Case(2, "gpt", "gpt", [*PP2, *VIRTUAL]),  # interleaved 1F1B
+    "pp2-fp16": Case(2, "gpt", "gpt-fp16", [*PP2, *FP16]),  # every stage skips the same steps
+    "pp4": Case(4, "gpt", "gpt", PP4),
+    "tp2-pp2-sp": Case(4, "gpt", "gpt", [*PP2, "--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+    "pp2-dp2": Case(4, "gpt", "gpt", PP2),
+    "pp2-virtual-dp2": Case(4, "gpt", "gpt", [*PP2, *VIRTUAL]),
+    "llama-pp4": Case(4, "llama", "llama", PP4),
 }
 
 
 @pytest.fixture(scope="module")
 def layouts(tmp_path_factory) -> dict[str, dict]:
-    """The reference (one process) and every layout, each trained from the same initial weights."""
+    """Every case trained from its model's initial weights, in one process group per world size."""
     tmp = tmp_path_factory.mktemp("pipeline")
     data = write_corpus(str(tmp))
-    reference_argv = argv(str(tmp / "reference"), data)
-    torch.manual_seed(0)
-    model = GPTModel(parse_args(reference_argv, 1).model, PADDED_VOCAB)
-    initial = {name: param.detach().numpy() for name, param in model.state_dict().items()}
-
-    def run(world_size: int, layouts: dict[str, list[str]]) -> dict[str, dict]:
-        runs = [argv(str(tmp / name), data, *flags) for name, flags in layouts.items()]
-        per_rank = run_distributed(pretrain_from_weights, world_size, initial, runs, timeout=300)
-        return {
-            name: {"metrics": per_rank[-1][i]["metrics"], "weights": merge_weights([r[i] for r in per_rank])}
-            for i, name in enumerate(layouts)
+    initial = {}
+    for model, flags in MODELS.items():
+        torch.manual_seed(0)
+        config = parse_args(argv(str(tmp), data, *flags), 1).model
+        initial[model] = {
+            name: p.detach().numpy() for name, p in GPTModel(config, PADDED_VOCAB).state_dict().items()
         }
+    results = {"initial": initial}
+    for world_size in (1, 2, 4):
+        names = [name for name, case in CASES.items() if case.world_size == world_size]
+        runs = [
+            (argv(str(tmp / name), data, *MODELS[CASES[name].model], *CASES[name].flags), CASES[name].model)
+            for name in names
+        ]
+        per_rank = run_distributed(pretrain_from_weights, world_size, initial, runs, timeout=300)
+        for i, name in enumerate(names):
+            results[name] = {
+                "metrics": per_rank[-1][i]["metrics"],
+                "weights": merge_weights([ranks[i] for ranks in per_rank]),
+            }
+    return results
 
-    return {**run(1, {"reference": []}), **run(2, LAYOUTS_2), **run(4, LAYOUTS_4), "initial": initial}
 
-
-@pytest.mark.parametrize("layout", [*LAYOUTS_2, *LAYOUTS_4])
-def test_pipeline_layouts_train_like_one_process(layouts, layout) -> None:
-    reference, result = layouts["reference"], layouts[layout]
-    expected = _train(reference["metrics"], "lm loss")
-    assert len(expected) == 3 and len(set(expected)) == 3
-    np.testing.assert_allclose(_train(result["metrics"], "lm loss"), expected, rtol=RTOL)
+@pytest.mark.parametrize("name", [name for name, case in CASES.items() if case.reference is not None])
+def test_pipeline_layouts_train_like_one_process(layouts, name) -> None:
+    case = CASES[name]
+    reference, result = layouts[case.reference]["metrics"], layouts[name]["metrics"]
+    expected = _train(reference, "lm loss")
+    assert len({loss for loss in expected if loss is not None}) >= 2  # it trained
+    assert_series_close(_train(result, "lm loss"), expected, RTOL, f"{name}: lm loss")
     # the grad norm spans every stage, the tied embedding counted once
-    np.testing.assert_allclose(
-        _train(result["metrics"], "grad norm"), _train(reference["metrics"], "grad norm"), rtol=RTOL
+    assert_series_close(
+        _train(result, "grad norm"), _train(reference, "grad norm"), RTOL, f"{name}: grad norm"
     )
-    np.testing.assert_allclose(_valid(result["metrics"]), _valid(reference["metrics"]), rtol=RTOL)
-    assert len(_valid(result["metrics"])) == 1
-    final, expected_final = result["weights"], reference["weights"]
+    for key in ("number of skipped iterations", "loss scale", "learning rate"):
+        assert _train(result, key) == _train(reference, key), key
+    assert_series_close(_valid(result), _valid(reference), RTOL, f"{name}: valid loss")
+    assert len(_valid(result)) == 1
+    final, expected_final = layouts[name]["weights"], layouts[case.reference]["weights"]
     assert set(final) == set(expected_final)
-    for name, values in final.items():
-        assert not torch.equal(values, torch.from_numpy(layouts["initial"][name])), name  # it trained
+    for param, values in final.items():
+        assert not torch.equal(values, torch.from_numpy(layouts["initial"][case.model][param])), param
         # atol: Adam divides by sqrt(v), so near-zero grads (the key bias's: zero in exact arithmetic) turn
         # TP's reordered float sums into weight differences of ~1e-6 after 3 steps of lr 3e-3
         torch.testing.assert_close(
-            values, expected_final[name], rtol=RTOL, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}"
+            values, expected_final[param], rtol=RTOL, atol=1e-5, msg=lambda m, p=param: f"{name} {p}: {m}"
         )
+
+
+def test_fp16_overflow_skips_steps_on_every_stage(layouts) -> None:
+    skipped = _train(layouts["pp2-fp16"]["metrics"], "number of skipped iterations")
+    assert skipped[0] == 1 and skipped[-1] == 0
 
 
 def test_pretrain_gpt_pp2_resumes_bitwise(tmp_path) -> None:

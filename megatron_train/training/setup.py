@@ -99,7 +99,7 @@ def mark_tied_output_copy(chunk: torch.nn.Module) -> None:
     tied = getattr(chunk, "shared_embedding_or_output_weight", None)
     weight = tied() if callable(tied) else None
     if weight is not None:
-        pass
+        weight.shared = True
 
 
 def setup_model_and_optimizer(
