@@ -76,9 +76,9 @@ def corpus_flow(config: CorpusConfig = CorpusConfig()) -> dict[str, Any]:
     tokenize = config.tokenize
     if _needs_training(tokenize):
         kind = _TRAINABLE[tokenize.tokenizer_type]
-        train_params = dataclasses.replace(config.train_tokenizer, kind=kind)
-        if kind != config.train_tokenizer.kind:
-            train_params = TrainTokenizerParams(kind=kind, vocab_size=None, text_key=train_params.text_key)
+        train_params = config.train_tokenizer
+        if kind != train_params.kind:  # the other kind's defaults (vocabulary size, special tokens)
+            train_params = TrainTokenizerParams(kind=kind, text_key=train_params.text_key)
         refs["train_tokenizer"] = run_stage_task(
             "train_tokenizer", dataclasses.asdict(train_params), [refs["dedup"]], store
         )

@@ -212,7 +212,14 @@ def test_cli_flags_cover_every_stage_parameter():
 
     config = parse_config(
         CorpusConfig,
-        ["--clean.min-words", "None", "--dedup.threshold", "0.7", "--tokenize.json-keys", '["text", "title"]'],
+        [
+            "--clean.min-words",
+            "None",
+            "--dedup.threshold",
+            "0.7",
+            "--tokenize.json-keys",
+            '["text", "title"]',
+        ],
         "test",
     )
     assert config.clean.min_words is None and config.clean.max_words == CleanParams().max_words
@@ -235,3 +242,17 @@ def test_prefect_yaml_deployment_loads_with_its_schedule():
         name=deployment["name"], cron=deployment["schedules"][0]["cron"], parameters=deployment["parameters"]
     )
     assert runner.schedules[0].schedule.cron == "0 3 * * *"
+
+
+def test_bert_tokenizer_type_trains_wordpiece(prefect_api_url, corpus, tmp_path):
+    config = _config(
+        tmp_path / "store",
+        corpus,
+        tokenize=TokenizeParams(tokenizer_type="BertWordPieceLowerCase", workers=1),
+    )
+    refs = corpus_flow(config)
+    trained = _manifest(refs, "train_tokenizer")
+    assert trained["params"]["kind"] == "wordpiece" and trained["tokenizer"]["tokenizer_type"].startswith(
+        "BertWordPiece"
+    )
+    assert _manifest(refs, "tokenize")["summary"]["documents"] == N_BASE
