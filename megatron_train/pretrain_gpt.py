@@ -8,7 +8,7 @@ from __future__ import annotations
 import functools
 import logging
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import torch
 
@@ -16,6 +16,7 @@ from megatron_train.arguments import MegatronConfig, parse_args
 from megatron_train.data.builder import build_train_valid_test_datasets
 from megatron_train.device import get_device
 from megatron_train.models.gpt import GPTModel, model_provider
+from megatron_train.parallel.schedules import LossFunc
 from megatron_train.tokenizer import MegatronTokenizer, build_tokenizer, vocab_size_with_padding
 from megatron_train.training.config import TokenizerConfig
 from megatron_train.training.loop import LOSS_KEY, get_batch, pretrain
@@ -60,9 +61,7 @@ def loss_func(
     return loss, {LOSS_KEY: loss.detach()}
 
 
-def forward_step(
-    data_iterator: Iterator, model: torch.nn.Module
-) -> tuple[torch.Tensor, Callable[[torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]]]:
+def forward_step(data_iterator: Iterator, model: torch.nn.Module) -> tuple[torch.Tensor, LossFunc]:
     """Megatron's GPT forward step: per-token losses [b, s] on the last pipeline stage (hidden states
     [s, b, h] elsewhere, the input coming from the previous stage), and the loss function for them."""
     batch = get_batch(data_iterator, get_device())
