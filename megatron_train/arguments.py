@@ -196,11 +196,6 @@ def validate_pipeline_parallel(config: MegatronConfig, data_parallel_size: int) 
             "--pipeline-model-parallel-size > 1"
         )
     parallel.virtual_pipeline_model_parallel_size(num_layers)  # raises when the layers do not split evenly
-    if parallel.use_distributed_optimizer:
-        raise ValueError(
-            "--use-distributed-optimizer does not support several model chunks per rank yet: drop "
-            "--num-layers-per-virtual-pipeline-stage or --use-distributed-optimizer"
-        )
     micro_batch_times_dp = training.micro_batch_size * data_parallel_size
     batch_sizes = {training.global_batch_size}
     if training.rampup_batch_size is not None:  # every global batch size of the ramp runs the schedule

@@ -9,7 +9,7 @@ TP size pads it differently, and cut the new TP rank's slice. No files and no pr
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -114,11 +114,21 @@ def global_param_name(local_name: str, layer_offset: int, holds_tied_output_copy
     return renumber_layer(local_name, layer_offset)
 
 
+def module_order(name: str) -> tuple[int, int]:
+    """Sort key putting checkpoint names in a GPT model's module order: embedding, layers by global index, the
+    rest (final norm, output layer). Sorting is stable, so names within one layer keep their order."""
+    index = layer_number(name)
+    if index is not None:
+        return 1, index
+    return (0, 0) if name.startswith("embedding.") else (2, 0)
+
+
 def stage_tensor_names(
-    global_names: Sequence[str], layers: range, pre_process: bool, post_process: bool
+    global_names: Sequence[str], layers: Collection[int], pre_process: bool, post_process: bool
 ) -> list[str]:
     """The checkpoint names one pipeline stage's shard holds (embedding first, final norm and output last),
-    in the order of `global_names`, a whole GPT model's tensors in module order."""
+    in the order of `global_names`, a whole GPT model's tensors in module order. `layers`: the stage's global
+    layer indices (with virtual stages, those of all its chunks)."""
     names = []
     for name in global_names:
         index = layer_number(name)
@@ -135,8 +145,14 @@ def stage_tensor_names(
     return names
 
 
-def check_layout(model: TransformerConfig, padded_vocab_size: int, tp_size: int, pp_size: int) -> None:
-    """Refuse a (TP, PP) layout the model cannot be cut into, naming the setting that does not divide."""
+def check_layout(
+    model: TransformerConfig,
+    padded_vocab_size: int,
+    tp_size: int,
+    pp_size: int,
+    layers_per_virtual_stage: int | None = None,
+) -> None:
+    """Refuse a (TP, PP, virtual) layout the model cannot be cut into, naming the setting that does not fit."""
     splits = (
         ("--num-attention-heads", model.num_attention_heads, tp_size, "tensor"),
         ("number of query groups (--num-query-groups)", model.num_query_groups_effective, tp_size, "tensor"),
@@ -150,3 +166,14 @@ def check_layout(model: TransformerConfig, padded_vocab_size: int, tp_size: int,
                 f"{what} ({size}) is not divisible by the target {kind} model parallel size ({parts}); "
                 f"pick a {kind} model parallel size that divides it"
             )
+    if layers_per_virtual_stage is None:
+        return
+    if pp_size == 1:
+        raise ValueError("virtual pipeline stages need a target pipeline model parallel size > 1")
+    layers_per_stage = model.num_layers // pp_size
+    if layers_per_virtual_stage < 1 or layers_per_stage % layers_per_virtual_stage:
+        raise ValueError(
+            f"each of the {pp_size} pipeline stages holds {layers_per_stage} of --num-layers "
+            f"({model.num_layers}), which does not split into virtual stages of {layers_per_virtual_stage} "
+            "layers; pick a number of layers per virtual pipeline stage that divides it"
+        )

@@ -16,6 +16,12 @@ metadata; optimizer tensors are `<param name>.<state>` (main_param, exp_avg, exp
 param. So a checkpoint saved under one (TP, PP, DP) layout loads under another: each rank reads all TP shards
 of the tensors it holds, merges them and keeps its slice (`checkpoint_layout`). RNG states are per rank and
 load only when (TP, PP) is unchanged, as in Megatron; `tools/checkpoint_util.py` reshards offline.
+
+Interleaved pipelines (--num-layers-per-virtual-pipeline-stage) save and load a LIST of model chunks: a rank's
+shard file holds all its chunks' tensors, each under its global name (chunk c's layers come from
+`get_layer_range(..., c, virtual size)`), and optimizer state keyed `<chunk>.<name>` maps to the same names.
+Loading finds every tensor by its record, whichever file holds it, so the format is the same with or without
+virtual stages: a checkpoint saved with them loads without them (any TP, PP) and vice versa.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import json
 import logging
 import os
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,12 +42,14 @@ from safetensors.torch import load_file, save_file
 
 from megatron_train.arguments import MegatronConfig, config_from_dict, config_to_dict
 from megatron_train.checkpoint_layout import (
+    OUTPUT_WEIGHT,
     VOCAB_PARAMS,
     WORD_EMBEDDING,
     TensorSharding,
     global_param_name,
     layer_number,
     merge_tp_shards,
+    module_order,
     padded_vocab_sizes_agree,
     resize_vocab,
     split_tp_shard,
@@ -213,23 +222,50 @@ def write_metadata_and_marker(root: str, iteration: int, metadata: dict[str, Any
     _atomic_write_text(os.path.join(root, TRACKER_FILENAME), str(iteration))
 
 
-def _global_names(model: torch.nn.Module, config: MegatronConfig) -> dict[str, str]:
-    """This pipeline stage's state-dict names -> checkpoint names (global layer numbers; the last stage's
-    tied output layer -> the word embedding)."""
-    if state.get_virtual_pipeline_model_parallel_world_size() is not None:
+StageModel = torch.nn.Module | Sequence[torch.nn.Module]  # one pipeline stage, or its virtual-stage chunks
+
+
+def _stage_module(model: StageModel) -> torch.nn.Module:
+    """The stage as one module: itself, or its chunks in a ModuleList, whose names `<chunk>.<name>` are the
+    ones the optimizer gives the params of several chunks."""
+    chunks = _chunks(model)
+    return chunks[0] if len(chunks) == 1 else torch.nn.ModuleList(chunks)
+
+
+def _chunks(model: StageModel) -> list[torch.nn.Module]:
+    return [model] if isinstance(model, torch.nn.Module) else list(model)
+
+
+def _global_names(model: StageModel, config: MegatronConfig) -> dict[str, str]:
+    """This pipeline stage's state-dict names (`<chunk>.<name>` for several chunks) -> checkpoint names: global
+    layer numbers from each chunk's layer range, a tied output layer off the first stage -> the word embedding."""
+    chunks = _chunks(model)
+    virtual_size = state.get_virtual_pipeline_model_parallel_world_size()
+    if len(chunks) != (virtual_size or 1):
         raise CheckpointError(
-            "checkpoints of interleaved pipelines (--num-layers-per-virtual-pipeline-stage) are not supported "
-            "yet; save without virtual pipeline stages"
+            f"got {len(chunks)} model chunks but this run has {virtual_size or 1} virtual pipeline stages per "
+            "rank (--num-layers-per-virtual-pipeline-stage): pass one chunk per virtual stage, in order"
         )
     pp_rank = state.get_pipeline_model_parallel_rank()
-    layers = get_layer_range(config.model.num_layers, pp_rank, state.get_pipeline_model_parallel_world_size())
-    tied_copy = pp_rank > 0 and not config.model.untie_embeddings_and_output_weights
-    return {name: global_param_name(name, layers.start, tied_copy) for name in model.state_dict()}
+    pp_size = state.get_pipeline_model_parallel_world_size()
+    tied = not config.model.untie_embeddings_and_output_weights
+    names = {}
+    for virtual_rank, chunk in enumerate(chunks):
+        layers = get_layer_range(config.model.num_layers, pp_rank, pp_size, virtual_rank, virtual_size)
+        tied_copy = tied and (pp_rank, virtual_rank) != (0, 0)
+        prefix = f"{virtual_rank}." if len(chunks) > 1 else ""
+        for name in chunk.state_dict():
+            names[prefix + name] = global_param_name(name, layers.start, tied_copy)
+    return names
 
 
 def _owned(names: dict[str, str]) -> dict[str, str]:
     """Drop the tied output copy: the stage holding the word embedding saves it."""
-    return {local: name for local, name in names.items() if name != WORD_EMBEDDING or local == WORD_EMBEDDING}
+    return {
+        local: name
+        for local, name in names.items()
+        if not (name == WORD_EMBEDDING and local.endswith(OUTPUT_WEIGHT))
+    }
 
 
 def _sharding_info(model: torch.nn.Module, names: dict[str, str]) -> dict[str, dict[str, Any]]:
@@ -308,7 +344,7 @@ def _set_rng_state(tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> No
 
 def save_checkpoint(
     iteration: int,
-    model: torch.nn.Module,
+    model: StageModel,
     optimizer: Any | None,
     opt_param_scheduler: Any | None,
     loaded: TrainingProgress,
@@ -317,12 +353,14 @@ def save_checkpoint(
 ) -> str:
     """Every rank writes its part; rank 0 writes metadata.json and then the latest marker. Returns the folder.
 
-    `model` is the unwrapped module (one pipeline stage); `loaded` carries the consumed sample counts to store.
+    `model` is the unwrapped module of this pipeline stage, or the list of its chunks (one per virtual stage,
+    in order) when interleaved; `loaded` carries the consumed sample counts to store.
     """
+    names = _owned(_global_names(model, config))
+    model = _stage_module(model)
     root = config.checkpoint.save
     iteration_dir = checkpoint_dir(root, iteration)
     os.makedirs(os.path.join(iteration_dir, "rng"), exist_ok=True)
-    names = _owned(_global_names(model, config))
     optimizer_state = None
     if optimizer is not None and not config.checkpoint.no_save_optim:
         # every DP rank asks: a distributed optimizer gathers its shards into per-param tensors here
@@ -346,6 +384,8 @@ def save_checkpoint(
             "world_size": dist.get_world_size() if dist.is_initialized() else 1,
             "tensor_model_parallel_size": state.get_tensor_model_parallel_world_size(),
             "pipeline_model_parallel_size": state.get_pipeline_model_parallel_world_size(),
+            # informative only: loading does not depend on it
+            "virtual_pipeline_model_parallel_size": state.get_virtual_pipeline_model_parallel_world_size(),
             "data_parallel_size": state.get_data_parallel_world_size(),
             "opt_param_scheduler": opt_param_scheduler.state_dict()
             if opt_param_scheduler is not None
@@ -412,10 +452,14 @@ class SavedCheckpoint:
         self.padded_vocab_size: int = self.metadata["padded_vocab_size"]
         self._handles: dict[str, Any] = {}
         self._saved_optimizer: tuple[dict, set[str]] | None = None
-        self.params: dict[str, dict[str, Any]] = {}  # checkpoint name -> record, in model order
+        records: dict[str, dict[str, Any]] = {}
         for pp_rank in range(self.pp_size):
             path = self.path("model", 0, pp_rank)
-            self.params.update(json.loads((self._handle(path).metadata() or {}).get("sharding", "{}")))
+            records.update(json.loads((self._handle(path).metadata() or {}).get("sharding", "{}")))
+        # checkpoint name -> record, in model order (an interleaved pipeline's stages hold layers out of order)
+        self.params: dict[str, dict[str, Any]] = {
+            name: records[name] for name in sorted(records, key=module_order)
+        }
 
     def path(self, kind: str, tp_rank: int, pp_rank: int) -> str:
         """`kind` is "model" or "optimizer"."""
@@ -588,14 +632,16 @@ def _load_model_weights(
 
 
 def load_checkpoint(
-    model: torch.nn.Module,
+    model: StageModel,
     optimizer: Any | None,
     opt_param_scheduler: Any | None,
     config: MegatronConfig,
     padded_vocab_size: int,
 ) -> TrainingProgress:
     """Load `--load` (its latest iteration, or `--ckpt-step`) with Megatron's --finetune / --no-load-* rules,
-    resharding weights and optimizer state when it was saved under another (TP, PP, DP) layout.
+    resharding weights and optimizer state when it was saved under another (TP, PP, DP, virtual) layout.
+
+    `model` is what `save_checkpoint` takes: this stage's module, or the list of its chunks when interleaved.
 
     Without a latest marker the run starts from scratch (Megatron's behaviour), unless
     --exit-on-missing-checkpoint asks for an error.
@@ -617,6 +663,7 @@ def load_checkpoint(
     if saved_layout != our_layout and _rank() == 0:
         logger.info("resharding %s from (TP, PP) = %s to %s", iteration_dir, saved_layout, our_layout)
     names = _global_names(model, config)
+    model = _stage_module(model)
     _load_model_weights(model, saved, names, padded_vocab_size, tp_size, tp_rank)
     if ckpt.finetune:
         if optimizer is not None:

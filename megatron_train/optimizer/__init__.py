@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from megatron_train.distributed.ddp import unwrap_model
-from megatron_train.optimizer.distrib_optimizer import DistributedOptimizer
+from megatron_train.optimizer.distrib_optimizer import DistributedOptimizer, chunk_named_parameters
 from megatron_train.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
 from megatron_train.optimizer.optimizer import MegatronOptimizer, get_param_groups
 from megatron_train.training.config import OptimizerConfig
@@ -14,18 +14,21 @@ from megatron_train.training.config import OptimizerConfig
 
 def get_megatron_optimizer(
     config: OptimizerConfig,
-    model: torch.nn.Module,
+    model: torch.nn.Module | list[torch.nn.Module],
     params_dtype: torch.dtype = torch.float32,
     use_distributed_optimizer: bool = False,
 ) -> MegatronOptimizer:
-    """The optimizer over `model`'s parameters, named as in the unwrapped module's state dict.
+    """One optimizer over `model`'s parameters, named as in the unwrapped module's state dict.
 
-    `model` may be the module or its data-parallel wrapper; `use_distributed_optimizer` needs the local DDP
+    `model` is a module or its data-parallel wrapper, or a list of them (the model chunks of virtual pipeline
+    stages: params named `<chunk>.<name>`). `use_distributed_optimizer` needs each chunk in the local DDP
     built with `DDPConfig(use_distributed_optimizer=True)`.
     """
+    chunks = list(model) if isinstance(model, list | tuple) else [model]
     if use_distributed_optimizer:
-        return DistributedOptimizer(model, config, params_dtype)
-    return MegatronOptimizer(list(unwrap_model(model).named_parameters()), config, params_dtype)
+        return DistributedOptimizer(chunks, config, params_dtype)
+    named_params = chunk_named_parameters([unwrap_model(chunk) for chunk in chunks])
+    return MegatronOptimizer(named_params, config, params_dtype)
 
 
 __all__ = [
@@ -33,6 +36,7 @@ __all__ = [
     "DistributedOptimizer",
     "DynamicGradScaler",
     "MegatronOptimizer",
+    "chunk_named_parameters",
     "get_megatron_optimizer",
     "get_param_groups",
 ]

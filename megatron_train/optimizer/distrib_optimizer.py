@@ -9,6 +9,12 @@ each rank keeps the fp32 main copy and the optimizer state of only the elements 
 each rank steps its shards, copies them into the model's param buffer (rounding to bf16/fp16), and the
 buffer is all-gathered so every rank has the whole updated model.
 
+Pipeline parallelism: each rank optimizes its own stage; under virtual stages it holds several model chunks,
+each in its own DDP, and one DistributedOptimizer spans all their buffers (the simplest equivalent of
+Megatron-Core's ChainedOptimizer over one optimizer per chunk): one torch optimizer, one found-inf flag and one
+grad norm per step, reduced over DP and then over the model-parallel group (TP x PP), so every stage's shards
+count exactly once. Params are named `<chunk>.<name>` then, as the plain optimizer over the chunk list.
+
 Checkpoints keep the layout-independent format of `MegatronOptimizer.state_dict()`: `state_dict()` gathers the
 shards to DP rank 0 (a collective: call it on every DP rank), `load_state_dict()` takes each rank's part.
 """
@@ -50,25 +56,45 @@ def shards_of_bucket(bucket: Bucket, dp_rank: int, dp_size: int) -> dict[torch.n
     return shards
 
 
+def chunk_named_parameters(chunks: list[torch.nn.Module]) -> list[tuple[str, torch.nn.Parameter]]:
+    """Params of the model chunks named as in their state dicts: `<name>` for one chunk, `<chunk>.<name>` for
+    several (virtual pipeline stages), as torch names the params of a ModuleList of the chunks."""
+    if len(chunks) == 1:
+        return list(chunks[0].named_parameters())
+    return list(torch.nn.ModuleList(chunks).named_parameters())
+
+
 class DistributedOptimizer(MegatronOptimizer):
-    """MegatronOptimizer whose main params are this DP rank's shards of the model's param buffer."""
+    """MegatronOptimizer whose main params are this DP rank's shards of the model chunks' param buffers.
+
+    `model` is one local DDP or a list of them (one per virtual pipeline stage), all over the same DP group.
+    """
 
     def __init__(
         self,
-        model: DistributedDataParallel,
+        model: DistributedDataParallel | list[DistributedDataParallel],
         config: OptimizerConfig,
         params_dtype: torch.dtype = torch.float32,
     ) -> None:
-        if not isinstance(model, DistributedDataParallel) or not model.config.use_distributed_optimizer:
+        self.ddps = list(model) if isinstance(model, list | tuple) else [model]
+        for chunk in self.ddps:
+            if not isinstance(chunk, DistributedDataParallel) or not chunk.config.use_distributed_optimizer:
+                raise ValueError(
+                    "--use-distributed-optimizer shards the local DDP's buffers: wrap each model chunk with "
+                    "DistributedDataParallel(module, DDPConfig(use_distributed_optimizer=True)) (--ddp-impl local)"
+                )
+        first = self.ddps[0]
+        if any(chunk.group is not first.group for chunk in self.ddps):
             raise ValueError(
-                "--use-distributed-optimizer shards the local DDP's buffers: wrap the model with "
-                "DistributedDataParallel(module, DDPConfig(use_distributed_optimizer=True)) (--ddp-impl local)"
+                "--use-distributed-optimizer: every model chunk's DDP must use the same DP group"
             )
-        self.ddp = model
+        self.dp_group, self.dp_rank, self.dp_size = first.group, first.dp_rank, first.dp_size
+        self.buckets = [bucket for chunk in self.ddps for bucket in chunk.buckets]
         self.shards: dict[torch.nn.Parameter, ParamShard] = {}
-        for bucket in model.buckets:
-            self.shards.update(shards_of_bucket(bucket, model.dp_rank, model.dp_size))
-        super().__init__(list(model.module.named_parameters()), config, params_dtype)
+        for bucket in self.buckets:
+            self.shards.update(shards_of_bucket(bucket, self.dp_rank, self.dp_size))
+        named_params = chunk_named_parameters([chunk.module for chunk in self.ddps])
+        super().__init__(named_params, config, params_dtype)
 
     def _model_shard(self, param: torch.nn.Parameter) -> torch.Tensor:
         """This rank's elements of `param`, a view into the DDP's param buffer."""
@@ -102,8 +128,8 @@ class DistributedOptimizer(MegatronOptimizer):
 
     def _all_reduce_grad_stats(self, tensor: torch.Tensor, op: dist.ReduceOp) -> None:
         """Each DP rank holds different grads: reduce over DP, then over model parallel."""
-        if self.ddp.dp_size > 1:
-            dist.all_reduce(tensor, op=op, group=self.ddp.group)
+        if self.dp_size > 1:
+            dist.all_reduce(tensor, op=op, group=self.dp_group)
         all_reduce_model_parallel(tensor, op)
 
     def _grad_norm(self, params: list[torch.Tensor], grads: list[torch.Tensor]) -> float:
@@ -116,12 +142,13 @@ class DistributedOptimizer(MegatronOptimizer):
         return total.sqrt().item()
 
     def _copy_main_params_to_model_params(self) -> None:
-        """Write the updated shards into the param buffer, then all-gather it over DP."""
+        """Write the updated shards into the param buffers, then all-gather each chunk's buffer over DP."""
         if self.mixed_precision:
             for model, main in zip(self.model_params, self.main_params, strict=True):
                 if main is not None:
                     self._model_shard(model).copy_(main)
-        self.ddp.all_gather_params()
+        for chunk in self.ddps:
+            chunk.all_gather_params()
 
     def reload_model_params(self) -> None:
         if self.mixed_precision:
@@ -145,9 +172,9 @@ class DistributedOptimizer(MegatronOptimizer):
         )
         keys = ["main_param", *tensor_keys] if self.mixed_precision else tensor_keys
         full: dict[torch.nn.Parameter, dict[str, torch.Tensor]] = {p: {} for p in self.model_params}
-        for bucket in self.ddp.buckets:
-            part = bucket.data.numel() // self.ddp.dp_size
-            low = self.ddp.dp_rank * part
+        for bucket in self.buckets:
+            part = bucket.data.numel() // self.dp_size
+            low = self.dp_rank * part
             for key in keys:
                 local = torch.zeros(part, dtype=torch.float32, device=bucket.data.device)
                 for param in bucket.params:
@@ -163,7 +190,7 @@ class DistributedOptimizer(MegatronOptimizer):
                         full[param][key] = (
                             flat[offset : offset + param.numel()].view_as(param).to("cpu", copy=True)
                         )
-        if self.ddp.dp_rank != 0:
+        if self.dp_rank != 0:
             return []
         scalars = {k: v for k, v in first_state.items() if k not in tensor_keys}
         return [
@@ -173,20 +200,20 @@ class DistributedOptimizer(MegatronOptimizer):
 
     @property
     def _first_dp_rank_global(self) -> int:
-        return dist.get_global_rank(self.ddp.group, 0) if self.ddp.group is not None else 0
+        return dist.get_global_rank(self.dp_group, 0) if self.dp_group is not None else 0
 
     def _broadcast_from_first_dp_rank(self, keys: list[str]) -> list[str]:
         """DP rank 0's state names (it owns the start of every bucket; a rank may own only padding)."""
-        if self.ddp.dp_size == 1:
+        if self.dp_size == 1:
             return keys
         message = [keys]
-        dist.broadcast_object_list(message, src=self._first_dp_rank_global, group=self.ddp.group)
+        dist.broadcast_object_list(message, src=self._first_dp_rank_global, group=self.dp_group)
         return message[0]
 
     def _gather_to_first_dp_rank(self, local: torch.Tensor) -> torch.Tensor | None:
         """All ranks' `local` concatenated in DP rank order on DP rank 0; None on the others."""
-        if self.ddp.dp_size == 1:
+        if self.dp_size == 1:
             return local
-        parts = [torch.empty_like(local) for _ in range(self.ddp.dp_size)] if self.ddp.dp_rank == 0 else None
-        dist.gather(local, parts, dst=self._first_dp_rank_global, group=self.ddp.group)
+        parts = [torch.empty_like(local) for _ in range(self.dp_size)] if self.dp_rank == 0 else None
+        dist.gather(local, parts, dst=self._first_dp_rank_global, group=self.dp_group)
         return torch.cat(parts) if parts is not None else None

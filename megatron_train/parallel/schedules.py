@@ -16,7 +16,10 @@ so the accumulated grads are the mean over micro-batches. Each schedule returns 
 micro-batch) on the last pipeline stage and `[]` elsewhere. Stages exchange activations of shape
 [seq, micro_batch, hidden] (seq / TP under sequence parallel) in the model's parameter dtype.
 
-Data-parallel wrappers (anything with `no_sync()`) reduce grads only during each chunk's last backward.
+Data-parallel wrappers (anything with `no_sync()`) reduce grads only during each chunk's last backward. The
+pipelined schedules release `no_sync()` just before that backward, which suits our DDP (it decides per backward)
+but not torch's (it decides at forward time; arguments.py refuses it with pipelining); without pipelining the
+last micro-batch's forward and backward both run outside `no_sync()`, so torch's DDP works there too.
 """
 
 from __future__ import annotations
@@ -75,20 +78,30 @@ def forward_backward_no_pipelining(
     sequence_parallel: bool = False,
     grad_scale_func: GradScaleFunc | None = None,
 ) -> list[dict[str, Any]]:
-    """Run every micro-batch forward then backward on the whole model (the shape arguments are unused)."""
+    """Run every micro-batch forward then backward on the whole model (the shape arguments are unused).
+
+    As Megatron-Core: all micro-batches but the last run inside `no_sync()`, the last one's forward and
+    backward outside it, since torch's DDP decides at forward time whether the backward reduces grads.
+    """
     chunks = _as_chunks(model)
     if len(chunks) != 1:
         raise ValueError(f"without pipelining the model is one module, got {len(chunks)} model chunks")
+    (chunk,) = chunks
     iterator = data_iterator[0] if isinstance(data_iterator, list) else data_iterator
     losses: list[dict[str, Any]] = []
-    with _DeferredGradSync(chunks, num_microbatches, enabled=not forward_only) as grad_sync:
-        for _ in range(num_microbatches):
-            output_tensor = _forward_step(
-                forward_step_func, iterator, chunks[0], None, num_microbatches, True, losses
-            )
-            if not forward_only:
-                grad_sync.before_backward(0)
-                _backward_step(None, output_tensor, None, grad_scale_func)
+
+    def forward_backward() -> None:
+        output_tensor = _forward_step(
+            forward_step_func, iterator, chunk, None, num_microbatches, True, losses
+        )
+        if not forward_only:
+            _backward_step(None, output_tensor, None, grad_scale_func)
+
+    no_sync = getattr(chunk, "no_sync", None)
+    with no_sync() if no_sync is not None and not forward_only else contextlib.nullcontext():
+        for _ in range(num_microbatches - 1):
+            forward_backward()
+    forward_backward()
     return losses
 
 

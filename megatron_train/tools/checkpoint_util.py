@@ -8,6 +8,11 @@ shards are merged, its padded vocabulary re-padded for the new TP size, and the 
 TP ranks, so memory peaks at about one stage. The output is a complete checkpoint (weights, optimizer state
 when the source has it, progress, scheduler, args with the new sizes) whose latest marker is written last.
 RNG states are per rank and do not carry across layouts: load the result with --no-load-rng.
+
+The format does not depend on virtual pipeline stages (--num-layers-per-virtual-pipeline-stage): tensors are
+found by their global names whichever stage's file holds them, so a run with or without virtual stages loads
+any checkpoint. --target-num-layers-per-virtual-pipeline-stage only places each target rank's chunks (its
+interleaved layers) in its own files, as an interleaved run writes them, and records the setting in the args.
 """
 
 from __future__ import annotations
@@ -63,9 +68,11 @@ def convert_checkpoint(
     target_pp: int | None = None,
     iteration: int | None = None,
     true_vocab_size: int | None = None,
+    target_layers_per_virtual_stage: int | None = None,
 ) -> str:
     """Write `load_dir`'s checkpoint (latest, or `iteration`) to `save_dir` under (target_tp, target_pp),
-    each defaulting to the saved size. Returns the written iteration folder.
+    each defaulting to the saved size, with files laid out for virtual stages of
+    `target_layers_per_virtual_stage` layers (None: a plain pipeline). Returns the written iteration folder.
 
     Raises ValueError for a layout the model cannot be cut into, CheckpointError for a broken checkpoint.
     """
@@ -81,7 +88,11 @@ def convert_checkpoint(
     padded_vocab_size = target_padded_vocab_size(
         saved, config.tokenizer.make_vocab_size_divisible_by, target_tp, true_vocab_size
     )
-    check_layout(config.model, padded_vocab_size, target_tp, target_pp)
+    check_layout(config.model, padded_vocab_size, target_tp, target_pp, target_layers_per_virtual_stage)
+    config.parallel.tensor_model_parallel_size = target_tp
+    config.parallel.pipeline_model_parallel_size = target_pp
+    config.parallel.num_layers_per_virtual_pipeline_stage = target_layers_per_virtual_stage
+    virtual_size = config.parallel.virtual_pipeline_model_parallel_size(config.model.num_layers)
     with_optimizer = saved.has_optimizer_state()
     out_dir = checkpoint_dir(save_dir, metadata["iteration"])
     if os.path.exists(os.path.join(out_dir, METADATA_FILENAME)):
@@ -91,7 +102,13 @@ def convert_checkpoint(
     start, written_bytes = time.perf_counter(), 0
     stages = tqdm(range(target_pp), desc="pipeline stages", unit="stage", disable=None)
     for pp_rank in stages:
-        layers = get_layer_range(config.model.num_layers, pp_rank, target_pp)
+        layers = [
+            index
+            for virtual_rank in range(virtual_size or 1)
+            for index in get_layer_range(
+                config.model.num_layers, pp_rank, target_pp, virtual_rank, virtual_size
+            )
+        ]
         names = stage_tensor_names(list(saved.params), layers, pp_rank == 0, pp_rank == target_pp - 1)
         params = {name: name for name in names}  # the files keep checkpoint names
         weights = _split_for_tp(saved, params, "model", target_tp, padded_vocab_size)
@@ -113,8 +130,6 @@ def convert_checkpoint(
             shard_dir = model_shard_dir(out_dir, tp_rank, pp_rank, target_pp)
             write_shard(shard_dir, weights[tp_rank], sharding, optimizer_state)
             written_bytes += sum(os.path.getsize(os.path.join(shard_dir, f)) for f in os.listdir(shard_dir))
-    config.parallel.tensor_model_parallel_size = target_tp
-    config.parallel.pipeline_model_parallel_size = target_pp
     data_parallel_size = metadata["data_parallel_size"]
     write_metadata_and_marker(
         save_dir,
@@ -126,11 +141,13 @@ def convert_checkpoint(
             "world_size": target_tp * target_pp * data_parallel_size,
             "tensor_model_parallel_size": target_tp,
             "pipeline_model_parallel_size": target_pp,
+            "virtual_pipeline_model_parallel_size": virtual_size,
             "args": config_to_dict(config),
             "converted_from": {
                 "iteration_dir": os.path.abspath(iteration_dir),
                 "tensor_model_parallel_size": saved.tp_size,
                 "pipeline_model_parallel_size": saved.pp_size,
+                "virtual_pipeline_model_parallel_size": metadata.get("virtual_pipeline_model_parallel_size"),
                 "padded_vocab_size": saved.padded_vocab_size,
             },
         },
@@ -196,6 +213,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--target-pipeline-parallel-size", type=int, default=None, help="Default: the checkpoint's PP size."
     )
     parser.add_argument(
+        "--target-num-layers-per-virtual-pipeline-stage",
+        type=int,
+        default=None,
+        help="Lay each target rank's files out for virtual pipeline stages of this many layers; default: a plain "
+        "pipeline. Any run loads either layout: the checkpoint format does not depend on virtual stages.",
+    )
+    parser.add_argument(
         "--true-vocab-size",
         type=int,
         default=None,
@@ -216,6 +240,7 @@ def main(argv: list[str] | None = None) -> None:
             args.target_pipeline_parallel_size,
             args.iteration,
             args.true_vocab_size,
+            args.target_num_layers_per_virtual_pipeline_stage,
         )
     except (ValueError, CheckpointError) as error:
         parser.error(str(error))

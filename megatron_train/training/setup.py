@@ -131,15 +131,9 @@ def setup_model_and_optimizer(
     )
     dp_group = state.get_data_parallel_group() if state.model_parallel_is_initialized() else None
     model = [wrap_data_parallel(chunk, training.ddp_impl, ddp_config, dp_group) for chunk in unwrapped]
-    if training.ddp_impl == "torch":
-        # torch's DDP decides at forward time whether backward reduces, but the schedules leave no_sync()
-        # only before the last backward; without no_sync it reduces after every micro-batch (same grads).
-        for chunk in model:
-            chunk.no_sync = contextlib.nullcontext
     # Several chunks: one optimizer over all of them, params named `<chunk>.<name>`.
-    optimized = model[0] if len(model) == 1 else torch.nn.ModuleList(unwrapped)
     optimizer = get_megatron_optimizer(
-        config.optimizer, optimized, config.model.params_dtype, config.parallel.use_distributed_optimizer
+        config.optimizer, model, config.model.params_dtype, config.parallel.use_distributed_optimizer
     )
     scheduler = build_opt_param_scheduler(
         optimizer.optimizer,
