@@ -49,11 +49,8 @@ RUNS: dict[str, tuple[str | None, tuple[str, ...]]] = {
     "pp2-as-virtual": ("pp2", (*VIRTUAL, *NO_DROPOUT)),
     "dropout": (None, (*VIRTUAL, *SAVE)),
     "dropout-resumed": ("dropout", VIRTUAL),
-    "distributed": (
-        None,
-        (*VIRTUAL, *DISTRIBUTED, *NO_DROPOUT, *SAVE),
-    ),  # DP 1: each rank holds all its state
-    # DP 2: each rank takes its half of the flat buffer of the whole model
+    # DP 1 when saved (each rank holds all its chunks' state); DP 2 when resumed (each rank takes its half)
+    "distributed": (None, (*VIRTUAL, *DISTRIBUTED, *NO_DROPOUT, *SAVE)),
     "distributed-as-pp1": (
         "distributed",
         ("--pipeline-model-parallel-size", "1", *DISTRIBUTED, *NO_DROPOUT, "--no-load-rng"),

@@ -2,8 +2,9 @@
 
 From the same initial weights (a tiny fp32 GPT, dropout 0), `pretrain` with --use-distributed-optimizer under
 PP2 x DP2 and under PP2 x 2 virtual stages x DP2 logs the one-process run's losses and grad norms and ends
-with its weights; each run stopped by --exit-interval resumes from its checkpoint with the uninterrupted run's
-losses. --ddp-impl torch at DP2 with 2 micro-batches per rank trains like one process, and the
+with its weights (bf16 with --overlap-grad-reduce under virtual stages: the bf16 run's losses and grad norms);
+each fp32 run stopped by --exit-interval resumes from its checkpoint with the uninterrupted run's losses and
+weights, bitwise. --ddp-impl torch at DP2 with 2 micro-batches per rank trains like one process, and the
 no-pipelining schedule lets torch's DDP reduce once per step, on the last micro-batch.
 """
 
@@ -39,6 +40,10 @@ WORLD4 = {
     "pp2-dp2-dist": [*PP2, *DIST],
     "pp2-virtual-dp2-dist": [*PP2, *VIRTUAL, *DIST],
 }
+# bf16 params with fp32 main shards, grads reduce-scattered during backward; its reference is one bf16 process.
+# bf16 rounding noise moves weights by whole Adam steps (see test_training_pipeline): losses and grad norms only.
+BF16 = ["--bf16", "--overlap-grad-reduce"]
+BF16_RTOL = 1e-3
 
 
 def _train(records: list[dict], key: str) -> list:
@@ -65,9 +70,15 @@ def layouts(tmp_path_factory) -> dict[str, dict]:
         resumes[f"{name}-stopped"] = run(f"{name}-resumed", *flags, *checkpoint, "--exit-interval", "2")
         resumes[f"{name}-resumed"] = run(f"{name}-resumed", *flags, *checkpoint, "--load", checkpoint[1])
     groups = {
-        1: {"gpt": run("gpt")},
+        1: {"gpt": run("gpt"), "gpt-bf16": run("gpt-bf16", "--bf16")},
         2: {"dp2-torch": run("dp2-torch", "--ddp-impl", "torch")},  # 8 / (2 x DP 2) = 2 micro-batches
-        4: {**{name: run(name, *flags) for name, flags in WORLD4.items()}, **resumes},
+        4: {
+            **{name: run(name, *flags) for name, flags in WORLD4.items()},
+            **resumes,
+            "pp2-virtual-dp2-dist-bf16": run(
+                "pp2-virtual-dp2-dist-bf16", *WORLD4["pp2-virtual-dp2-dist"], *BF16
+            ),
+        },
     }
     results = {"initial": initial["gpt"]}
     for world_size, cases in groups.items():
@@ -82,27 +93,41 @@ def layouts(tmp_path_factory) -> dict[str, dict]:
     return results
 
 
-def _assert_trains_like(layouts: dict, name: str, reference: str, rtol: float = RTOL) -> None:
+def _assert_logs_like(layouts: dict, name: str, reference: str, rtol: float) -> None:
+    """The reference's losses and grad norms, and every weight moved from its initial value."""
     expected, result = layouts[reference]["metrics"], layouts[name]["metrics"]
     assert len(set(_train(expected, "lm loss"))) == 4  # it trained
     assert_series_close(_train(result, "lm loss"), _train(expected, "lm loss"), rtol, f"{name}: lm loss")
     assert_series_close(
         _train(result, "grad norm"), _train(expected, "grad norm"), rtol, f"{name}: grad norm"
     )
-    final, expected_final = layouts[name]["weights"], layouts[reference]["weights"]
-    assert set(final) == set(expected_final)
+    final = layouts[name]["weights"]
+    assert set(final) == set(layouts[reference]["weights"])
     for param, values in final.items():
-        assert not torch.equal(values, torch.from_numpy(layouts["initial"][param])), (
-            f"{name} {param} did not train"
-        )
+        initial = torch.from_numpy(layouts["initial"][param]).to(values.dtype)
+        assert not torch.equal(values, initial), f"{name} {param} did not train"
+
+
+def _assert_trains_like(layouts: dict, name: str, reference: str) -> None:
+    """The reference's losses, grad norms and final weights (fp32)."""
+    _assert_logs_like(layouts, name, reference, RTOL)
+    for param, values in layouts[name]["weights"].items():
         torch.testing.assert_close(
-            values, expected_final[param], rtol=rtol, atol=1e-5, msg=lambda m, p=param: f"{name} {p}: {m}"
+            values,
+            layouts[reference]["weights"][param],
+            rtol=RTOL,
+            atol=1e-5,
+            msg=lambda m, p=param: f"{name} {p}: {m}",
         )
 
 
 @pytest.mark.parametrize("name", list(WORLD4))
 def test_distributed_optimizer_with_pipeline_trains_like_one_process(layouts, name) -> None:
     _assert_trains_like(layouts, name, "gpt")
+
+
+def test_distributed_optimizer_bf16_with_virtual_stages_and_overlap_logs_like_one_process(layouts) -> None:
+    _assert_logs_like(layouts, "pp2-virtual-dp2-dist-bf16", "gpt-bf16", BF16_RTOL)
 
 
 @pytest.mark.parametrize("name", list(WORLD4))

@@ -83,7 +83,16 @@ def test_demo_main_on_the_embedded_corpus_prints_where_the_report_is(prefect_api
     """`make demo`'s entry point on the embedded KJV (a tiny model, so it stays quick), twice: the second is cached."""
     from flows.demo import main
 
-    argv = ["--store", str(tmp_path / "store"), "--nproc-per-node", "1", "--", *TINY_GPT, "--train-iters", "10"]
+    argv = [
+        "--store",
+        str(tmp_path / "store"),
+        "--nproc-per-node",
+        "1",
+        "--",
+        *TINY_GPT,
+        "--train-iters",
+        "10",
+    ]
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "cache hits: 0/6 stages" in out and "report: " in out and "sample generations:" in out

@@ -315,5 +315,3 @@ def test_pipeline_flags_follow_megatrons_rules(capsys) -> None:
         capsys, 2, "--train-iters", "1", "--pipeline-model-parallel-size", "2", "--ddp-impl", "torch"
     )
     assert "needs --ddp-impl local" in error
-    error = _refusal(capsys, 2, "--train-iters", "1", *interleaved, "--use-distributed-optimizer")
-    assert "drop --num-layers-per-virtual-pipeline-stage or --use-distributed-optimizer" in error
