@@ -1,18 +1,28 @@
 """Training-step throughput: our GPTModel against transformers.GPT2LMHeadModel at an identical configuration.
 
-One fwd + bwd + AdamW step on the same batch, fp32 and bf16 (CPU autocast), same thread count; the two
-models alternate within each repeat so machine load hits both alike. Reports tokens/s (median of repeats),
-our achieved model FLOP/s by Megatron's formula against the machine's fp32 (and bf16) matmul ceilings,
-timed between the steps.
+One fwd + bwd + AdamW step (foreach, as megatron_train.optimizer builds it) on the same batch, fp32 and bf16
+(CPU autocast), same thread count. The weights are copied from HF into ours and the logits checked equal
+before any timing. Each repeat runs, back to back: our step, HF's step, a large square matmul (the machine's
+matmul ceiling) and the model's own GEMMs (the ceiling at its shapes), so a shared machine's changing load
+hits all of them alike; ratios are taken within a repeat, then the median over repeats.
+
+Model FLOPs are Megatron's formula (megatron_train.training.flops: the logit layer included, causal attention
+counted in full, no recompute), 3x the forward.
+
+The default shape is GPT-2 small's width, heads and vocabulary (50257 padded to 50304) with 4 layers and
+4 x 512 tokens, so one step is seconds on a few CPU cores; the logit layer is then 55% of the FLOPs (31% in
+the 12-layer model). On CPU, fresh large buffers cost page faults: run with THP_MEM_ALLOC_ENABLE=1 (torch
+then backs them with huge pages) to see the model rather than the kernel; the first line says which.
 The last line is `ratio: <ours/hf>`: the geometric mean over dtypes of the tokens/s ratios.
 
-    .venv/bin/python -m benchmarks.train_step [--layers 4 --hidden 256 --seq 256 --batch 4 --repeats 5]
+    THP_MEM_ALLOC_ENABLE=1 .venv/bin/python -m benchmarks.train_step [--layers 4 --hidden 768 --repeats 5]
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -23,35 +33,44 @@ import transformers
 
 from megatron_train.models import GPTModel, TransformerConfig
 from megatron_train.models.hf_import import gpt2_state_dict_from_hf
+from megatron_train.training.flops import num_floating_point_operations
+
+SQUARE_N = 4096
 
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--hidden", type=int, default=768)
+    parser.add_argument("--heads", type=int, default=12)
+    parser.add_argument("--seq", type=int, default=512)
     parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--vocab", type=int, default=8192)
+    parser.add_argument("--vocab", type=int, default=50304)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="default: all cores")
+    parser.add_argument(
+        "--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"]
+    )
     return parser.parse_args()
 
 
-def build_pair(args: argparse.Namespace) -> tuple[GPTModel, torch.nn.Module]:
+def build_config(args: argparse.Namespace) -> TransformerConfig:
+    return TransformerConfig.gpt2(
+        num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads, seq_length=args.seq,
+        hidden_dropout=0.0, attention_dropout=0.0,
+    )  # fmt: skip
+
+
+def build_pair(args: argparse.Namespace, config: TransformerConfig) -> tuple[GPTModel, torch.nn.Module]:
     """HF GPT-2 with random weights, and ours loaded from it; asserts equal logits before any timing."""
     hf_config = transformers.GPT2Config(
         vocab_size=args.vocab, n_positions=args.seq, n_embd=args.hidden, n_layer=args.layers, n_head=args.heads,
         activation_function="gelu_new", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, layer_norm_epsilon=1e-5,
     )  # fmt: skip
-    config = TransformerConfig.gpt2(
-        num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads, seq_length=args.seq,
-        hidden_dropout=0.0, attention_dropout=0.0,
-    )  # fmt: skip
     torch.manual_seed(0)
     hf = transformers.GPT2LMHeadModel(hf_config)
-    hf.config._attn_implementation = "sdpa"  # HF's fastest CPU attention, same kernel as ours
+    hf.config._attn_implementation = "sdpa"  # HF's fastest CPU attention, the same kernel as ours
     ours = GPTModel(config, args.vocab)
     ours.load_state_dict(gpt2_state_dict_from_hf(hf.state_dict(), config), strict=True)
     ids = torch.randint(0, args.vocab, (2, args.seq))
@@ -60,87 +79,116 @@ def build_pair(args: argparse.Namespace) -> tuple[GPTModel, torch.nn.Module]:
     return ours.train(), hf.train()
 
 
-def make_step(model: torch.nn.Module, is_ours: bool, ids, labels, dtype: torch.dtype) -> Callable[[], float]:
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    autocast = torch.autocast("cpu", dtype=dtype) if dtype != torch.float32 else contextlib.nullcontext()
-
-    def step() -> float:
+def timed(fn: Callable[[], object]) -> Callable[[], float]:
+    def run() -> float:
         start = time.perf_counter()
-        with autocast:
+        fn()
+        return time.perf_counter() - start
+
+    return run
+
+
+def make_step(model: torch.nn.Module, is_ours: bool, ids, labels, dtype: torch.dtype) -> Callable[[], None]:
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+
+    def step() -> None:
+        with torch.autocast("cpu", dtype=dtype) if dtype != torch.float32 else contextlib.nullcontext():
             if is_ours:
                 loss = model(ids, labels=labels).mean()
-            else:  # the same loss work as ours: logits -> token cross entropy, no extra shift copy
+            else:  # the same loss work as ours: logits -> fp32 token cross entropy, no extra shift copy
                 logits = model(ids).logits
                 loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), labels.view(-1))
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        return time.perf_counter() - start
 
     return step
 
 
-MATMUL_N = 2048
+def model_gemm_shapes(args: argparse.Namespace) -> list[tuple[int, int, int]]:
+    """(m, k, n) of every GEMM in one step, attention's excepted: each linear's forward, input-grad and
+    weight-grad products."""
+    tokens, h = args.batch * args.seq, args.hidden
+    linears = [(h, 3 * h), (h, h), (h, 4 * h), (4 * h, h)] * args.layers + [(h, args.vocab)]
+    shapes = []
+    for fan_in, fan_out in linears:
+        shapes += [(tokens, fan_in, fan_out), (tokens, fan_out, fan_in), (fan_out, tokens, fan_in)]
+    return shapes
 
 
-def make_matmul(dtype: torch.dtype) -> Callable[[], float]:
-    """One timed MATMUL_N^3 torch.mm: the machine's matmul ceiling, sampled between the training steps so
-    the shared machine's changing load affects it as it affects them."""
-    a, b = torch.randn(MATMUL_N, MATMUL_N, dtype=dtype), torch.randn(MATMUL_N, MATMUL_N, dtype=dtype)
+def make_matmuls(shapes: list[tuple[int, int, int]], dtype: torch.dtype) -> tuple[Callable[[], None], float]:
+    """A function running one torch.mm per (m, k, n) into preallocated outputs, and their total FLOPs."""
+    operands = [
+        (torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype), torch.empty(m, n, dtype=dtype))
+        for m, k, n in shapes
+    ]
 
-    def matmul() -> float:
-        start = time.perf_counter()
-        torch.mm(a, b)
-        return time.perf_counter() - start
+    def run() -> None:
+        for a, b, out in operands:
+            torch.mm(a, b, out=out)
 
-    return matmul
+    return run, sum(2.0 * m * k * n for m, k, n in shapes)
 
 
-def megatron_flops_per_step(args: argparse.Namespace) -> float:
-    """Megatron's model FLOPs per fwd+bwd (no recompute): 72 B s l h^2 (1 + s / 6h + V / 12hl)."""
-    b, s, layers, h, v = args.batch, args.seq, args.layers, args.hidden, args.vocab
-    return 72 * b * s * layers * h * h * (1 + s / (6 * h) + v / (12 * h * layers))
+def paired_median(numerators: list[float], denominators: list[float]) -> float:
+    """Median over repeats of numerator / denominator taken within each repeat (robust to load drifting)."""
+    return statistics.median(n / d for n, d in zip(numerators, denominators, strict=True))
 
 
 def main() -> None:
     args = parse_args()
     torch.set_num_threads(args.threads)
+    config = build_config(args)
     generator = torch.Generator().manual_seed(1)
     ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=generator)
     labels = torch.randint(0, args.vocab, (args.batch, args.seq), generator=generator)
     tokens = args.batch * args.seq
-    flops = megatron_flops_per_step(args)
+    flops = num_floating_point_operations(config, args.vocab, args.batch)
+    huge_pages = os.environ.get("THP_MEM_ALLOC_ENABLE", "0") == "1"
     print(f"threads {args.threads}; GPT-2 shape: {args.layers} layers, hidden {args.hidden}, {args.heads} heads, "
-          f"seq {args.seq}, batch {args.batch}, vocab {args.vocab}; median of {args.repeats} steps")  # fmt: skip
+          f"seq {args.seq}, batch {args.batch}, vocab {args.vocab}; {flops / 1e9:.0f} GFLOP per step (Megatron); "
+          f"median of {args.repeats} repeats; huge pages (THP_MEM_ALLOC_ENABLE) {'on' if huge_pages else 'off'}; "
+          f"load average {os.getloadavg()[0]:.1f}")  # fmt: skip
     ratios = []
-    for dtype in (torch.float32, torch.bfloat16):
-        ours, hf = build_pair(args)
-        steps = {
-            "ours": make_step(ours, True, ids, labels, dtype),
-            "hf": make_step(hf, False, ids, labels, dtype),
-            "matmul_fp32": make_matmul(torch.float32),
-            "matmul_dtype": make_matmul(dtype),
+    for name in args.dtypes:
+        dtype = getattr(torch, name)
+        ours, hf = build_pair(args, config)
+        square, square_flops = make_matmuls([(SQUARE_N, SQUARE_N, SQUARE_N)], torch.float32)
+        shapes, shapes_flops = make_matmuls(model_gemm_shapes(args), dtype)
+        runs = {
+            "ours": timed(make_step(ours, True, ids, labels, dtype)),
+            "hf": timed(make_step(hf, False, ids, labels, dtype)),
+            "square_fp32": timed(square),
+            "shapes": timed(shapes),
         }
+        if dtype != torch.float32:
+            runs["square_dtype"] = timed(make_matmuls([(SQUARE_N, SQUARE_N, SQUARE_N)], dtype)[0])
         for _ in range(args.warmup):
-            for step in steps.values():
-                step()
-        times: dict[str, list[float]] = {name: [] for name in steps}
+            for run in runs.values():
+                run()
+        seconds: dict[str, list[float]] = {key: [] for key in runs}
         for _ in range(args.repeats):
-            for name, step in steps.items():
-                times[name].append(step())
-        median = {name: statistics.median(t) for name, t in times.items()}
-        throughput = {name: tokens / median[name] for name in ("ours", "hf")}
-        achieved = flops * throughput["ours"] / tokens
-        ceiling = {name: 2 * MATMUL_N**3 / median[name] for name in ("matmul_fp32", "matmul_dtype")}
-        ratio = throughput["ours"] / throughput["hf"]
+            for key, run in runs.items():
+                seconds[key].append(run())
+
+        ours_t, hf_t = seconds["ours"], seconds["hf"]
+        ratio = paired_median(hf_t, ours_t)
         ratios.append(ratio)
-        name = str(dtype).removeprefix("torch.")
-        print(f"{name:>8}: ours {throughput['ours']:9.1f} tok/s | hf {throughput['hf']:9.1f} tok/s | "
-              f"ours/hf {ratio:.3f} | ours {achieved / 1e9:.1f} GFLOP/s = "
-              f"{100 * achieved / ceiling['matmul_fp32']:.1f}% of fp32 matmul "
-              f"({ceiling['matmul_fp32'] / 1e9:.0f} GFLOP/s)"
-              + (f", {100 * achieved / ceiling['matmul_dtype']:.1f}% of {name} matmul "
-                 f"({ceiling['matmul_dtype'] / 1e9:.0f} GFLOP/s)" if dtype != torch.float32 else ""))  # fmt: skip
+        # Fraction of a ceiling = (FLOPs / our time) / (ceiling FLOPs / its time), paired within each repeat.
+        of_square = paired_median(seconds["square_fp32"], ours_t) * flops / square_flops
+        of_shapes = paired_median(seconds["shapes"], ours_t) * flops / shapes_flops
+        line = (
+            f"{name:>8}: ours {tokens / statistics.median(ours_t):7.1f} tok/s | "
+            f"hf {tokens / statistics.median(hf_t):7.1f} tok/s | ours/hf {ratio:.3f} | "
+            f"ours {flops / statistics.median(ours_t) / 1e9:.1f} GFLOP/s = {100 * of_square:.1f}% of the fp32 "
+            f"{SQUARE_N}^3 matmul ({square_flops / statistics.median(seconds['square_fp32']) / 1e9:.0f} GFLOP/s), "
+            f"{100 * of_shapes:.1f}% of its own GEMM shapes in {name} "
+            f"({shapes_flops / statistics.median(seconds['shapes']) / 1e9:.0f} GFLOP/s)"
+        )
+        if dtype != torch.float32:
+            of_dtype = paired_median(seconds["square_dtype"], ours_t) * flops / square_flops
+            line += f", {100 * of_dtype:.1f}% of the {name} {SQUARE_N}^3 matmul"
+        print(line, flush=True)
     print(f"ratio: {statistics.geometric_mean(ratios):.3f}")
 
 

@@ -368,3 +368,20 @@ def test_tp_size_must_divide_heads_and_vocab():
 
     with pytest.raises(ValueError, match="--num-attention-heads .* tensor model parallel size"):
         divide(6, 4, "--num-attention-heads")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cross_entropy_on_half_precision_logits_is_fp32_with_grad_in_logits_dtype(dtype):
+    """One rank: low-precision logits give the fp32 loss of their values, and a gradient in their own dtype."""
+    torch.manual_seed(0)
+    logits = torch.randn(5, 3, 40).to(dtype).requires_grad_()
+    target = torch.randint(0, 40, (5, 3))
+    loss = vocab_parallel_cross_entropy(logits, target)
+    reference_logits = logits.detach().float().requires_grad_()
+    reference = F.cross_entropy(reference_logits.view(-1, 40), target.view(-1), reduction="none").view(5, 3)
+    assert loss.dtype == torch.float32
+    torch.testing.assert_close(loss, reference, rtol=1e-6, atol=1e-6)
+    loss.sum().backward()
+    reference.sum().backward()
+    assert logits.grad.dtype == dtype
+    torch.testing.assert_close(logits.grad, reference_logits.grad.to(dtype))

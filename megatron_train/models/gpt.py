@@ -41,10 +41,10 @@ class LanguageModelEmbedding(nn.Module):
         self.embedding_dropout = nn.Dropout(config.hidden_dropout)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        embeddings = self.word_embeddings(input_ids)
+        # Looked up in [s, b] order, so the embeddings come out in the model's layout without a transpose copy.
+        embeddings = self.word_embeddings(input_ids.transpose(0, 1))
         if self.position_embeddings is not None:
-            embeddings = embeddings + self.position_embeddings(position_ids)
-        embeddings = embeddings.transpose(0, 1).contiguous()
+            embeddings = embeddings + self.position_embeddings(position_ids.transpose(0, 1))
         if not self.sequence_parallel:
             return self.embedding_dropout(embeddings)
         embeddings = scatter_to_sequence_parallel_region(embeddings)

@@ -1,5 +1,9 @@
 """Cross entropy over vocabulary-parallel logits: each TP rank holds logits for its vocabulary slice, and only
-per-token scalars (max, sum of exponentials, target logit) cross the TP group, never the full logits."""
+per-token scalars (max, sum of exponentials, target logit) cross the TP group, never the full logits.
+
+The logits are the largest activation of a GPT step ([tokens, vocab]); on a CPU each fresh buffer of that
+size costs more in page faults than a pass over it, so the loss allocates one fp32 buffer and works in place.
+"""
 
 from __future__ import annotations
 
@@ -17,9 +21,10 @@ def _all_reduce(x: torch.Tensor, op: dist.ReduceOp) -> None:
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        logits_max = logits.max(dim=-1).values
+        logits_max = logits.max(dim=-1, keepdim=True).values.float()
         _all_reduce(logits_max, dist.ReduceOp.MAX)
-        shifted = logits - logits_max.unsqueeze(-1)
+        # Type promotion makes this the loss's one fp32 buffer, upcasting bf16/fp16 logits in the same pass.
+        shifted = logits - logits_max
 
         vocab_per_rank = logits.shape[-1]
         vocab_start = state.get_tensor_model_parallel_rank() * vocab_per_rank
@@ -28,13 +33,14 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         target_logit = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
         _all_reduce(target_logit, dist.ReduceOp.SUM)
 
-        exp_logits = shifted.exp_()  # in place from here on: logits-sized buffers dominate this loss's cost
-        sum_exp = exp_logits.sum(dim=-1)
+        exp_logits = shifted.exp_()  # in place from here on
+        sum_exp = exp_logits.sum(dim=-1, keepdim=True)
         _all_reduce(sum_exp, dist.ReduceOp.SUM)
 
-        loss = sum_exp.log() - target_logit
-        softmax = exp_logits.div_(sum_exp.unsqueeze(-1))
+        loss = sum_exp.squeeze(-1).log() - target_logit
+        softmax = exp_logits.div_(sum_exp)
         ctx.save_for_backward(softmax, local_target, outside)
+        ctx.logits_dtype = logits.dtype
         return loss
 
     @staticmethod
@@ -42,12 +48,11 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         # d loss / d logits = softmax - one_hot(target), built in the saved softmax's buffer (single backward).
         grad, local_target, outside = ctx.saved_tensors
         grad.scatter_add_(-1, local_target.unsqueeze(-1), -(~outside).to(grad.dtype).unsqueeze(-1))
-        return grad.mul_(grad_loss.unsqueeze(-1)), None
+        return grad.mul_(grad_loss.unsqueeze(-1)).to(ctx.logits_dtype), None
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """Per-token loss [...] from this rank's logits [..., vocab / TP] and global target ids [...].
-
-    Computed in fp32 whatever the logits' dtype, as Megatron does.
+    """Per-token fp32 loss [...] from this rank's logits [..., vocab / TP] (any float dtype) and global target
+    ids [...]. Computed in fp32 whatever the logits' dtype, as Megatron does; the gradient has the logits' dtype.
     """
-    return _VocabParallelCrossEntropy.apply(logits.float(), target)
+    return _VocabParallelCrossEntropy.apply(logits, target)

@@ -145,6 +145,8 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_tensor_model_parallel_region(x)
+        if state.get_tensor_model_parallel_world_size() == 1:  # nothing to reduce: the GEMM adds the bias
+            return F.linear(x, self.weight, self.bias)
         partial = F.linear(x, self.weight)
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence_parallel_region(partial)
