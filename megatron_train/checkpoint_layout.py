@@ -83,10 +83,15 @@ def resize_vocab(tensor: torch.Tensor, padded_vocab_size: int, replicate_last_ro
     return torch.cat((tensor, fill))
 
 
-def padded_vocab_sizes_agree(saved: int, saved_multiple: int, ours: int, our_multiple: int) -> bool:
-    """Whether one true vocabulary size pads to `saved` (multiple `saved_multiple` = divisible-by x TP) and
-    to `ours`: a TP change may re-pad the vocabulary, a different tokenizer may not."""
-    return max(saved - saved_multiple, ours - our_multiple) < min(saved, ours)
+def true_vocab_range(padded: int, multiple: int) -> tuple[int, int]:
+    """The true vocabulary sizes V with `padded` = V rounded up to `multiple`: low < V <= high."""
+    return padded - multiple, padded
+
+
+def padded_vocab_sizes_agree(saved: tuple[int, int], ours: tuple[int, int]) -> bool:
+    """Whether one true vocabulary size explains the saved and our padded sizes (each as `true_vocab_range`):
+    a TP change may re-pad the vocabulary, a different tokenizer may not."""
+    return max(saved[0], ours[0]) < min(saved[1], ours[1])
 
 
 def layer_number(name: str) -> int | None:

@@ -53,6 +53,7 @@ from megatron_train.checkpoint_layout import (
     padded_vocab_sizes_agree,
     resize_vocab,
     split_tp_shard,
+    true_vocab_range,
 )
 from megatron_train.models.transformer import get_layer_range
 from megatron_train.parallel import state
@@ -381,6 +382,11 @@ def save_checkpoint(
             "consumed_train_samples": loaded.consumed_train_samples,
             "consumed_valid_samples": loaded.consumed_valid_samples,
             "padded_vocab_size": padded_vocab_size,
+            # the tokenizer's vocabulary size is low < V <= high: what a later layout may re-pad from
+            "true_vocab_size_range": true_vocab_range(
+                padded_vocab_size,
+                config.tokenizer.make_vocab_size_divisible_by * state.get_tensor_model_parallel_world_size(),
+            ),
             "world_size": dist.get_world_size() if dist.is_initialized() else 1,
             "tensor_model_parallel_size": state.get_tensor_model_parallel_world_size(),
             "pipeline_model_parallel_size": state.get_pipeline_model_parallel_world_size(),
@@ -435,6 +441,14 @@ def read_metadata(iteration_dir: str) -> dict:
             f"this code reads ({READABLE_FORMAT_VERSIONS}); convert it with the code version that wrote it"
         )
     return metadata
+
+
+def saved_true_vocab_range(metadata: dict) -> tuple[int, int]:
+    """The range of true vocabulary sizes a checkpoint's padded vocabulary allows (older ones: from its TP)."""
+    if "true_vocab_size_range" in metadata:
+        return tuple(metadata["true_vocab_size_range"])
+    divisor = metadata["args"].get("tokenizer", {}).get("make_vocab_size_divisible_by", 128)
+    return true_vocab_range(metadata["padded_vocab_size"], divisor * metadata["tensor_model_parallel_size"])
 
 
 class SavedCheckpoint:
@@ -596,13 +610,13 @@ def check_compatible(metadata: dict, config: MegatronConfig, padded_vocab_size: 
                 f"checkpoint {where} was saved with {name}={saved_model[name]} but this run has {name}={ours}; "
                 f"pass --{name.replace('_', '-')} {saved_model[name]} or load a matching checkpoint"
             )
-    saved_divisor = metadata["args"].get("tokenizer", {}).get("make_vocab_size_divisible_by", 128)
-    saved_multiple = saved_divisor * metadata["tensor_model_parallel_size"]
     our_multiple = (
         config.tokenizer.make_vocab_size_divisible_by * state.get_tensor_model_parallel_world_size()
     )
     saved_vocab = metadata["padded_vocab_size"]
-    if not padded_vocab_sizes_agree(saved_vocab, saved_multiple, padded_vocab_size, our_multiple):
+    if not padded_vocab_sizes_agree(
+        saved_true_vocab_range(metadata), true_vocab_range(padded_vocab_size, our_multiple)
+    ):
         raise CheckpointError(
             f"checkpoint {where} was saved with padded_vocab_size={saved_vocab} but this run has "
             f"padded_vocab_size={padded_vocab_size}, more than TP padding explains: use the checkpoint's "

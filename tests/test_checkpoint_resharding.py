@@ -28,6 +28,7 @@ from megatron_train.checkpoint_layout import (
     resize_vocab,
     split_tp_shard,
     stage_tensor_names,
+    true_vocab_range,
 )
 from megatron_train.checkpointing import (
     CheckpointError,
@@ -368,6 +369,18 @@ def test_true_vocab_size_repads_exactly(layouts, tmp_path) -> None:
     torch.testing.assert_close(logits[..., :LLAMA_TRUE_VOCAB], layouts["llama_saved"][..., :LLAMA_TRUE_VOCAB])
 
 
+def test_converted_down_to_tp1_without_true_vocab_size_loads_in_a_tp1_run(layouts, tmp_path) -> None:
+    """TP2 (padded 144) -> TP1 keeps 144 rows; a TP1 run of the same tokenizer pads to 120 and must still load."""
+    convert_checkpoint(f"{layouts['root']}/llama_tp2_pp2", str(tmp_path / "tp1"), 1, 1)
+    metadata = read_metadata(f"{tmp_path}/tp1/iter_0000001")
+    assert metadata["padded_vocab_size"] == LLAMA_PADDED[2]
+    assert metadata["true_vocab_size_range"] == [LLAMA_PADDED[2] - 2 * LLAMA_DIVISOR, LLAMA_PADDED[2]]
+    model = _load_single_process(str(tmp_path / "tp1"), LLAMA_PADDED[1])
+    with torch.no_grad():
+        logits = model(_tokens(LLAMA_TRUE_VOCAB))[..., :LLAMA_TRUE_VOCAB]
+    torch.testing.assert_close(logits, layouts["llama_saved"][..., :LLAMA_TRUE_VOCAB])
+
+
 def test_missing_shard_file_is_named(layouts, tmp_path) -> None:
     broken = str(tmp_path / "broken")
     shutil.copytree(f"{layouts['root']}/gpt_tp2", broken)
@@ -443,10 +456,16 @@ def test_vocab_repadding_and_when_it_is_allowed() -> None:
     grown = resize_vocab(table, 8, replicate_last_row=True)
     assert torch.equal(grown[6:], table[5:].expand(2, 2)) and torch.equal(grown[:6], table)
     assert torch.equal(resize_vocab(table, 8, replicate_last_row=False)[6:], torch.zeros(2, 2))
+
     # true vocab 100, divisor 24: 120 (TP1), 144 (TP2), 192 (TP4) are one vocabulary; 128 vs 256 at TP1 are not
-    assert padded_vocab_sizes_agree(144, 48, 192, 96) and padded_vocab_sizes_agree(144, 48, 120, 24)
-    assert not padded_vocab_sizes_agree(128, 128, 256, 128)
-    assert not padded_vocab_sizes_agree(96, 24, 192, 96)  # (72, 96] and (96, 192]: no common true size
+    def agree(saved: int, saved_multiple: int, ours: int, our_multiple: int) -> bool:
+        return padded_vocab_sizes_agree(
+            true_vocab_range(saved, saved_multiple), true_vocab_range(ours, our_multiple)
+        )
+
+    assert agree(144, 48, 192, 96) and agree(144, 48, 120, 24)
+    assert not agree(128, 128, 256, 128)
+    assert not agree(96, 24, 192, 96)  # (72, 96] and (96, 192]: no common true size
 
 
 def test_layer_renumbering_and_stage_ownership() -> None:

@@ -36,6 +36,7 @@ from megatron_train.checkpointing import (
     checkpoint_dir,
     model_shard_dir,
     resolve_iteration_dir,
+    saved_true_vocab_range,
     sharding_record,
     write_metadata_and_marker,
     write_shard,
@@ -138,6 +139,12 @@ def convert_checkpoint(
             **metadata,
             "format_version": FORMAT_VERSION,
             "padded_vocab_size": padded_vocab_size,
+            # without --true-vocab-size the tokenizer's size is still only known to lie in the saved range
+            "true_vocab_size_range": (
+                saved_true_vocab_range(metadata)
+                if true_vocab_size is None
+                else (true_vocab_size - 1, true_vocab_size)
+            ),
             "world_size": target_tp * target_pp * data_parallel_size,
             "tensor_model_parallel_size": target_tp,
             "pipeline_model_parallel_size": target_pp,
