@@ -27,7 +27,7 @@ SMALL_GPT_ARGS: tuple[str, ...] = (
     "--num-layers", "4", "--hidden-size", "128", "--num-attention-heads", "4", "--seq-length", "128",
     "--max-position-embeddings", "128", "--micro-batch-size", "8", "--global-batch-size", "16",
     "--train-iters", "400", "--lr", "3e-3", "--min-lr", "3e-4", "--lr-decay-style", "cosine",
-    "--lr-warmup-iters", "40", "--weight-decay", "0.1", "--clip-grad", "1.0", "--split", "949,50,1",
+    "--lr-warmup-fraction", "0.1", "--weight-decay", "0.1", "--clip-grad", "1.0", "--split", "949,50,1",
     "--eval-interval", "50", "--eval-iters", "5", "--log-interval", "10", "--seed", "1234",
     "--hidden-dropout", "0.0", "--attention-dropout", "0.0",
 )  # fmt: skip

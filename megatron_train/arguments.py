@@ -152,6 +152,12 @@ def validate_config(config: MegatronConfig, world_size: int) -> None:
             )
         if training.rampup_batch_size is not None:
             raise ValueError("--rampup-batch-size needs sample-based training: use --train-samples")
+        decay_iters = opt.lr_decay_iters if opt.lr_decay_iters is not None else training.train_iters
+        if opt.lr_decay_style != "constant" and opt.lr_warmup_iters and opt.lr_warmup_iters >= decay_iters:
+            raise ValueError(
+                f"--lr-warmup-iters {opt.lr_warmup_iters} must be below the decay iterations ({decay_iters}: "
+                "--lr-decay-iters, else --train-iters); lower it or use --lr-warmup-fraction"
+            )
     if training.train_samples is not None and (opt.lr_decay_iters is not None or opt.lr_warmup_iters):
         raise ValueError(
             "with --train-samples use --lr-decay-samples / --lr-warmup-samples, not the *-iters flags"

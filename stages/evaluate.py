@@ -79,18 +79,21 @@ def held_out_loss(model: torch.nn.Module, dataset, micro_batch_size: int, limit:
     return {"samples": count, "tokens": int(tokens), "lm_loss": loss, "ppl": math.exp(min(20.0, loss))}
 
 
-def read_metrics(path: str) -> tuple[list[dict], list[dict]]:
-    """(training records, validation records) of a run's metrics.jsonl."""
-    train, valid = [], []
+def read_metrics(path: str) -> tuple[list[dict], list[dict], dict | None]:
+    """(training records, validation records during training, the end-of-training validation record) of a
+    run's metrics.jsonl."""
+    train, valid, end = [], [], None
     if os.path.exists(path):
         with open(path) as f:
             for line in f:
                 record = json.loads(line)
-                if record.get("split") == "valid":
+                if record.get("split") == "valid" and record.get("end_of_training"):
+                    end = record
+                elif record.get("split") == "valid":
                     valid.append(record)
                 elif "split" not in record and record.get("lm loss") is not None:
                     train.append(record)
-    return train, valid
+    return train, valid, end
 
 
 def plot_loss_curves(train: list[dict], valid: list[dict], path: str) -> None:
@@ -153,13 +156,15 @@ def _evaluate(
         data, config.model.seq_length, (1, None, 1), config.training.seed, tokenizer.eod, tokenizer.vocab_size
     )
     metrics: dict = {}
-    train, valid_records = read_metrics(os.path.join(run_dir, "metrics.jsonl"))
+    train, valid_records, end_of_training = read_metrics(os.path.join(run_dir, "metrics.jsonl"))
     if train:
         metrics["first training loss"] = train[0]["lm loss"]
         metrics["final training loss"] = train[-1]["lm loss"]
     if valid_records:
         metrics["first validation loss (run)"] = valid_records[0]["lm loss"]
         metrics["final validation loss (run)"] = valid_records[-1]["lm loss"]
+    if end_of_training is not None:
+        metrics["end-of-training validation loss (run)"] = end_of_training["lm loss"]
     if valid is not None:
         held_out = held_out_loss(model, valid, params.micro_batch_size, params.max_validation_samples)
         metrics["held-out loss (whole validation split)"] = held_out["lm_loss"]

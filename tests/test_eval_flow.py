@@ -18,7 +18,7 @@ from storage.artifacts import ArtifactStore
 TINY_GPT = (
     "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
     "--max-position-embeddings", "64", "--micro-batch-size", "4", "--global-batch-size", "8",
-    "--train-iters", "40", "--lr", "3e-3", "--lr-warmup-iters", "5", "--lr-decay-style", "cosine",
+    "--train-iters", "40", "--lr", "3e-3", "--lr-warmup-fraction", "0.1", "--lr-decay-style", "cosine",
     "--split", "90,10,0", "--eval-interval", "20", "--eval-iters", "2", "--log-interval", "10",
     "--hidden-dropout", "0.0", "--attention-dropout", "0.0", "--seed", "7",
 )  # fmt: skip

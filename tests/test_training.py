@@ -171,7 +171,7 @@ def test_cli_mock_data_end_to_end_then_sigkill_and_resume(tmp_path) -> None:
     assert [LINE.match(line).group(1, 2, 3, 4) for line in lines] == [
         (str(i), "30", str(4 * i), "4") for i in range(1, 31)
     ]
-    assert "test loss at iteration 30" in output
+    assert "validation loss at the end of training for test data |" in output
     records = [r for r in read_metrics(reference) if "split" not in r]
     assert [r["iteration"] for r in records] == list(range(1, 31))
     assert {"lm loss", "learning rate", "grad norm", "tokens per second", "loss scale"} <= set(records[0])

@@ -140,7 +140,8 @@ class _SplitBuilder:
         if begin == end:
             raise ValueError(
                 f"{prefix}: --split {self.data_config.split} leaves the {split.name} split no sequences "
-                f"(range [{begin}, {end}) of {len(sequences)}); give it a larger share or ask it 0 samples"
+                f"(range [{begin}, {end}) of {len(sequences)}); give it a larger share in --split, or a 0 share "
+                "to skip it (e.g. --split 90,10,0 has no test split)"
             )
         documents = np.arange(begin, end, dtype=np.int32)
         return GPTDataset(

@@ -50,10 +50,11 @@ def format_training_line(stats: dict[str, Any], train_iters: int) -> str:
     return "".join(parts)
 
 
-def format_evaluation_line(iteration: int, split: str, loss: float) -> str:
-    """Megatron's evaluation box line: loss and perplexity."""
+def format_evaluation_line(prefix: str, loss: float) -> str:
+    """Megatron's evaluation box line, e.g. ` validation loss at iteration 100 | lm loss value: ... |`; `prefix` is
+    `iteration N` during training, `the end of training for val data` / `... test data` at the end."""
     ppl = math.exp(min(20.0, loss))
-    return f" {split} loss at iteration {iteration} | lm loss value: {loss:.6E} | lm loss PPL: {ppl:.6E} |"
+    return f" validation loss at {prefix} | lm loss value: {loss:.6E} | lm loss PPL: {ppl:.6E} |"
 
 
 class MetricsWriter:

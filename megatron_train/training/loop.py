@@ -216,7 +216,9 @@ class Trainer:
             if self.writer is not None:
                 self.writer.write(stats)
 
-    def evaluate_and_log(self, data_iterators: list[Iterator], split: str) -> float | None:
+    def evaluate_and_log(
+        self, data_iterators: list[Iterator], split: str, prefix: str | None = None
+    ) -> float | None:
         training = self.config.training
         loss = evaluate(
             self.forward_step_func,
@@ -231,13 +233,14 @@ class Trainer:
                 training.eval_iters * self.setup.calculator.current_global_batch_size
             )
         if _is_logging_rank():
-            line = format_evaluation_line(self.progress.iteration, split, loss)
+            line = format_evaluation_line(prefix or f"iteration {self.progress.iteration}", loss)
             print("-" * len(line) + "\n" + line + "\n" + "-" * len(line), flush=True)
             if self.writer is not None:
                 self.writer.write(
                     {
                         "iteration": self.progress.iteration,
                         "split": split,
+                        "end_of_training": prefix is not None,
                         "lm loss": loss,
                         "lm loss PPL": math.exp(min(20.0, loss)),
                     }
@@ -355,9 +358,9 @@ def pretrain(
                 trainer.save()
         if not exited_early:
             if valid_iters is not None and config.training.eval_iters:
-                trainer.evaluate_and_log(valid_iters, "valid")
+                trainer.evaluate_and_log(valid_iters, "valid", "the end of training for val data")
             if test_iters is not None and config.training.eval_iters:
-                trainer.evaluate_and_log(test_iters, "test")
+                trainer.evaluate_and_log(test_iters, "test", "the end of training for test data")
         return trainer.progress
     finally:
         if writer is not None:
