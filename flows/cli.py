@@ -19,7 +19,7 @@ Config = TypeVar("Config", bound=BaseModel)
 
 
 def _flag(prefix: str, name: str) -> str:
-    return "--" + (f"{prefix}." if prefix else "") + name.replace("_", "-")
+    return "--" + (f"{prefix.replace('_', '-')}." if prefix else "") + name.replace("_", "-")
 
 
 def _parser_for(annotation: Any) -> Any:

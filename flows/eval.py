@@ -14,8 +14,7 @@ from typing import Any
 from prefect import flow, get_run_logger
 from pydantic import BaseModel, ConfigDict
 
-from flows.pretrain import PretrainFlowConfig, pretrain_flow
-from flows.pretrain import parse as parse_pretrain
+from flows.pretrain import PretrainFlowConfig, add_pretrain_flags, pretrain_config, pretrain_flow, split_argv
 from flows.tasks import make_task_runner, run_stage_task
 from stages.evaluate import EvaluateParams
 
@@ -39,14 +38,14 @@ def eval_flow(config: EvalFlowConfig = EvalFlowConfig()) -> dict[str, Any]:
 
 
 def parse(argv: list[str] | None) -> EvalFlowConfig:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    split = argv.index("--") if "--" in argv else len(argv)
+    own, megatron = split_argv(argv)
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_pretrain_flags(parser)
     parser.add_argument("--wikitext", default=None, help="a WikiText-103 wiki.test.tokens file to score")
     parser.add_argument("--lambada", default=None, help="a LAMBADA lambada_test.jsonl file to score")
-    args, rest = parser.parse_known_args(argv[:split])
+    args = parser.parse_args(own)
     return EvalFlowConfig(
-        pretrain=parse_pretrain([*rest, *argv[split:]]),
+        pretrain=pretrain_config(args, megatron),
         evaluate=EvaluateParams(wikitext_path=args.wikitext, lambada_path=args.lambada),
     )
 

@@ -55,19 +55,35 @@ def pretrain_flow(config: PretrainFlowConfig = PretrainFlowConfig()) -> dict[str
     return refs
 
 
-def parse(argv: list[str] | None) -> PretrainFlowConfig:
+def split_argv(argv: list[str] | None) -> tuple[list[str], list[str]]:
+    """(the flow's own flags, Megatron's flags after `--`)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    megatron = argv[argv.index("--") + 1 :] if "--" in argv else []
-    own = argv[: argv.index("--")] if "--" in argv else argv
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    if "--" not in argv:
+        return argv, []
+    return argv[: argv.index("--")], argv[argv.index("--") + 1 :]
+
+
+def add_pretrain_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--store", default=CorpusConfig().store, help="artifact store URL")
     parser.add_argument("--nproc-per-node", type=int, default=PretrainFlowConfig().nproc_per_node)
-    args = parser.parse_args(own)
+    parser.epilog = (
+        "Megatron flags after `--` override the small GPT defaults (flows/pretrain.py: SMALL_GPT_ARGS)."
+    )
+
+
+def pretrain_config(args: argparse.Namespace, megatron: list[str]) -> PretrainFlowConfig:
     return PretrainFlowConfig(
         corpus=CorpusConfig(store=args.store),
         megatron_args=(*SMALL_GPT_ARGS, *megatron),
         nproc_per_node=args.nproc_per_node,
     )
+
+
+def parse(argv: list[str] | None) -> PretrainFlowConfig:
+    own, megatron = split_argv(argv)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_pretrain_flags(parser)
+    return pretrain_config(parser.parse_args(own), megatron)
 
 
 def main(argv: list[str] | None = None) -> int:

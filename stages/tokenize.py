@@ -463,7 +463,7 @@ def _jsonl_records(unit: WorkUnit, stats: dict, storage_options: dict) -> Iterat
         try:
             yield line, json.loads(text), None
         except json.JSONDecodeError as err:
-            yield line, None, f"not valid JSON ({err.msg} at column {err.colno})"
+            yield line, None, f"not valid JSON ({err.msg}; column {err.colno})"
 
 
 def _unit_documents(unit: WorkUnit, keys: Sequence[str], stats: dict) -> Iterator[list | None]:

@@ -37,7 +37,10 @@ class BadRecordError(ValueError):
     """A record that is not a JSON object with a string text field."""
 
     def __init__(self, source: str, line: int, problem: str):
-        super().__init__(f"{source}:{line}: {problem}; pass --skip-bad-records to skip such records")
+        super().__init__(
+            f"{source}:{line}: {problem}; to skip such records and count them, pass --skip-bad-records "
+            "(in the corpus flow: --download.skip-bad-records true)"
+        )
         self.source = source
         self.line = line
 
@@ -112,7 +115,7 @@ def _iter_jsonl(url: str, stats: dict, **storage_options) -> Iterator[tuple[int,
             try:
                 yield line_no, json.loads(text), None
             except json.JSONDecodeError as err:
-                yield line_no, None, f"not valid JSON ({err.msg} at column {err.colno})"
+                yield line_no, None, f"not valid JSON ({err.msg}; column {err.colno})"
 
 
 def _iter_parquet(url: str, **storage_options) -> Iterator[tuple[int, object, str | None]]:

@@ -230,7 +230,7 @@ def test_parquet_artifact_input_matches_jsonl(tmp_path):
 
 
 BAD_LINES = {
-    3: (b'{"text": "3"', r"not valid JSON \(Expecting ',' delimiter at column 13\)"),
+    3: (b'{"text": "3"', r"not valid JSON \(Expecting ',' delimiter; column 13\)"),
     4: (b'{"other": "4"}', r"no 'text' field \(fields: other\); set --json-keys"),
     5: (b'{"text": 5}', r"field 'text' is int, not a string or a list of strings"),
     6: (b"[1, 2]", r"expected a JSON object, got list"),
@@ -254,7 +254,7 @@ def write_lines(path: str, bad: list[int]) -> str:
 def test_a_bad_record_stops_the_run_naming_file_line_and_problem(tmp_path, line):
     path = write_lines(str(tmp_path / "bad.jsonl"), [line])
     with pytest.raises(
-        ValueError, match=rf"bad\.jsonl:{line}: {BAD_LINES[line][1]}; pass --skip-bad-records"
+        ValueError, match=rf"bad\.jsonl:{line}: {BAD_LINES[line][1]}; .*pass --skip-bad-records"
     ):
         run(NULL, path, ArtifactStore(str(tmp_path / "store")))
 
@@ -391,7 +391,8 @@ def test_cli_reports_bad_input_and_missing_files_in_one_line(tmp_path, capsys):
         capsys.readouterr()
         .err.strip()
         .endswith(
-            "bad.jsonl:5: field 'text' is int, not a string or a list of strings; pass --skip-bad-records to skip such records"
+            "bad.jsonl:5: field 'text' is int, not a string or a list of strings; to skip such records and count "
+            "them, pass --skip-bad-records (in the corpus flow: --download.skip-bad-records true)"
         )
     )
     assert not os.path.exists(str(tmp_path / "out_text_document.bin"))

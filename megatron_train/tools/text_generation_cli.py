@@ -31,9 +31,9 @@ def put_request(url: str, payload: dict, timeout: float = 600.0) -> tuple[int, d
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 1:
+    if len(argv) != 1 or argv[0] in ("-h", "--help"):
         print("usage: python -m megatron_train.tools.text_generation_cli HOST:PORT", file=sys.stderr)
-        return 2
+        return 0 if argv[:1] in (["-h"], ["--help"]) else 2
     url = f"http://{argv[0]}/api"
     while True:
         try:
