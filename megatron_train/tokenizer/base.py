@@ -18,6 +18,11 @@ def _absent(name: str) -> property:
     return property(getter, doc=f"Id of the {name} token.")
 
 
+def stored_id(attribute: str) -> property:
+    """A special-token property returning `self.<attribute>`, which the tokenizer sets when it loads."""
+    return property(lambda self: getattr(self, attribute), doc=f"Id of the token in `{attribute}`.")
+
+
 class MegatronTokenizer(abc.ABC):
     """Text <-> token ids, with the vocabulary and the special ids Megatron's models and datasets use."""
 

@@ -21,7 +21,7 @@ from functools import cached_property
 import tokenizers
 from tokenizers import models, normalizers, pre_tokenizers
 
-from megatron_train.tokenizer.base import checked_ids, lookup_token
+from megatron_train.tokenizer.base import checked_ids, lookup_token, stored_id
 from megatron_train.tokenizer.fast import FastTokenizer
 
 UNK_TOKEN = "[UNK]"
@@ -105,21 +105,10 @@ class BertWordPieceTokenizer(FastTokenizer):
     def additional_special_tokens_ids(self) -> list[int]:
         return [self._vocab[token] for token in self.additional_special_tokens]
 
-    @property
-    def cls(self) -> int:
-        return self._cls
-
-    @property
-    def sep(self) -> int:
-        return self._sep
-
-    @property
-    def pad(self) -> int:
-        return self._pad
-
-    @property
-    def mask(self) -> int:
-        return self._mask
+    cls = stored_id("_cls")
+    sep = stored_id("_sep")
+    pad = stored_id("_pad")
+    mask = stored_id("_mask")
 
     @property
     def bos(self) -> int:

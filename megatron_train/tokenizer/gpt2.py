@@ -18,7 +18,7 @@ import regex
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers
 
-from megatron_train.tokenizer.base import lookup_token
+from megatron_train.tokenizer.base import lookup_token, stored_id
 from megatron_train.tokenizer.fast import FastTokenizer
 
 EOD_TOKEN = "<|endoftext|>"
@@ -94,13 +94,8 @@ class GPT2BPETokenizer(FastTokenizer):
             "GPT2BPETokenizer needs it as the end-of-document token",
         )
 
-    @property
-    def eod(self) -> int:
-        return self._eod
-
-    @property
-    def eos(self) -> int:
-        return self._eod
+    eod = stored_id("_eod")
+    eos = stored_id("_eod")
 
     def tokenize(self, text: str) -> list[int]:
         ids: list[int] = []

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from megatron_train.tokenizer.base import MegatronTokenizer
+from megatron_train.tokenizer.base import MegatronTokenizer, stored_id
 
 
 class NullTokenizer(MegatronTokenizer):
@@ -54,10 +54,5 @@ class NullTokenizer(MegatronTokenizer):
     def mask(self) -> int:
         return -1
 
-    @property
-    def eod(self) -> int:
-        return self._eod
-
-    @property
-    def eos(self) -> int:
-        return self._eod
+    eod = stored_id("_eod")
+    eos = stored_id("_eod")

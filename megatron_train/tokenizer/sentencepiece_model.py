@@ -16,7 +16,7 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from megatron_train.tokenizer.base import MegatronTokenizer
+from megatron_train.tokenizer.base import MegatronTokenizer, stored_id
 
 
 def load_sentencepiece(model_file: str, tokenizer_type: str) -> Any:
@@ -197,30 +197,10 @@ class SentencePieceTokenizer(SentencePieceModelTokenizer):
     def additional_special_tokens_ids(self) -> list[int]:
         return [self._vocab[token] for token in self.additional_special_tokens]
 
-    @property
-    def cls(self) -> int:
-        return self._cls
-
-    @property
-    def sep(self) -> int:
-        return self._sep
-
-    @property
-    def mask(self) -> int:
-        return self._mask
-
-    @property
-    def pad(self) -> int:
-        return self._pad
-
-    @property
-    def bos(self) -> int:
-        return self._bos
-
-    @property
-    def eos(self) -> int:
-        return self._eos
-
-    @property
-    def eod(self) -> int:
-        return self._eod
+    cls = stored_id("_cls")
+    sep = stored_id("_sep")
+    mask = stored_id("_mask")
+    pad = stored_id("_pad")
+    bos = stored_id("_bos")
+    eos = stored_id("_eos")
+    eod = stored_id("_eod")
