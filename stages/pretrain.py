@@ -153,6 +153,18 @@ def torchrun_command(config: MegatronConfig, nproc_per_node: int) -> list[str]:
     ]  # fmt: skip
 
 
+def stop(proc: subprocess.Popen, grace_seconds: float = 30.0) -> None:
+    """Stop an interrupted training job and its workers. torchrun starts each worker in a session of its own,
+    so killing torchrun's group would orphan them (still training, still writing checkpoints): SIGTERM first,
+    which torchrun forwards to its workers and waits for, then SIGKILL whatever is left of its group."""
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(grace_seconds)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
 def launch(command: list[str], on_line: Callable[[str], None] | None = None) -> None:
     """Run the training job, streaming each output line to the `stages.pretrain` logger (and `on_line`)."""
     tail: deque[str] = deque(maxlen=40)
@@ -173,8 +185,7 @@ def launch(command: list[str], on_line: Callable[[str], None] | None = None) -> 
         proc.wait()
     finally:
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+            stop(proc)
     if proc.returncode != 0:
         raise RuntimeError(
             f"training exited with status {proc.returncode}; rerun the stage to resume from the last checkpoint.\n"
