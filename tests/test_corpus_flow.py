@@ -143,22 +143,17 @@ def test_malformed_record_without_skip_names_file_and_line(prefect_api_url, corp
     assert len(glob.glob(str(tmp_path / "store" / "download" / "*" / "_shards" / "*.json"))) == 1
 
 
+def _cli_source_args(corpus: Path) -> list[str]:
+    """The flags that give the CLI the same settings as `_config`."""
+    return [
+        "--download.source", str(corpus), "--download.docs-per-shard", "16",
+        "--download.skip-bad-records", "true", "--tokenize.workers", "1",
+    ]  # fmt: skip
+
+
 def test_cli_runs_on_process_pool_and_matches_flow(prefect_api_url, corpus, tmp_path, capsys):
     reference = corpus_flow(_config(tmp_path / "a", corpus))
-    argv = [
-        "--store",
-        str(tmp_path / "b"),
-        "--download.source",
-        str(corpus),
-        "--download.docs-per-shard",
-        "16",
-        "--download.skip-bad-records",
-        "true",
-        "--tokenize.workers",
-        "1",
-        "--task-runner",
-        "processes",
-    ]
+    argv = ["--store", str(tmp_path / "b"), *_cli_source_args(corpus), "--task-runner", "processes"]
     assert main(argv) == 0
     assert "cache hits: 0/5 stages" in capsys.readouterr().out
     refs = {s: ArtifactStore(str(tmp_path / "b")).find(s, reference[s]["key"]) for s in reference}
@@ -175,14 +170,7 @@ def test_sigkill_during_tokenize_then_rerun_is_byte_identical(prefect_api_url, c
         "flows.corpus",
         "--store",
         str(store),
-        "--download.source",
-        str(corpus),
-        "--download.docs-per-shard",
-        "16",
-        "--download.skip-bad-records",
-        "true",
-        "--tokenize.workers",
-        "1",
+        *_cli_source_args(corpus),
         "--tokenize.shard-size-mb",
         "0.002",
         "--task-runner",

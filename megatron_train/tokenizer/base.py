@@ -23,6 +23,9 @@ def stored_id(attribute: str) -> property:
     return property(lambda self: getattr(self, attribute), doc=f"Id of the token in `{attribute}`.")
 
 
+NO_SUCH_TOKEN = property(lambda self: -1, doc="-1: the tokenizer has no such token (Megatron's convention).")
+
+
 class MegatronTokenizer(abc.ABC):
     """Text <-> token ids, with the vocabulary and the special ids Megatron's models and datasets use."""
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from megatron_train.tokenizer.base import MegatronTokenizer, stored_id
+from megatron_train.tokenizer.base import NO_SUCH_TOKEN, MegatronTokenizer, stored_id
 
 
 class NullTokenizer(MegatronTokenizer):
@@ -42,17 +42,7 @@ class NullTokenizer(MegatronTokenizer):
     def detokenize(self, ids: Sequence[int]) -> str:
         return " ".join(str(i) for i in ids)
 
-    @property
-    def cls(self) -> int:
-        return -1
-
-    @property
-    def sep(self) -> int:
-        return -1
-
-    @property
-    def mask(self) -> int:
-        return -1
+    cls = sep = mask = NO_SUCH_TOKEN
 
     eod = stored_id("_eod")
     eos = stored_id("_eod")

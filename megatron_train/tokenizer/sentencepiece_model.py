@@ -16,7 +16,7 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from megatron_train.tokenizer.base import MegatronTokenizer, stored_id
+from megatron_train.tokenizer.base import NO_SUCH_TOKEN, MegatronTokenizer, stored_id
 
 
 def load_sentencepiece(model_file: str, tokenizer_type: str) -> Any:
@@ -68,17 +68,7 @@ class SentencePieceModelTokenizer(MegatronTokenizer):
     def detokenize(self, ids: Sequence[int]) -> str:
         return self._sp.decode(list(ids))
 
-    @property
-    def cls(self) -> int:
-        return -1
-
-    @property
-    def sep(self) -> int:
-        return -1
-
-    @property
-    def mask(self) -> int:
-        return -1
+    cls = sep = mask = NO_SUCH_TOKEN
 
     @property
     def pad(self) -> int:
