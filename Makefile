@@ -2,17 +2,32 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# requirements.lock pins every package; uv installs it in seconds. Without uv on PATH the lock's own uv pin is
+# bootstrapped into the venv with pip. UV=false installs the same pins with pip alone (slower, no resolver).
+UV ?= $(shell command -v uv 2>/dev/null || echo $(VENV)/bin/uv)
+LOCK_EXTRAS := --extra dev --extra bench --extra retro
 STORE ?= ./artifacts
 PYTEST_ARGS ?=
 
-.PHONY: setup test lint bench corpus pretrain eval demo retro clean
+.PHONY: setup lock test lint bench corpus pretrain eval demo retro clean
 
-$(STAMP): pyproject.toml constraints.txt
+$(STAMP): pyproject.toml requirements.lock
 	test -x $(PY) || python3 -m venv $(VENV)
-	$(PY) -m pip install -q --disable-pip-version-check -c constraints.txt -e '.[dev,bench,retro]'
+ifeq ($(UV),false)
+	$(PY) -m pip install -q --disable-pip-version-check --no-deps -r requirements.lock -e .
+else
+	test -x $(UV) || $(PY) -m pip install -q --disable-pip-version-check $$(grep '^uv==' requirements.lock)
+	$(UV) pip sync -q --python $(PY) requirements.lock
+	$(UV) pip install -q --python $(PY) --no-deps -e .
+endif
 	touch $(STAMP)
 
 setup: $(STAMP)
+
+# Re-pin after changing pyproject.toml or constraints.txt (the CPU torch wheel lies in /opt/wheels).
+lock: setup
+	$(VENV)/bin/uv pip compile -q pyproject.toml $(LOCK_EXTRAS) -c constraints.txt --python $(PY) \
+		--find-links /opt/wheels --emit-find-links --custom-compile-command "make lock" -o requirements.lock
 
 test: setup
 	$(PY) -m ruff check .
