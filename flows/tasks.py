@@ -1,6 +1,6 @@
 """Prefect tasks around stages: the stage's fingerprint as cache key, artifact refs as results, retries.
 
-A stage module (see DESIGN.md) exposes ``STAGE``, ``VERSION``, ``key(params, inputs)`` and
+A stage module (docs/architecture.md) exposes ``STAGE``, ``VERSION``, ``key(params, inputs)`` and
 ``run(params, inputs, store, map_shards=None)``. Its per-shard work is handed to ``map_shards``: here a
 function that maps a Prefect task over the shards on the flow's task runner (threads or processes on one
 machine, a Dask or Ray cluster through prefect-dask / prefect-ray on many), so every shard is a task run.

@@ -1,6 +1,6 @@
 """Fingerprints: content hashes of files and canonical hashes of parameters and sources.
 
-A stage's output key is a fingerprint of everything that determines it (DESIGN.md, the stage contract), so
+A stage's output key fingerprints everything that determines it (docs/architecture.md, stage contract), so
 these functions must be stable across runs, processes and machines: canonical JSON, xxh3-128 hex digests.
 """
 

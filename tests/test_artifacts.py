@@ -1,4 +1,4 @@
-"""The artifact store and fingerprints: the stage contract of DESIGN.md, on local, memory and real S3 stores."""
+"""The artifact store and fingerprints (docs/architecture.md, stage contract): local, memory and S3 stores."""
 
 from __future__ import annotations
 
