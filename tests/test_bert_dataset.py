@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import glob
 import logging
+import pickle
 
 import numpy as np
 import pytest
@@ -20,6 +21,7 @@ from megatron_train.data.masked_dataset import (
     mt19937_64,
     ngram_masking,
 )
+from megatron_train.tokenizer.null import NullTokenizer
 from tests.wordpiece_corpus import build_tokenizer, write_sentence_corpus
 
 NUM_STATISTICS_SAMPLES = 10_000
@@ -390,6 +392,9 @@ def test_blend_and_split(corpus, tokenizer, tmp_path):
     assert [dataset.documents[0] for dataset in valid.datasets] == [320, 160]
     sample = train[299]
     assert sample["text"][0] == tokenizer.cls and sample["text"].shape == (64,)
+    in_worker = pickle.loads(pickle.dumps(train))  # as DataLoader workers receive it
+    for key, value in in_worker[299].items():
+        np.testing.assert_array_equal(value, sample[key])
 
 
 def test_bad_settings_are_named(corpus, tokenizer, tmp_path):
@@ -397,6 +402,8 @@ def test_bad_settings_are_named(corpus, tokenizer, tmp_path):
         BERTDatasetConfig(seq_length=64, seed=1, tokenizer=tokenizer, masking_probability=1.5)
     with pytest.raises(ValueError, match="--seq-length"):
         BERTDatasetConfig(seq_length=4, seed=1, tokenizer=tokenizer)
+    with pytest.raises(ValueError, match="use --tokenizer-type BertWordPieceLowerCase"):
+        BERTDatasetConfig(seq_length=64, seed=1, tokenizer=NullTokenizer(100))
     with pytest.raises(ValueError, match="--mock-data"):
         build_masked_train_valid_test_datasets(
             DataConfig(mock_data=True),

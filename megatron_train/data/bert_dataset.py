@@ -4,11 +4,12 @@ A sample's sentences are split at a random point into segments A and B; with the
 pairs are swapped (B before A) and labelled `is_random` = 1 for the sentence-order loss. The pair is
 trimmed to the sample's target length one token at a time (from the longer segment, at a random end),
 then masked by `masked_dataset.ngram_masking` with Megatron's 80% [MASK] / 10% random / 10% kept
-replacement (docs/architecture.md, "Data").
+replacement (docs/architecture.md).
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -37,9 +38,10 @@ class BERTDataset(MaskedWordPieceDataset):
 
     config: BERTDatasetConfig
 
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.token_lookup = np.array(sorted(self.config.tokenizer.inv_vocab), dtype=np.int64)
+    @functools.cached_property
+    def token_lookup(self) -> np.ndarray:
+        """The vocabulary's ids, sorted: the random replacement draws one of them."""
+        return np.array(sorted(self.config.tokenizer.inv_vocab), dtype=np.int64)
 
     def max_target_length(self) -> int:
         return self.config.seq_length - 3  # [CLS] and two [SEP]

@@ -1,6 +1,6 @@
 """What the BERT and T5 datasets share: sentence-pair sample mapping, its cache, and WordPiece masking.
 
-Ports of Megatron-Core's `masked_dataset.py` and `helpers.cpp::build_mapping` (docs/architecture.md, "Data").
+Ports of Megatron-Core's `masked_dataset.py` and `helpers.cpp::build_mapping` (docs/architecture.md).
 Their input is a sentence-split token dataset (`stages.tokenize --split-sentences`: each `.idx` sequence
 is a sentence, each document a run of sentences). A sample is a run of whole sentences of one document;
 the sample index row (first sentence, end sentence, target length) is drawn with the same mt19937 /
@@ -10,6 +10,7 @@ Per-sample randomness (pair split, masking) comes from `RandomState(seed + idx)`
 
 from __future__ import annotations
 
+import abc
 import bisect
 import functools
 import hashlib
@@ -56,6 +57,21 @@ class MaskedDatasetConfig:
             raise ValueError(
                 f"--seed must be > 0 for the BERT/T5 sample mapping (Megatron's), got {self.seed}"
             )
+        self.require_special_tokens("cls", "sep", "mask")
+
+    def require_special_tokens(self, *names: str) -> None:
+        """An error saying which tokenizer to use when the tokenizer lacks one of these special tokens."""
+        for name in names:
+            try:
+                present = getattr(self.tokenizer, name) >= 0  # Megatron's tokenizers give -1 for none
+            except NotImplementedError:
+                present = False
+            if not present:
+                raise ValueError(
+                    f"{type(self.tokenizer).__name__} has no {name} token: BERT/T5 data needs a WordPiece "
+                    "tokenizer with [CLS], [SEP], [MASK], [BOS] and [EOS]; use --tokenizer-type "
+                    "BertWordPieceLowerCase or BertWordPieceCase"
+                )
 
 
 # ---------------------------------------------------------------- random streams of helpers.cpp
@@ -263,7 +279,7 @@ def continuation_ids(tokenizer: MegatronTokenizer) -> frozenset[int]:
 # ---------------------------------------------------------------- the dataset base
 
 
-class MaskedWordPieceDataset(torch.utils.data.Dataset):
+class MaskedWordPieceDataset(torch.utils.data.Dataset, abc.ABC):
     """Samples of whole sentences of one split's documents; subclasses turn them into BERT/T5 samples.
 
     `documents` are this split's document ids (consecutive); `num_samples` None means one epoch.
@@ -322,13 +338,13 @@ class MaskedWordPieceDataset(torch.utils.data.Dataset):
         """What --split divides: documents (a sample never crosses one)."""
         return len(sequences.document_indices) - 1
 
+    @abc.abstractmethod
     def max_target_length(self) -> int:
         """Tokens of text a sample may hold: the sequence length less the special tokens added."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def min_sentences(self) -> int:
         """The fewest sentences a sample needs."""
-        raise NotImplementedError
 
     def _build_sample_index(self) -> dict[str, np.ndarray]:
         # With a sample count, Megatron builds as many whole epochs as reach it.

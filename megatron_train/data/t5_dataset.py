@@ -7,9 +7,9 @@ input by one sentinel `<extra_id_k>` (k counting up from 0), and the decoder lea
 
 The spans come from T5's `random_spans_noise_mask` (the T5 paper's span corruption), not from Megatron's
 whole-word geometric n-grams (p = 0.2, up to 10 words), whose spans average about 4.5 words: this is
-what makes the noise density and the mean span length the configured ones (docs/architecture.md,
-"Data"). One change to T5's algorithm: the span count `noise / mean_span_length` is rounded at random
-(up with probability of its fraction) rather than to nearest, so the mean span length is the configured
+what makes the noise density and the mean span length the configured ones (docs/architecture.md).
+One change to T5's algorithm: the span count `noise / mean_span_length` is rounded at random (up with
+the probability of its fraction) rather than to nearest, so the mean span length is the configured
 one at every sequence length instead of, e.g., 3.17 at 126 tokens.
 """
 
@@ -32,6 +32,7 @@ class T5DatasetConfig(MaskedDatasetConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        self.require_special_tokens("bos", "eos")
         if self.seq_length < 3:
             raise ValueError(f"--encoder-seq-length must be >= 3, got {self.seq_length}")
         if self.mean_span_length < 1:
