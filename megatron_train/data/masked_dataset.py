@@ -156,30 +156,35 @@ def build_sentence_sample_index(
         raise ValueError(f"the sample length must leave room for 2 tokens, got {max_seq_length}")
     short_seq_ratio = int(round(1.0 / short_seq_prob)) if short_seq_prob > 0 else 0
     draw = MT19937Stream(seed)
-    starts = np.asarray(document_indices, dtype=np.int64).tolist()
-    lengths = np.asarray(sentence_lengths).tolist()
-    usable = [
-        (first, last)
-        for first, last in zip(starts[:-1], starts[1:], strict=True)
-        if last - first >= min_sentences
-        and (last - first <= 1 or max(lengths[first:last]) <= LONG_SENTENCE_LENGTH)
-    ]
+    starts = np.asarray(document_indices, dtype=np.int64)
+    lengths = np.asarray(sentence_lengths, dtype=np.int64)
+    long_before = np.concatenate(([0], np.cumsum(lengths > LONG_SENTENCE_LENGTH)))
+    sizes = np.diff(starts)
+    has_long = (long_before[starts[1:]] - long_before[starts[:-1]] > 0) & (sizes > 1)
+    usable = np.nonzero((sizes >= min_sentences) & ~has_long)[0]
+    documents = list(zip(starts[usable].tolist(), starts[usable + 1].tolist(), strict=True))
+    # tokens_before[i]: the tokens of sentences 0..i-1, so a run's length is a difference of two entries.
+    tokens_before = np.concatenate(([0], np.cumsum(lengths)))
     rows: list[tuple[int, int, int]] = []
     for _ in range(num_epochs):
         if len(rows) >= max_num_samples:
             break
-        for first, last in usable:
-            begin, total, count = first, 0, 0
-            target = _target_length(short_seq_ratio, max_seq_length, draw)
-            for sentence in range(first, last):
-                total += lengths[sentence]
-                count += 1
-                remaining = last - sentence - 1
-                if (total >= target and remaining > 1 and count >= min_sentences) or remaining == 0:
-                    rows.append((begin, sentence + 1, target))
-                    begin = sentence + 1
-                    target = _target_length(short_seq_ratio, max_seq_length, draw)
-                    total, count = 0, 0
+        for first, last in documents:
+            document_tokens_before = tokens_before[first : last + 1].tolist()
+            begin, size = 0, last - first
+            while begin < size:
+                target = _target_length(short_seq_ratio, max_seq_length, draw)
+                # The C++ adds sentences until the run reaches `target` tokens and `min_sentences`
+                # sentences with at least 2 sentences left over; else the run takes the rest of the document.
+                wanted = document_tokens_before[begin] + target
+                reaches_target = bisect.bisect_left(document_tokens_before, wanted, begin + 1)
+                end = max(reaches_target, begin + min_sentences)
+                if end > size - 2:
+                    end = size
+                rows.append((first + begin, first + end, target))
+                begin = end
+            # The C++ draws the next target after every sample, the document's last one included.
+            _target_length(short_seq_ratio, max_seq_length, draw)
         if not rows:
             raise ValueError(
                 f"no document has {min_sentences} or more sentences (all of at most {LONG_SENTENCE_LENGTH} "
