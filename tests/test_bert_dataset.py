@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import decimal
 import glob
 import logging
 import pickle
@@ -33,7 +34,9 @@ def reference_build_mapping(
     docs, sizes, num_epochs, max_num_samples, max_seq_length, short_seq_prob, seed, min_num_sent
 ):
     """helpers.cpp `build_mapping_impl`, line by line (the random engines are checked on their own)."""
-    short_seq_ratio = int(round(1.0 / short_seq_prob)) if short_seq_prob > 0 else 0
+    # C++ `round` takes halves away from zero.
+    ratio = decimal.Decimal(1.0 / short_seq_prob) if short_seq_prob > 0 else decimal.Decimal(0)
+    short_seq_ratio = int(ratio.quantize(decimal.Decimal(1), rounding=decimal.ROUND_HALF_UP))
     rand32 = MT19937Stream(seed)
 
     def target_len():
@@ -201,6 +204,7 @@ def test_random_engines_match_the_cpp_standard():
         (10**6, 3000, 61, 0.1, 2),
         (10**6, 500, 30, 0.0, 1),
         (3, 10**9, 125, 0.5, 1),
+        (1, 2**32 - 1, 61, 0.4, 2),  # 1 / 0.4 = 2.5: C++ rounds it to 3
     ],
 )
 def test_sample_index_equals_megatron_build_mapping(

@@ -16,6 +16,7 @@ import functools
 import hashlib
 import json
 import logging
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -154,7 +155,8 @@ def build_sentence_sample_index(
     """
     if max_seq_length <= 1:
         raise ValueError(f"the sample length must leave room for 2 tokens, got {max_seq_length}")
-    short_seq_ratio = int(round(1.0 / short_seq_prob)) if short_seq_prob > 0 else 0
+    # C++ `round`: halves away from zero (Python's `round` would take 2.5 to 2).
+    short_seq_ratio = math.floor(1.0 / short_seq_prob + 0.5) if short_seq_prob > 0 else 0
     draw = MT19937Stream(seed)
     starts = np.asarray(document_indices, dtype=np.int64)
     lengths = np.asarray(sentence_lengths, dtype=np.int64)
