@@ -9,6 +9,7 @@ import pickle
 
 import numpy as np
 import pytest
+import torch
 
 from megatron_train.data.bert_dataset import BERTDataset, BERTDatasetConfig
 from megatron_train.data.blended import BlendedDataset
@@ -22,6 +23,7 @@ from megatron_train.data.masked_dataset import (
     mt19937_64,
     ngram_masking,
 )
+from megatron_train.data.samplers import build_pretraining_data_loader
 from megatron_train.tokenizer.null import NullTokenizer
 from tests.wordpiece_corpus import build_tokenizer, write_sentence_corpus
 
@@ -416,3 +418,19 @@ def test_bad_settings_are_named(corpus, tokenizer, tmp_path):
         )
     with pytest.raises(ValueError, match="leaves the test split no documents"):
         bert_datasets(corpus, tokenizer, tmp_path, (10, 1, 1), split="97,3,0.01")
+
+
+def test_data_loader_batches(corpus, tokenizer, tmp_path):
+    train, _, _ = bert_datasets(corpus, tokenizer, tmp_path)
+    batch = next(iter(build_pretraining_data_loader(train, 0, 4, 0, 1)))
+    assert {key: tuple(value.shape) for key, value in batch.items()} == {
+        "text": (4, 64),
+        "types": (4, 64),
+        "labels": (4, 64),
+        "is_random": (4,),
+        "padding_mask": (4, 64),
+        "loss_mask": (4, 64),
+        "truncated": (4,),
+    }
+    assert all(value.dtype == torch.int64 for value in batch.values())
+    np.testing.assert_array_equal(batch["text"][2].numpy(), train[2]["text"])

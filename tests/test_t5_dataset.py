@@ -11,6 +11,7 @@ import pytest
 
 from megatron_train.data.builder import build_masked_train_valid_test_datasets
 from megatron_train.data.config import DataConfig
+from megatron_train.data.samplers import build_pretraining_data_loader
 from megatron_train.data.t5_dataset import T5Dataset, T5DatasetConfig, max_noise_tokens, random_noise_spans
 from tests.wordpiece_corpus import build_tokenizer, write_sentence_corpus
 
@@ -158,3 +159,19 @@ def test_settings_that_cannot_fit_are_named(tokenizer, tmp_path):
     few_sentinels = build_tokenizer(tmp_path, vocab_extra_ids=3)
     with pytest.raises(ValueError, match="--vocab-extra-ids 3: .* give --vocab-extra-ids 7"):
         T5DatasetConfig(seq_length=128, decoder_seq_length=64, seed=1, tokenizer=few_sentinels)
+
+
+def test_data_loader_batches(corpus, tokenizer, tmp_path):
+    train, _, _ = t5_datasets(corpus, tokenizer, tmp_path)
+    batch = next(iter(build_pretraining_data_loader(train, 0, 4, 0, 1)))
+    assert {key: tuple(value.shape) for key, value in batch.items()} == {
+        "text_enc": (4, 64),
+        "text_dec": (4, 32),
+        "labels": (4, 32),
+        "loss_mask": (4, 32),
+        "truncated": (4,),
+        "enc_mask": (4, 64, 64),
+        "dec_mask": (4, 32, 32),
+        "enc_dec_mask": (4, 32, 64),
+    }
+    np.testing.assert_array_equal(batch["text_enc"][3].numpy(), train[3]["text_enc"])
