@@ -175,3 +175,14 @@ def test_data_loader_batches(corpus, tokenizer, tmp_path):
         "enc_dec_mask": (4, 32, 64),
     }
     np.testing.assert_array_equal(batch["text_enc"][3].numpy(), train[3]["text_enc"])
+
+
+def test_per_split_data_paths(corpus, tokenizer, tmp_path):
+    data_config = DataConfig(
+        train_data_path=[corpus], valid_data_path=["1", corpus], data_cache_path=str(tmp_path)
+    )
+    config = T5DatasetConfig(seq_length=64, decoder_seq_length=32, seed=7, tokenizer=tokenizer)
+    train, valid, test = build_masked_train_valid_test_datasets(data_config, config, (50, 10, 0))
+    assert isinstance(train, T5Dataset) and test is None
+    assert train.documents[0] == 0 and train.documents[-1] == 399  # each split's blend is used whole
+    assert train.config.split == "per-split data paths" and len(valid) >= 10  # whole epochs

@@ -1,10 +1,10 @@
 """Build the train, valid and test datasets from DataConfig, as Megatron-Core's BlendedMegatronDatasetBuilder.
 
-The same builder serves GPT (`build_train_valid_test_datasets`) and the masked-LM kinds BERT and T5
-(`build_masked_train_valid_test_datasets`, chosen by the type of their config). For `--data-path`, every
-dataset's elements (sequences for GPT, documents for BERT/T5) are cut into train/valid/test ranges by `--split`; a
-weighted blend asks each dataset for its share of the samples plus Megatron's 0.5% surplus and blends
-them with BlendedDataset. `--train-data-path` etc. give each split its own blend, used whole.
+One builder serves GPT (`build_train_valid_test_datasets`) and the masked-LM kinds BERT and T5
+(`build_masked_train_valid_test_datasets`, the kind chosen by the type of its config). For `--data-path`,
+every dataset's elements (sequences for GPT, documents for BERT/T5) are cut into train/valid/test ranges
+by `--split`; a weighted blend asks each dataset for its share of the samples plus Megatron's 0.5% surplus
+and blends them with BlendedDataset. `--train-data-path` etc. give each split its own blend, used whole.
 Under torch.distributed, rank 0 builds (and caches) the indices first; the other ranks then load them.
 """
 
