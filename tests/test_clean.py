@@ -153,7 +153,7 @@ def _same_shards(a, b) -> bool:
 
 def test_process_pool_matches_serial(source, tmp_path):
     serial = clean.run(CleanParams(), [source], ArtifactStore(str(tmp_path / "a")), map_shards=SERIAL)
-    pooled = clean.run(CleanParams(), [source], ArtifactStore(str(tmp_path / "b")), workers=2)
+    pooled = clean.run(CleanParams(), [source], ArtifactStore(str(tmp_path / "b")), map_shards=process_pool(2))
     assert _same_shards(serial, pooled)
     assert serial.manifest()["counts"] == pooled.manifest()["counts"]
 
@@ -183,7 +183,7 @@ def test_crash_then_rerun_skips_committed_shards(source, tmp_path, monkeypatch):
 
 def test_embedded_corpus_mostly_passes(tmp_path):
     kjv = download.run(download.DownloadParams(docs_per_shard=400), store=ArtifactStore(str(tmp_path / "s")))
-    counts = clean.run(CleanParams(), [kjv], ArtifactStore(str(tmp_path / "s")), workers=2).manifest()[
+    counts = clean.run(CleanParams(), [kjv], ArtifactStore(str(tmp_path / "s")), map_shards=process_pool(2)).manifest()[
         "counts"
     ]
     assert counts["docs_in"] == 1189

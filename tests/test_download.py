@@ -42,7 +42,7 @@ def test_embedded_corpus_is_the_default(store):
     assert counts["docs"] == 1189 and counts["bytes"] == sum(len(d["text"].encode()) for d in docs)
     again = download.run(DownloadParams(docs_per_shard=500), store=store)
     assert again.cache_hit and again.url == ref.url
-    assert download.key(DownloadParams(docs_per_shard=500)) == ref.key
+    assert download.key(DownloadParams(docs_per_shard=500), []) == ref.key
 
 
 def test_glob_of_compressed_jsonl_and_parquet_with_generated_ids(tmp_path, store):
