@@ -116,7 +116,7 @@ def source(tmp_path_factory):
     path = root / "corpus.jsonl"
     path.write_text("".join(json.dumps(d) + "\n" for d in _corpus()))
     return download.run(
-        download.DownloadParams(source=str(path), docs_per_shard=5), store=ArtifactStore(str(root / "store"))
+        download.DownloadParams(source=str(path), docs_per_shard=5), [], ArtifactStore(str(root / "store"))
     )
 
 
@@ -137,7 +137,7 @@ def test_clean_stage_counts_every_rule(source, tmp_path):
 
 
 def test_params_are_flat_and_load_from_plain_json():
-    params = clean.Params(**json.loads('{"fix_text": false, "min_words": 10, "c4_javascript": false}'))
+    params = clean.STAGE.params_from_dict(json.loads('{"fix_text": false, "min_words": 10, "c4_javascript": false}'))
     assert isinstance(params, QualityParams) and (params.min_words, params.c4_javascript) == (10, False)
     short = " ".join(PROSE.split()[:15])
     assert first_failing_rule(short, params) is None
@@ -182,7 +182,7 @@ def test_crash_then_rerun_skips_committed_shards(source, tmp_path, monkeypatch):
 
 
 def test_embedded_corpus_mostly_passes(tmp_path):
-    kjv = download.run(download.DownloadParams(docs_per_shard=400), store=ArtifactStore(str(tmp_path / "s")))
+    kjv = download.run(download.DownloadParams(docs_per_shard=400), [], ArtifactStore(str(tmp_path / "s")))
     counts = clean.run(CleanParams(), [kjv], ArtifactStore(str(tmp_path / "s")), map_shards=process_pool(2)).manifest()[
         "counts"
     ]
