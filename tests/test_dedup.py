@@ -202,7 +202,9 @@ def test_verification_rejects_low_similarity_candidates(corpus_ref, tmp_path):
 
 def test_parallel_pool_gives_identical_bytes(corpus_ref, tmp_path):
     serial = dedup.run(DedupParams(), [corpus_ref], ArtifactStore(str(tmp_path / "a")), map_shards=SERIAL)
-    pooled = dedup.run(DedupParams(), [corpus_ref], ArtifactStore(str(tmp_path / "b")), map_shards=process_pool(2))
+    pooled = dedup.run(
+        DedupParams(), [corpus_ref], ArtifactStore(str(tmp_path / "b")), map_shards=process_pool(2)
+    )
     assert _data_files(serial.url) == _data_files(pooled.url)
 
 

@@ -83,8 +83,7 @@ def test_changed_source_gets_a_new_key_unchanged_is_a_cache_hit(tmp_path, store)
 def test_memory_and_http_urls(tmp_path, store):
     fsspec.filesystem("memory").pipe("/corpus/docs.jsonl", b'{"text": "from memory"}\n')
     assert [
-        d["text"]
-        for d in _docs(download.run(DownloadParams(source="memory://corpus/docs.jsonl"), [], store))
+        d["text"] for d in _docs(download.run(DownloadParams(source="memory://corpus/docs.jsonl"), [], store))
     ] == ["from memory"]
 
     _write_jsonl(tmp_path / "served.jsonl", [{"id": "h1", "text": "over http"}])

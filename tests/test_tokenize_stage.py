@@ -378,6 +378,40 @@ def test_empty_input_and_a_remote_store(tmp_path, monkeypatch):
     assert not ref.files(PARTIALS_DIR)
 
 
+def test_an_input_without_documents_warns_or_fails_on_request(tmp_path, caplog, capsys):
+    blank = str(tmp_path / "blank.jsonl")
+    with open(blank, "w") as f:
+        f.write("\n  \n")
+    store = ArtifactStore(str(tmp_path / "store"))
+    with caplog.at_level(logging.WARNING, logger="megatron_flow.stage.tokenize"):
+        ref = run(NULL, blank, store)
+    assert ref.manifest()["summary"]["documents"] == 0
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warning.startswith(f"no documents in {blank}: the dataset ") and "--fail-on-empty" in warning
+
+    with pytest.raises(ValueError, match=r"no documents in .*blank\.jsonl.*--fail-on-empty is set"):
+        run(dataclasses.replace(NULL, fail_on_empty=True), blank, store)
+    argv = ["--input", blank, "--tokenizer-type", "NullTokenizer", "--vocab-size", "10", "--workers", "1"]
+    argv += ["--store", str(tmp_path / "store"), "--output-prefix", str(tmp_path / "out")]
+    assert main([*argv, "--fail-on-empty"]) == 1
+    assert "blank.jsonl" in capsys.readouterr().err
+    assert not os.path.exists(str(tmp_path / "out_text_document.bin"))
+    assert main(argv) == 0 and os.path.exists(str(tmp_path / "out_text_document.bin"))
+
+
+def test_an_unwritable_output_prefix_fails_before_tokenizing(tmp_path, capsys):
+    path = write_jsonl(str(tmp_path / "in.jsonl"), [{"text": null_text(i)} for i in range(20)])
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    argv = ["--input", path, "--tokenizer-type", "NullTokenizer", "--vocab-size", "1000", "--workers", "1"]
+    argv += ["--store", str(tmp_path / "store"), "--output-prefix", str(blocker / "out" / "corpus")]
+    assert main(argv) == 1
+    error = capsys.readouterr().err.strip()
+    assert error.startswith(f"error: --output-prefix {blocker}/out/corpus: cannot create the folder ")
+    assert error.endswith("choose a writable path")
+    assert not os.path.exists(tmp_path / "store" / "tokenize"), "tokenized before checking the output"
+
+
 def test_cli_reports_bad_input_and_missing_files_in_one_line(tmp_path, capsys):
     common = ["--tokenizer-type", "NullTokenizer", "--vocab-size", "10", "--workers", "1"]
     common += ["--store", str(tmp_path / "store"), "--output-prefix", str(tmp_path / "out")]
