@@ -11,6 +11,7 @@ plain calls such as `stages.clean.run(params, [raw], store)`.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
@@ -28,8 +29,13 @@ class Stage:
     maps_shards: ClassVar[bool] = False  # True: `run` takes `map_shards` (one call per shard of its work)
 
     def params_from_dict(self, values: dict[str, Any]) -> Any:
-        """Typed params from the plain dict a Prefect task receives (`dataclasses.asdict` of them)."""
-        return self.Params(**values)
+        """Typed params from the plain dict a Prefect task receives (`dataclasses.asdict` of them, through
+        JSON): a list given for a field whose default is a tuple becomes a tuple again, so equal settings
+        give equal params."""
+        tuple_fields = {f.name for f in dataclasses.fields(self.Params) if isinstance(f.default, tuple)}
+        return self.Params(
+            **{name: _as_tuple(value) if name in tuple_fields else value for name, value in values.items()}
+        )
 
     def key_params(self, params: Any) -> Any:
         """What of the params enters the key and the manifest (all of them unless a stage says otherwise)."""
@@ -53,6 +59,11 @@ class Stage:
 
     def run(self, params: Any, inputs: Inputs, store: ArtifactStore) -> ArtifactRef:
         raise NotImplementedError
+
+
+def _as_tuple(value: Any) -> Any:
+    """Lists, nested too, as tuples."""
+    return tuple(_as_tuple(item) for item in value) if isinstance(value, list | tuple) else value
 
 
 def expect_inputs(stage: Stage, inputs: Inputs, count: int, what: str) -> list:

@@ -63,7 +63,7 @@ class TokenizeParams:
     )
 
     def __post_init__(self) -> None:
-        # A tuple even when given a list (params from JSON, as Prefect passes them): params are hashable.
+        # A tuple even when given a list: worker processes cache their tokenizer by (hashable) params.
         object.__setattr__(self, "json_keys", tuple(self.json_keys))
 
     @property
