@@ -11,6 +11,7 @@ import pytest
 from stages import download, tokenize
 from stages.base import Stage
 from stages.registry import STAGES
+from stages.shards import process_pool
 from stages.tokenize_params import TokenizeParams
 from storage.artifacts import ArtifactStore, stage_key
 
@@ -72,3 +73,14 @@ def test_download_takes_no_inputs(tmp_path):
         ValueError, match=r"the download stage takes no inputs \(its source is params\.source"
     ):
         download.run(download.DownloadParams(), ["s3://somewhere"], ArtifactStore(str(tmp_path)))
+
+
+def _square(x: int) -> int:
+    return x * x
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_process_pool_reports_each_result_as_it_finishes_and_returns_them_in_order(workers):
+    seen: list[int] = []
+    results = process_pool(workers)(_square, [(i,) for i in range(6)], seen.append)
+    assert results == [0, 1, 4, 9, 16, 25] and sorted(seen) == results

@@ -164,7 +164,7 @@ def test_units_read_back_every_line_once(tmp_path, suffix):
 # --- end to end ------------------------------------------------------------------------------------------
 
 
-def test_output_is_megatrons_bytes_whatever_the_cut(tmp_path):
+def test_output_is_megatrons_bytes_whatever_the_cut(tmp_path, caplog):
     texts = [null_text(i) for i in range(400)]
     rows = [{"text": t, "title": t[:9], "id": i} for i, t in enumerate(texts)]
     rows[5]["text"] = ["1 2 3", "", "4 5"]  # a list is the document's sentences, as in Megatron
@@ -175,8 +175,16 @@ def test_output_is_megatrons_bytes_whatever_the_cut(tmp_path):
     pattern = str(tmp_path / "*.json*")
     params = dataclasses.replace(NULL, json_keys=("text", "title"), shard_size_mb=2000 / 2**20)
 
-    ref = run(params, pattern, ArtifactStore(str(tmp_path / "store")))
+    with caplog.at_level(logging.INFO, logger="megatron_flow.stage.tokenize"):
+        ref = run(
+            dataclasses.replace(params, log_interval=100), pattern, ArtifactStore(str(tmp_path / "store"))
+        )
     assert artifact_pair(ref, params) == megatron_reference(str(tmp_path / "expected"), texts, params)
+    # Megatron's throughput lines as units finish: one per 100 documents crossed, ending at the 400th
+    processed = [
+        int(r.getMessage().split()[1]) for r in caplog.records if r.getMessage().startswith("Processed ")
+    ]
+    assert processed == sorted(processed) and processed[-1] == 400 and len(processed) <= 4
     titles = [row["title"] for row in rows]
     assert artifact_pair(ref, params, "title") == megatron_reference(str(tmp_path / "titles"), titles, params)
     summary = ref.manifest()["summary"]
