@@ -58,6 +58,7 @@ class Stage:
         )
 
     def run(self, params: Any, inputs: Inputs, store: ArtifactStore) -> ArtifactRef:
+        """Build (or find) the artifact of `params` and `inputs`; shard-mapping stages also take `map_shards`."""
         raise NotImplementedError
 
 

@@ -1,8 +1,8 @@
 """Streaming document readers (JSON Lines, Parquet; local or any fsspec URL) and a Parquet shard writer.
 
-Every corpus stage reads documents through `iter_records` so that bad input is reported the same way
-everywhere: the file and line of the record and what to do about it, or a count in the stage's manifest
-when the user asked to skip bad records.
+Every stage reads documents through `iter_records` (a whole file, or one `Span` of it: the unit of work a
+parallel reader gets) so that bad input is reported the same way everywhere: the file and line of the record
+and what to do about it, or a count in the stage's manifest when the user asked to skip bad records.
 """
 
 from __future__ import annotations
