@@ -14,6 +14,7 @@ import torch
 from safetensors import safe_open
 
 import megatron_train.checkpointing as ckpt
+import megatron_train.checkpointing.save as ckpt_save
 from megatron_train.arguments import MegatronConfig
 from megatron_train.checkpointing import (
     CheckpointError,
@@ -111,14 +112,11 @@ def test_marker_is_written_only_after_a_complete_folder(tmp_path, monkeypatch) -
     config = _config(str(tmp_path))
     parts = _build(config)
     _save(config, parts, iteration=1)
-    real_write = ckpt._atomic_write_text
 
-    def crash_on_metadata(path: str, text: str) -> None:
-        if path.endswith(ckpt.METADATA_FILENAME):
-            raise OSError("disk full")
-        real_write(path, text)
+    def crash_on_metadata(iteration_dir: str, metadata: dict) -> None:
+        raise OSError("disk full")
 
-    monkeypatch.setattr(ckpt, "_atomic_write_text", crash_on_metadata)
+    monkeypatch.setattr(ckpt_save, "write_metadata", crash_on_metadata)
     with pytest.raises(OSError):
         _save(config, parts, iteration=2)
     monkeypatch.undo()
