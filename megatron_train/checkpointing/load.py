@@ -13,7 +13,6 @@ import os
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from megatron_train.arguments import MegatronConfig
 from megatron_train.checkpointing.files import (
@@ -25,7 +24,7 @@ from megatron_train.checkpointing.files import (
 from megatron_train.checkpointing.layout import padded_vocab_sizes_agree, true_vocab_range
 from megatron_train.checkpointing.names import StageModel, global_names, stage_module
 from megatron_train.checkpointing.progress import TrainingProgress
-from megatron_train.checkpointing.rng import load_rng_state
+from megatron_train.checkpointing.rng import global_rank, load_rng_state
 from megatron_train.checkpointing.saved import SavedCheckpoint, saved_true_vocab_range
 from megatron_train.parallel import state
 
@@ -47,10 +46,6 @@ MODEL_ARGS_TO_CHECK = (
     "add_bias_linear",
     "untie_embeddings_and_output_weights",
 )
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
 
 
 def check_compatible(metadata: dict, config: MegatronConfig, padded_vocab_size: int, where: str) -> None:
@@ -132,7 +127,7 @@ def load_checkpoint(
     tp_size, tp_rank = state.get_tensor_model_parallel_world_size(), state.get_tensor_model_parallel_rank()
     saved_layout = (saved.tp_size, saved.pp_size)
     our_layout = (tp_size, state.get_pipeline_model_parallel_world_size())
-    if saved_layout != our_layout and _rank() == 0:
+    if saved_layout != our_layout and global_rank() == 0:
         logger.info("resharding %s from (TP, PP) = %s to %s", iteration_dir, saved_layout, our_layout)
     names = global_names(model, config)
     model = stage_module(model)

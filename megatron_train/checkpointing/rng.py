@@ -29,12 +29,13 @@ logger = logging.getLogger(__name__)
 RNG_DIR = "rng"
 
 
-def _rank() -> int:
+def global_rank() -> int:
+    """This process's rank in the whole job (0 without a process group): what names its RNG files."""
     return dist.get_rank() if dist.is_initialized() else 0
 
 
 def _rank_prefix(iteration_dir: str) -> str:
-    return os.path.join(iteration_dir, RNG_DIR, f"rank_{_rank():05d}")
+    return os.path.join(iteration_dir, RNG_DIR, f"rank_{global_rank():05d}")
 
 
 def rng_state() -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -84,7 +85,7 @@ def load_rng_state(
     """This rank's RNG states; skipped (as --no-load-rng) when (TP, PP) changed, as Megatron does: another
     layout's per-rank streams mean nothing here."""
     if saved_layout != our_layout:
-        if _rank() == 0:
+        if global_rank() == 0:
             logger.warning(
                 "(TP, PP) changed from %s to %s: RNG states are per rank and do not carry over, so they are "
                 "not loaded (as --no-load-rng); dropout continues from this run's --seed",
@@ -96,7 +97,7 @@ def load_rng_state(
     world_size = dist.get_world_size() if dist.is_initialized() else 1
     if metadata["world_size"] != world_size or not os.path.exists(prefix + ".safetensors"):
         raise CheckpointError(
-            f"{files.iteration_dir} holds no RNG state for rank {_rank()} of {world_size} (saved by "
+            f"{files.iteration_dir} holds no RNG state for rank {global_rank()} of {world_size} (saved by "
             f"{metadata['world_size']} ranks, or with --no-save-rng); pass --no-load-rng to continue "
             "with fresh RNG states"
         )

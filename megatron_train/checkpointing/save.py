@@ -44,14 +44,10 @@ from megatron_train.checkpointing.names import (
     stage_module,
 )
 from megatron_train.checkpointing.progress import TrainingProgress
-from megatron_train.checkpointing.rng import save_rng_state
+from megatron_train.checkpointing.rng import global_rank, save_rng_state
 from megatron_train.parallel import state
 
 logger = logging.getLogger(__name__)
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
 
 
 def _barrier() -> None:
@@ -142,7 +138,7 @@ def save_checkpoint(
     if not _may_write(root, iteration_dir, progress):
         logger.info("iteration %d is the checkpoint this run resumed from: %s left as it is", iteration, root)
         return iteration_dir
-    if _rank() == 0 and os.path.exists(iteration_dir):
+    if global_rank() == 0 and os.path.exists(iteration_dir):
         what = "a checkpoint of this run's history" if is_complete(iteration_dir) else "an unfinished save"
         logger.warning("replacing %s: %s", iteration_dir, what)
         shutil.rmtree(iteration_dir)
@@ -164,7 +160,7 @@ def save_checkpoint(
     if not config.checkpoint.no_save_rng:
         files.update(save_rng_state(iteration_dir))
     files = _gather_file_records(files)
-    if _rank() == 0:
+    if global_rank() == 0:
         write_metadata_and_marker(
             root,
             iteration,
