@@ -180,26 +180,28 @@ class CheckpointFiles:
             "it, or load an earlier iteration with --ckpt-step"
         )
 
-    def _check_hash(self, path: str, record: FileRecord | None, digest: str) -> None:
-        if record is not None and digest != record["hash"]:
+    def _check_hash(self, path: str, record: FileRecord, digest: str) -> None:
+        if digest != record["hash"]:
             raise self._corrupt(
                 path, f"its content hash {digest} is not the {record['hash']} recorded in {METADATA_FILENAME}"
             )
-        self._verified.add(path)
 
     def verify(self, path: str) -> None:
         """Hash `path` once (a streamed read that also brings it into the page cache for the reads after)."""
         if path in self._verified:
             return
         record = self._record(path)
-        self._check_hash(path, record, "" if record is None else hash_file(path))
+        if record is not None:
+            self._check_hash(path, record, hash_file(path))
+        self._verified.add(path)
 
     def _read_bytes(self, path: str) -> bytes:
         """A small file's bytes, read once and verified."""
         record = self._record(path)
         with open(path, "rb") as handle:
             data = handle.read()
-        self._check_hash(path, record, "" if record is None else hash_bytes(data))
+        if record is not None:
+            self._check_hash(path, record, hash_bytes(data))
         return data
 
     def read_json(self, path: str) -> Any:
