@@ -36,6 +36,7 @@ from megatron_train.models.config import TransformerConfig
 from megatron_train.models.gpt import GPTModel
 from megatron_train.optimizer import get_megatron_optimizer
 from megatron_train.parallel import model_parallel_seed, state
+from megatron_train.tools.checkpoint_util import convert_checkpoint
 from megatron_train.training.config import CheckpointConfig, OptimizerConfig, TrainingConfig
 from megatron_train.training.lr_scheduler import build_opt_param_scheduler
 from storage import atomic
@@ -297,7 +298,7 @@ def test_metadata_records_the_size_and_hash_of_every_file(tmp_path) -> None:
 
 
 @pytest.mark.parametrize("damage", ["16 KiB of 0xFF over the word embedding", "truncated"])
-@pytest.mark.parametrize("loader", ["training", "inference"])
+@pytest.mark.parametrize("loader", ["training", "inference", "converter"])
 def test_a_damaged_weights_file_is_refused_naming_it(tmp_path, damage: str, loader: str) -> None:
     config = _config(str(tmp_path))
     iteration_dir = _save(config, _build(config), iteration=1)
@@ -315,8 +316,10 @@ def test_a_damaged_weights_file_is_refused_naming_it(tmp_path, damage: str, load
     with pytest.raises(CheckpointError, match=re.escape(expected)):
         if loader == "training":
             load_checkpoint(*_build(config), config, VOCAB)
-        else:
+        elif loader == "inference":
             load_model_for_inference(str(tmp_path), device="cpu")
+        else:
+            convert_checkpoint(str(tmp_path), str(tmp_path / "converted"), target_tp=2)
 
 
 @pytest.mark.parametrize(
