@@ -174,7 +174,7 @@ def main() -> None:
         corpus = tmp_path / "corpus.parquet"
         write_parquet_shard(docs, str(corpus))
         params = download.DownloadParams(source=str(corpus), docs_per_shard=args.docs_per_shard)
-        source = download.run(params, store=ArtifactStore(str(tmp_path / "source")))
+        source = download.run(params, [], ArtifactStore(str(tmp_path / "source")))
         shards_dir = str(Path(source.url) / "shards")
         n_shards = len(source.files("shards/"))
 

@@ -1,25 +1,24 @@
 """Prefect tasks around stages: the stage's fingerprint as cache key, artifact refs as results, retries.
 
-A stage module (docs/architecture.md) exposes ``STAGE``, ``VERSION``, ``key(params, inputs)`` and
-``run(params, inputs, store, map_shards=None)``. Its per-shard work is handed to ``map_shards``: here a
-function that maps a Prefect task over the shards on the flow's task runner (threads or processes on one
+A stage (`stages.base.Stage`, looked up by name in `stages.registry.STAGES`) has typed params, a `key` and a
+`run`. The per-shard work of the stages that map shards (`Stage.maps_shards`) is handed to ``map_shards``: here
+a function that maps a Prefect task over the shards on the flow's task runner (threads or processes on one
 machine, a Dask or Ray cluster through prefect-dask / prefect-ray on many), so every shard is a task run.
 """
 
 from __future__ import annotations
 
 import contextlib
-import importlib
-import inspect
 import logging
 from collections.abc import Callable, Iterator, Sequence
-from types import ModuleType
 from typing import Any, Literal
 
 from prefect import get_run_logger, task, unmapped
 from prefect.context import TaskRunContext
+from prefect.futures import as_completed
 from prefect.task_runners import ProcessPoolTaskRunner, TaskRunner, ThreadPoolTaskRunner
 
+from stages.base import Stage
 from storage.artifacts import ArtifactRef, ArtifactStore
 
 STAGE_LOGGER = "megatron_flow.stage"
@@ -82,22 +81,28 @@ def run_shard(fn: Callable[..., Any], args: Sequence[Any]) -> Any:
     return fn(*args)
 
 
-def prefect_map_shards(fn: Callable[..., Any], args_list: list[tuple]) -> list[Any]:
-    """`map_shards` for stages inside a flow: one task run per shard, results in order."""
+def prefect_map_shards(
+    fn: Callable[..., Any], args_list: Sequence[tuple], on_result: Callable[[Any], None] | None = None
+) -> list[Any]:
+    """`map_shards` for stages inside a flow: one task run per shard, `on_result` as each finishes, results
+    in order."""
     if not args_list:
         return []
-    futures = run_shard.map(unmapped(fn), args_list)
+    futures = run_shard.map(unmapped(fn), list(args_list))
+    if on_result is not None:
+        for future in as_completed(futures):
+            on_result(future.result())
     return [future.result() for future in futures]
 
 
-def stage_module(name: str) -> ModuleType:
-    return importlib.import_module(f"stages.{name}")
+def stage_named(name: str) -> Stage:
+    """The stage called `name`. The registry imports every stage (torch too), so it is imported here, on first
+    use, and not by the shard worker processes that load this module only for `run_shard`."""
+    from stages.registry import STAGES
 
-
-def stage_params(module: ModuleType, values: dict[str, Any]) -> Any:
-    """A stage's typed params from the plain dict a Prefect task receives."""
-    from_dict = getattr(module, "params_from_dict", None)
-    return from_dict(values) if from_dict is not None else module.Params(**values)
+    if name not in STAGES:
+        raise ValueError(f"unknown stage {name!r}; stages: {', '.join(STAGES)}")
+    return STAGES[name]
 
 
 class _ToRunLogger(logging.Handler):
@@ -132,11 +137,10 @@ def _inputs(store: ArtifactStore, inputs: Sequence[dict | str]) -> list[Artifact
 
 def _stage_cache_key(context: TaskRunContext, parameters: dict[str, Any]) -> str | None:
     """Prefect's cache key: the stage's own fingerprint, but only while the artifact is really committed."""
-    module = stage_module(parameters["stage"])
+    stage = stage_named(parameters["stage"])
     store = ArtifactStore(parameters["store_url"], **(parameters.get("storage_options") or {}))
-    params = stage_params(module, parameters["params"])
-    key = module.key(params, _inputs(store, parameters["inputs"]))
-    return f"{module.STAGE}-{key}" if store.find(module.STAGE, key) else None
+    key = stage.key(stage.params_from_dict(parameters["params"]), _inputs(store, parameters["inputs"]))
+    return f"{stage.name}-{key}" if store.find(stage.name, key) else None
 
 
 @task(
@@ -157,11 +161,12 @@ def run_stage_task(
     storage_options: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Run one stage; returns its ArtifactRef as a plain dict (small, JSON-serialisable)."""
-    module = stage_module(stage)
+    runner = stage_named(stage)
     store = ArtifactStore(store_url, **(storage_options or {}))
-    extra = (
-        {"map_shards": prefect_map_shards} if "map_shards" in inspect.signature(module.run).parameters else {}
-    )
+    typed, refs = runner.params_from_dict(params), _inputs(store, inputs)
     with stage_logs_to_prefect():
-        ref = module.run(stage_params(module, params), _inputs(store, inputs), store, **extra)
+        if runner.maps_shards:
+            ref = runner.run(typed, refs, store, map_shards=prefect_map_shards)
+        else:
+            ref = runner.run(typed, refs, store)
     return ref.to_dict()

@@ -11,11 +11,11 @@ import os
 import re
 import time
 import unicodedata
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import ftfy
 
+from stages.base import Inputs, Stage, expect_inputs
 from stages.quality_filters import RULES, QualityParams, first_failing_rule
 from stages.shards import (
     MapShards,
@@ -29,17 +29,8 @@ from stages.shards import (
     sum_counts,
     write_json,
 )
-from storage.artifacts import (
-    ArtifactRef,
-    ArtifactStore,
-    ArtifactWriter,
-    run_stage,
-    stage_key,
-)
+from storage.artifacts import ArtifactRef, ArtifactStore, ArtifactWriter
 from storage.documents import iter_records, write_parquet_shard
-
-STAGE = "clean"
-VERSION = "1"
 
 # C0/C1 control characters other than tab and newline, plus zero-width and BOM characters.
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f\u200b\u200e\u200f\u2028\u2029\ufeff]")
@@ -103,45 +94,45 @@ def clean_shard(writer: ArtifactWriter, source: ArtifactRef, name: str, params: 
     return stats
 
 
-Params = CleanParams
+class CleanStage(Stage):
+    name = "clean"
+    version = "1"
+    Params = CleanParams
+    maps_shards = True
+
+    def run(
+        self,
+        params: CleanParams,
+        inputs: Inputs,
+        store: ArtifactStore,
+        map_shards: MapShards | None = None,
+    ) -> ArtifactRef:
+        """Clean the documents of one upstream artifact (download's), shard by shard, in parallel
+        (`map_shards`: a local process pool unless a flow passes its own)."""
+        (source,) = expect_inputs(self, inputs, 1, "one artifact of document shards (download's)")
+        map_shards = map_shards or process_pool()
+
+        def build(writer: ArtifactWriter) -> dict:
+            names = document_shards(source)
+            run_shards(writer, clean_shard, [(writer, source, n, params) for n in names], names, map_shards)
+            total = sum_counts(shard_stats(writer, names))
+            seconds = total.pop("seconds")
+            log.info(
+                "clean: %d of %d documents kept, %.1f of %.1f MB (%.0f docs per CPU second)",
+                total["docs_out"],
+                total["docs_in"],
+                total["bytes_out"] / 1e6,
+                total["bytes_in"] / 1e6,
+                total["docs_in"] / max(seconds, 1e-9),
+            )
+            return {
+                "counts": total,
+                "throughput": {"docs_per_cpu_s": round(total["docs_in"] / max(seconds, 1e-9), 1)},
+            }
+
+        return self.build_artifact(params, [source], store, build)
 
 
-def key(params: CleanParams, inputs: Sequence[ArtifactRef]) -> str:
-    """The output's key, as `run` computes it."""
-    return stage_key(STAGE, VERSION, params, inputs)
-
-
-def run(
-    params: CleanParams = CleanParams(),
-    inputs: Sequence[ArtifactRef] = (),
-    store: ArtifactStore | None = None,
-    map_shards: MapShards | None = None,
-    workers: int | None = None,
-) -> ArtifactRef:
-    """Clean the documents of one upstream artifact (download's), shard by shard, in parallel.
-
-    `workers` sizes the default process pool; it does not change the output, so it is not a parameter of the key.
-    """
-    (source,) = inputs
-    store = store or ArtifactStore()
-    map_shards = map_shards or process_pool(workers)
-
-    def build(writer: ArtifactWriter) -> dict:
-        names = document_shards(source)
-        run_shards(writer, clean_shard, [(writer, source, n, params) for n in names], names, map_shards)
-        total = sum_counts(shard_stats(writer, names))
-        seconds = total.pop("seconds")
-        log.info(
-            "clean: %d of %d documents kept, %.1f of %.1f MB (%.0f docs per CPU second)",
-            total["docs_out"],
-            total["docs_in"],
-            total["bytes_out"] / 1e6,
-            total["bytes_in"] / 1e6,
-            total["docs_in"] / max(seconds, 1e-9),
-        )
-        return {
-            "counts": total,
-            "throughput": {"docs_per_cpu_s": round(total["docs_in"] / max(seconds, 1e-9), 1)},
-        }
-
-    return run_stage(store, STAGE, VERSION, params, [source], build)
+STAGE = CleanStage()
+run = STAGE.run
+key = STAGE.key

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -23,6 +22,7 @@ import pyarrow.compute as pc
 import xxhash
 
 from stages import minhash
+from stages.base import Inputs, Stage, expect_inputs
 from stages.shards import (
     MapShards,
     document_shards,
@@ -36,17 +36,9 @@ from stages.shards import (
     sum_counts,
     write_json,
 )
-from storage.artifacts import (
-    ArtifactRef,
-    ArtifactStore,
-    ArtifactWriter,
-    run_stage,
-    stage_key,
-)
+from storage.artifacts import ArtifactRef, ArtifactStore, ArtifactWriter
 from storage.documents import read_parquet_columns, write_parquet_table
 
-STAGE = "dedup"
-VERSION = "1"
 # Text per MinHash batch: the temporaries of minhash.shingle_hashes (~50 bytes per byte of text) stay in
 # cache and on reused pages; 1 MB batches run about 2x slower.
 BATCH_TEXT_BYTES = 1 << 18
@@ -226,73 +218,76 @@ def duplicates_table(source: ArtifactRef, names: list[str], clusters: Clusters) 
     )
 
 
-Params = DedupParams
+class DedupStage(Stage):
+    name = "dedup"
+    version = "1"
+    Params = DedupParams
+    maps_shards = True
+
+    def run(
+        self,
+        params: DedupParams,
+        inputs: Inputs,
+        store: ArtifactStore,
+        map_shards: MapShards | None = None,
+    ) -> ArtifactRef:
+        """Deduplicate the documents of one upstream artifact (clean's); `map_shards`: a local process pool
+        unless a flow passes its own."""
+        (source,) = expect_inputs(self, inputs, 1, "one artifact of document shards (clean's)")
+        map_shards = map_shards or process_pool()
+
+        def build(writer: ArtifactWriter) -> dict:
+            names = document_shards(source)
+            started = time.time()
+            minhash_args = [(writer, source, n, params) for n in names]
+            run_shards(writer, minhash_shard, minhash_args, [f"minhash-{n}" for n in names], map_shards)
+            signatures_seconds = time.time() - started
+            clusters = find_clusters(writer, names, params)
+            report = os.path.join(writer.local_dir, "duplicates.parquet")
+            write_parquet_table(duplicates_table(source, names, clusters), report)
+            writer.put_file(report, "duplicates.parquet")
+
+            dropped = np.flatnonzero(clusters.roots != np.arange(len(clusters.roots)))
+            shard_of = np.searchsorted(clusters.offsets, dropped, side="right") - 1
+            drop_rows = [(dropped[shard_of == s] - clusters.offsets[s]).tolist() for s in range(len(names))]
+            kept_args = [(writer, source, n, rows) for n, rows in zip(names, drop_rows, strict=True)]
+            run_shards(writer, write_kept_shard, kept_args, names, map_shards)
+            counts = sum_counts(shard_stats(writer, names))
+            exact_drops = int(clusters.exact[dropped].sum())
+            docs = len(clusters.roots)
+            seconds = time.time() - started
+            log.info(
+                "dedup: %d of %d documents kept (%d exact, %d near duplicates dropped) in %.1f s (%.0f docs/s)",
+                counts["docs_out"],
+                docs,
+                exact_drops,
+                len(dropped) - exact_drops,
+                seconds,
+                docs / max(seconds, 1e-9),
+            )
+            return {
+                "counts": {
+                    **counts,
+                    "dropped": {"exact": exact_drops, "near": len(dropped) - exact_drops},
+                    "clusters": int((np.bincount(clusters.roots, minlength=docs) > 1).sum()),
+                    "candidate_pairs": clusters.candidate_pairs,
+                    "rejected_pairs": clusters.rejected_pairs,
+                },
+                "lsh": {
+                    "verify_cutoff": round(params.verify_cutoff, 6),
+                    "probability_at_threshold": round(
+                        minhash.candidate_probability(params.threshold, params.bands, params.rows), 6
+                    ),
+                },
+                "throughput": {
+                    "signature_docs_per_s": round(docs / max(signatures_seconds, 1e-9), 1),
+                    "docs_per_s": round(docs / max(seconds, 1e-9), 1),
+                },
+            }
+
+        return self.build_artifact(params, [source], store, build)
 
 
-def key(params: DedupParams, inputs: Sequence[ArtifactRef]) -> str:
-    """The output's key, as `run` computes it."""
-    return stage_key(STAGE, VERSION, params, inputs)
-
-
-def run(
-    params: DedupParams = DedupParams(),
-    inputs: Sequence[ArtifactRef] = (),
-    store: ArtifactStore | None = None,
-    map_shards: MapShards | None = None,
-    workers: int | None = None,
-) -> ArtifactRef:
-    """Deduplicate the documents of one upstream artifact (clean's); `workers` sizes the default pool."""
-    (source,) = inputs
-    store = store or ArtifactStore()
-    map_shards = map_shards or process_pool(workers)
-
-    def build(writer: ArtifactWriter) -> dict:
-        names = document_shards(source)
-        started = time.time()
-        minhash_args = [(writer, source, n, params) for n in names]
-        run_shards(writer, minhash_shard, minhash_args, [f"minhash-{n}" for n in names], map_shards)
-        signatures_seconds = time.time() - started
-        clusters = find_clusters(writer, names, params)
-        report = os.path.join(writer.local_dir, "duplicates.parquet")
-        write_parquet_table(duplicates_table(source, names, clusters), report)
-        writer.put_file(report, "duplicates.parquet")
-
-        dropped = np.flatnonzero(clusters.roots != np.arange(len(clusters.roots)))
-        shard_of = np.searchsorted(clusters.offsets, dropped, side="right") - 1
-        drop_rows = [(dropped[shard_of == s] - clusters.offsets[s]).tolist() for s in range(len(names))]
-        kept_args = [(writer, source, n, rows) for n, rows in zip(names, drop_rows, strict=True)]
-        run_shards(writer, write_kept_shard, kept_args, names, map_shards)
-        counts = sum_counts(shard_stats(writer, names))
-        exact_drops = int(clusters.exact[dropped].sum())
-        docs = len(clusters.roots)
-        seconds = time.time() - started
-        log.info(
-            "dedup: %d of %d documents kept (%d exact, %d near duplicates dropped) in %.1f s (%.0f docs/s)",
-            counts["docs_out"],
-            docs,
-            exact_drops,
-            len(dropped) - exact_drops,
-            seconds,
-            docs / max(seconds, 1e-9),
-        )
-        return {
-            "counts": {
-                **counts,
-                "dropped": {"exact": exact_drops, "near": len(dropped) - exact_drops},
-                "clusters": int((np.bincount(clusters.roots, minlength=docs) > 1).sum()),
-                "candidate_pairs": clusters.candidate_pairs,
-                "rejected_pairs": clusters.rejected_pairs,
-            },
-            "lsh": {
-                "verify_cutoff": round(params.verify_cutoff, 6),
-                "probability_at_threshold": round(
-                    minhash.candidate_probability(params.threshold, params.bands, params.rows), 6
-                ),
-            },
-            "throughput": {
-                "signature_docs_per_s": round(docs / max(signatures_seconds, 1e-9), 1),
-                "docs_per_s": round(docs / max(seconds, 1e-9), 1),
-            },
-        }
-
-    return run_stage(store, STAGE, VERSION, params, [source], build)
+STAGE = DedupStage()
+run = STAGE.run
+key = STAGE.key

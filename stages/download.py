@@ -15,19 +15,18 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from tqdm import tqdm
 
-from stages.shards import MapShards, log, shard_file, shard_name
-from storage.artifacts import ArtifactRef, ArtifactStore, ArtifactWriter, run_stage, stage_key
+from stages.base import Inputs, Stage, expect_inputs
+from stages.shards import log, shard_file, shard_name
+from storage.artifacts import ArtifactRef, ArtifactStore, ArtifactWriter
 from storage.documents import expand_inputs, iter_records, write_parquet_shard
 from storage.fingerprint import canonical_json, hash_bytes, source_fingerprint
 
-STAGE = "download"
-VERSION = "1"
 EMBEDDED_CORPUS = str(Path(__file__).parent / "corpora" / "kjv.jsonl.xz")
 
 
@@ -111,7 +110,7 @@ def _file_rows(params: DownloadParams, stats: dict) -> Iterator[tuple[str, dict]
         relative = url[len(root) :]
         records = iter_records(
             url,
-            text_key=params.text_key,
+            text_keys=(params.text_key,),
             skip_bad_records=params.skip_bad_records,
             stats=stats,
             **params.storage_options,
@@ -146,7 +145,7 @@ def _build(params: DownloadParams, writer: ArtifactWriter) -> dict:
             writer.commit_shard(name, {shard_file(name): local})
         batch.clear()
 
-    for default_id, row in tqdm(rows, desc=STAGE, unit="doc"):
+    for default_id, row in tqdm(rows, desc="download", unit="doc"):
         doc = _document(default_id, row, params.text_key, params.id_key)
         batch.append(doc)
         counts["docs"] += 1
@@ -170,31 +169,24 @@ def _build(params: DownloadParams, writer: ArtifactWriter) -> dict:
     }
 
 
-Params = DownloadParams
+class DownloadStage(Stage):
+    name = "download"
+    version = "1"
+    Params = DownloadParams
+
+    def key_params(self, params: DownloadParams) -> DownloadParams:
+        return dataclasses.replace(params, storage_options={})  # credentials never go into keys or manifests
+
+    def key_inputs(self, params: DownloadParams, inputs: Inputs) -> list[str]:
+        """The source's current fingerprint: a changed source gets a new key."""
+        return [source_description(params)]
+
+    def run(self, params: DownloadParams, inputs: Inputs, store: ArtifactStore) -> ArtifactRef:
+        """Read the source named by `params` into Parquet shards (one stream; the stage takes no inputs)."""
+        expect_inputs(self, inputs, 0, "no inputs (its source is params.source or params.hf_name)")
+        return self.build_artifact(params, inputs, store, lambda writer: _build(params, writer))
 
 
-def _key_params(params: DownloadParams) -> DownloadParams:
-    return dataclasses.replace(params, storage_options={})  # credentials never go into keys or manifests
-
-
-def key(params: DownloadParams, inputs: Sequence[ArtifactRef | str] = ()) -> str:
-    """The output's key, as `run` computes it: params and the source's current fingerprint."""
-    return stage_key(STAGE, VERSION, _key_params(params), [source_description(params)])
-
-
-def run(
-    params: DownloadParams = DownloadParams(),
-    inputs: Sequence[ArtifactRef | str] = (),
-    store: ArtifactStore | None = None,
-    map_shards: MapShards | None = None,
-) -> ArtifactRef:
-    """Read the source into Parquet shards (one stream: `inputs` and `map_shards` are not used)."""
-    store = store or ArtifactStore()
-    return run_stage(
-        store,
-        STAGE,
-        VERSION,
-        _key_params(params),
-        [source_description(params)],
-        lambda writer: _build(params, writer),
-    )
+STAGE = DownloadStage()
+run = STAGE.run
+key = STAGE.key

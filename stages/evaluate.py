@@ -14,7 +14,6 @@ import logging
 import math
 import os
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -26,17 +25,14 @@ from megatron_train.evaluation.lambada import evaluate_lambada
 from megatron_train.evaluation.wikitext import evaluate_wikitext
 from megatron_train.inference.generation import GenerationParams, generate
 from megatron_train.pretrain_gpt import tokenizer_from_config
+from stages.base import Inputs, Stage, expect_inputs
 from stages.pretrain import run_directory
 from storage.artifacts import (
     ArtifactRef,
     ArtifactStore,
     ArtifactWriter,
-    run_stage,
-    stage_key,
 )
 
-STAGE = "evaluate"
-VERSION = "1"
 log = logging.getLogger("megatron_flow.stage.evaluate")
 
 
@@ -55,14 +51,6 @@ class EvaluateParams:
     lambada_path: str | None = None  # a lambada_test.jsonl file
     strict_lambada: bool = True
     overlapping_eval: int | None = None
-
-
-Params = EvaluateParams
-
-
-def key(params: EvaluateParams, inputs: Sequence[ArtifactRef]) -> str:
-    """The output's key, as `run` computes it."""
-    return stage_key(STAGE, VERSION, params, inputs)
 
 
 @torch.no_grad()
@@ -220,11 +208,19 @@ def _evaluate(
     return {"metrics": metrics, "seconds_evaluating": round(time.time() - started, 3)}
 
 
-def run(params: EvaluateParams, inputs: Sequence[ArtifactRef], store: ArtifactStore) -> ArtifactRef:
-    """inputs: [pretrain artifact, tokenize artifact]."""
-    if len(inputs) != 2:
-        raise ValueError(f"{STAGE} takes [pretrain artifact, tokenize artifact], got {list(inputs)!r}")
-    pretrained, tokenized = inputs
-    return run_stage(
-        store, STAGE, VERSION, params, inputs, lambda writer: _evaluate(params, pretrained, tokenized, writer)
-    )
+class EvaluateStage(Stage):
+    name = "evaluate"
+    version = "1"
+    Params = EvaluateParams
+
+    def run(self, params: EvaluateParams, inputs: Inputs, store: ArtifactStore) -> ArtifactRef:
+        """Evaluate the trained model of `inputs` ([pretrain artifact, tokenize artifact])."""
+        pretrained, tokenized = expect_inputs(self, inputs, 2, "[pretrain artifact, tokenize artifact]")
+        return self.build_artifact(
+            params, inputs, store, lambda writer: _evaluate(params, pretrained, tokenized, writer)
+        )
+
+
+STAGE = EvaluateStage()
+run = STAGE.run
+key = STAGE.key

@@ -38,17 +38,14 @@ from megatron_train.checkpointing import (
 from megatron_train.data.config import DataConfig
 from megatron_train.models.config import TransformerConfig
 from megatron_train.training.config import OptimizerConfig, TrainingConfig
+from stages.base import Inputs, Stage
 from storage.artifacts import (
     ArtifactRef,
     ArtifactStore,
     ArtifactWriter,
-    run_stage,
-    stage_key,
 )
 from storage.fingerprint import hash_file
 
-STAGE = "pretrain"
-VERSION = "1"
 log = logging.getLogger("megatron_flow.stage.pretrain")  # every line of the training job; flows forward it
 
 
@@ -74,27 +71,12 @@ class PretrainParams:
     save_interval: int = 1000  # checkpoints in the run directory, what a retry resumes from
 
 
-Params = PretrainParams
-
-
 def params_from_argv(
     argv: Sequence[str], nproc_per_node: int = 1, save_interval: int = 1000
 ) -> PretrainParams:
     """Params from Megatron flags; the data path, tokenizer and directories are the stage's to fill."""
     config = parse_args([*argv, "--mock-data"], world_size=nproc_per_node)
     return PretrainParams(config=config, nproc_per_node=nproc_per_node, save_interval=save_interval)
-
-
-def params_from_dict(values: dict) -> PretrainParams:
-    """Inverse of `dataclasses.asdict(params)` (how flows pass params between Prefect tasks)."""
-    return PretrainParams(**{**values, "config": config_from_dict(values["config"])})
-
-
-def key(params: PretrainParams, inputs: Sequence[ArtifactRef | None]) -> str:
-    """The output's key, as `run` computes it."""
-    tokenized, tokenizer = (list(inputs) + [None])[:2]
-    fingerprints = _tokenizer_flags(params, tokenizer)[1]
-    return stage_key(STAGE, VERSION, params, [tokenized, *fingerprints])
 
 
 def _tokenizer_flags(params: PretrainParams, tokenizer: ArtifactRef | None) -> tuple[dict, list[str]]:
@@ -193,56 +175,86 @@ def launch(command: list[str], on_line: Callable[[str], None] | None = None) -> 
         )
 
 
-def run(
-    params: PretrainParams,
-    inputs: Sequence[ArtifactRef | None],
-    store: ArtifactStore,
-    *,
-    on_line: Callable[[str], None] | None = None,
-) -> ArtifactRef:
-    """inputs: [tokenize artifact] or [tokenize artifact, train_tokenizer artifact]."""
-    tokenized, tokenizer = (list(inputs) + [None])[:2]
-    tokenizer_fields, tokenizer_fingerprints = _tokenizer_flags(params, tokenizer)
-    # Validate now, with a placeholder data path: a bad flag fails before anything launches.
-    validate_config(run_config(params, "placeholder", tokenizer_fields, "run"), params.nproc_per_node)
-
-    def build(writer: ArtifactWriter) -> dict:
-        run_dir = os.path.join(writer.local_dir, "run")
-        config = run_config(params, _data_prefix(tokenized, params.json_key), tokenizer_fields, run_dir)
-        resumed_from = read_latest_iteration(run_dir) if os.path.isdir(run_dir) else None
-        if resumed_from is not None:
-            log.info("resuming %s from iteration %d", run_dir, resumed_from)
-        launch(torchrun_command(config, params.nproc_per_node), on_line)
-        iteration = read_latest_iteration(run_dir)
-        train_iters = config.training.train_iters
-        if train_iters is not None and iteration != train_iters:
-            raise RuntimeError(
-                f"training stopped at iteration {iteration} of {train_iters} (an exit condition fired); "
-                "rerun the stage to continue from there"
-            )
-        metadata = read_metadata(checkpoint_dir(run_dir, iteration))
-        # The marker moves first: a crash while moving leaves a run directory that restarts cleanly rather than
-        # a marker that points at a checkpoint already moved away.
-        names = sorted(
-            (os.path.relpath(os.path.join(folder, name), run_dir) for folder, _, files in os.walk(run_dir)
-             for name in files),
-            key=lambda name: name != TRACKER_FILENAME,
-        )  # fmt: skip
-        for name in names:
-            writer.put_file(os.path.join(run_dir, name), name)
-        return {
-            "iteration": iteration,
-            "consumed_train_samples": metadata["consumed_train_samples"],
-            "resumed_from": resumed_from,
-            "world_size": metadata["world_size"],
-        }
-
-    return run_stage(store, STAGE, VERSION, params, [tokenized, *tokenizer_fingerprints], build)
-
-
 def run_directory(ref: ArtifactRef) -> str:
     """The local run directory of a pretrain artifact (for `--load` or `load_model_for_inference`); a remote
     artifact is downloaded to the local cache first."""
     for name in ref.files():
         ref.local_path(name)
     return os.path.dirname(ref.local_path("latest_checkpointed_iteration.txt"))
+
+
+def _split_inputs(inputs: Inputs) -> tuple[ArtifactRef, ArtifactRef | None]:
+    """(tokenize artifact, train_tokenizer artifact or None) of the stage's one or two inputs."""
+    if len(inputs) not in (1, 2):
+        raise ValueError(
+            f"the pretrain stage takes [tokenize artifact] or [tokenize, train_tokenizer], got {inputs!r}"
+        )
+    return inputs[0], inputs[1] if len(inputs) == 2 else None
+
+
+class PretrainStage(Stage):
+    name = "pretrain"
+    version = "1"
+    Params = PretrainParams
+
+    def params_from_dict(self, values: dict) -> PretrainParams:
+        """Inverse of `dataclasses.asdict(params)`: the params nest the whole Megatron config."""
+        return PretrainParams(**{**values, "config": config_from_dict(values["config"])})
+
+    def key_inputs(self, params: PretrainParams, inputs: Inputs) -> list[ArtifactRef | str]:
+        """The tokenized data and the tokenizer: a train_tokenizer artifact, or the tokenizer files' hashes."""
+        tokenized, tokenizer = _split_inputs(inputs)
+        return [tokenized, *_tokenizer_flags(params, tokenizer)[1]]
+
+    def run(
+        self,
+        params: PretrainParams,
+        inputs: Inputs,
+        store: ArtifactStore,
+        *,
+        on_line: Callable[[str], None] | None = None,
+    ) -> ArtifactRef:
+        """Train on `inputs` ([tokenize artifact] or [tokenize artifact, train_tokenizer artifact]) with
+        torchrun; `on_line` receives every output line of the training job."""
+        tokenized, tokenizer = _split_inputs(inputs)
+        tokenizer_fields = _tokenizer_flags(params, tokenizer)[0]
+        # Validate now, with a placeholder data path: a bad flag fails before anything launches.
+        validate_config(run_config(params, "placeholder", tokenizer_fields, "run"), params.nproc_per_node)
+
+        def build(writer: ArtifactWriter) -> dict:
+            run_dir = os.path.join(writer.local_dir, "run")
+            config = run_config(params, _data_prefix(tokenized, params.json_key), tokenizer_fields, run_dir)
+            resumed_from = read_latest_iteration(run_dir) if os.path.isdir(run_dir) else None
+            if resumed_from is not None:
+                log.info("resuming %s from iteration %d", run_dir, resumed_from)
+            launch(torchrun_command(config, params.nproc_per_node), on_line)
+            iteration = read_latest_iteration(run_dir)
+            train_iters = config.training.train_iters
+            if train_iters is not None and iteration != train_iters:
+                raise RuntimeError(
+                    f"training stopped at iteration {iteration} of {train_iters} (an exit condition fired); "
+                    "rerun the stage to continue from there"
+                )
+            metadata = read_metadata(checkpoint_dir(run_dir, iteration))
+            # The marker moves first: a crash while moving leaves a run directory that restarts cleanly rather than
+            # a marker that points at a checkpoint already moved away.
+            names = sorted(
+                (os.path.relpath(os.path.join(folder, name), run_dir) for folder, _, files in os.walk(run_dir)
+                 for name in files),
+                key=lambda name: name != TRACKER_FILENAME,
+            )  # fmt: skip
+            for name in names:
+                writer.put_file(os.path.join(run_dir, name), name)
+            return {
+                "iteration": iteration,
+                "consumed_train_samples": metadata["consumed_train_samples"],
+                "resumed_from": resumed_from,
+                "world_size": metadata["world_size"],
+            }
+
+        return self.build_artifact(params, inputs, store, build)
+
+
+STAGE = PretrainStage()
+run = STAGE.run
+key = STAGE.key

@@ -3,6 +3,9 @@
 A stage splits its work into one task per input shard. Each task is a top-level function (picklable) that
 builds its files, commits them as one shard of the output artifact and returns small counts; the parent
 maps it with `map_shards`, which a Prefect flow replaces with its own task runner (processes, Dask, Ray).
+`map_shards(fn, args_list, on_result)` calls `on_result` with each result as soon as it is done (progress and
+throughput lines) and returns the results in order. A task that needs something costly per process (a
+tokenizer) builds it on its first call and caches it, which works the same on every runner.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ import os
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 from tqdm import tqdm
@@ -25,7 +28,13 @@ log = logging.getLogger("megatron_flow.stage")
 SHARD_DIR = "shards"
 STATS_DIR = "stats"
 
-MapShards = Callable[[Callable[..., dict], Sequence[tuple]], list]
+OnResult = Callable[[Any], None]
+
+
+class MapShards(Protocol):
+    def __call__(
+        self, fn: Callable[..., Any], args: Sequence[tuple], on_result: OnResult | None = None
+    ) -> list: ...
 
 
 def shard_name(index: int) -> str:
@@ -57,14 +66,22 @@ def process_pool(workers: int | None = None) -> MapShards:
     """The default `map_shards`: a local process pool (in-process when one worker or one task)."""
     workers = workers or default_workers()
 
-    def map_shards(fn: Callable[..., dict], args: Sequence[tuple]) -> list:
-        if workers == 1 or len(args) <= 1:
-            return [fn(*a) for a in tqdm(args, desc=fn.__name__, unit="shard", disable=len(args) <= 1)]
+    def map_shards(fn: Callable[..., Any], args: Sequence[tuple], on_result: OnResult | None = None) -> list:
         results: list = [None] * len(args)
+
+        def done(index: int, result: Any) -> None:
+            results[index] = result
+            if on_result is not None:
+                on_result(result)
+
+        if workers == 1 or len(args) <= 1:
+            for index, a in enumerate(tqdm(args, desc=fn.__name__, unit="shard", disable=len(args) <= 1)):
+                done(index, fn(*a))
+            return results
         with ProcessPoolExecutor(min(workers, len(args))) as pool:
             futures = {pool.submit(fn, *a): i for i, a in enumerate(args)}
             for future in tqdm(as_completed(futures), total=len(args), desc=fn.__name__, unit="shard"):
-                results[futures[future]] = future.result()
+                done(futures[future], future.result())
         return results
 
     return map_shards
@@ -95,13 +112,17 @@ def run_shards(
     args: list[tuple],
     names: list[str],
     map_shards: MapShards,
+    on_result: OnResult | None = None,
 ) -> None:
-    """Run `task(*args[i])`, which commits shard `names[i]`, for the shards not committed yet."""
+    """Run `task(*args[i])`, which commits shard `names[i]`, for the shards not committed yet; `on_result`
+    gets the result of each task run now, as it finishes."""
     todo = [a for a, name in zip(args, names, strict=True) if not writer.has_shard(name)]
+    if len(todo) < len(names):
+        log.info("resuming: %d of %d shards already committed", len(names) - len(todo), len(names))
     if not todo:
         return
     started = time.time()
-    map_shards(task, todo)
+    map_shards(task, todo, on_result)
     seconds = time.time() - started
     log.info(
         "%s: %d of %d shards in %.1f s (%.2f shards/s)",

@@ -11,28 +11,18 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Literal
 
-import fsspec
-import pyarrow.parquet as pq
 from tqdm import tqdm
 
 from megatron_train.tokenizer import MegatronTokenizer, build_tokenizer
 from megatron_train.tokenizer.train import train_byte_level_bpe, train_wordpiece
+from stages.base import Inputs, Stage, expect_inputs
 from stages.shards import document_shards, shard_file
-from storage.artifacts import (
-    ArtifactRef,
-    ArtifactStore,
-    ArtifactWriter,
-    run_stage,
-    stage_key,
-)
-
-STAGE = "train_tokenizer"
-VERSION = "1"
-BATCH_ROWS = 1024
+from storage.artifacts import ArtifactRef, ArtifactStore, ArtifactWriter
+from storage.documents import iter_records
 
 # Per kind: default vocabulary size, default special tokens.
 _DEFAULTS = {
@@ -65,30 +55,17 @@ class TrainTokenizerParams:
         object.__setattr__(self, "special_tokens", tuple(self.special_tokens or special_tokens))
 
 
-def _shard_texts(url: str, text_key: str, storage_options: dict) -> Iterator[str]:
-    """One Parquet shard's text column, in record batches; a missing column or text names file and row."""
-    with fsspec.open(url, "rb", **storage_options) as f:
-        parquet = pq.ParquetFile(f)
-        if text_key not in parquet.schema_arrow.names:
-            raise ValueError(
-                f"{url}: no column {text_key!r} (columns: {', '.join(parquet.schema_arrow.names)}); set text_key"
-            )
-        row = 0
-        for batch in parquet.iter_batches(batch_size=BATCH_ROWS, columns=[text_key]):
-            for text in batch.column(0).to_pylist():
-                if text is None:
-                    raise ValueError(f"{url}: row {row} has no {text_key!r} (null)")
-                row += 1
-                yield text
-
-
 def iter_texts(
     ref: ArtifactRef, text_key: str, counts: dict[str, int], limit: int | None = None
 ) -> Iterator[str]:
     """The texts of an artifact's document shards in shard order, at most `limit`; counts documents and
     characters as they are read."""
     for name in document_shards(ref):
-        for text in _shard_texts(ref.file_url(shard_file(name)), text_key, ref.storage_options):
+        url = ref.file_url(shard_file(name))
+        records = iter_records(
+            url, text_keys=(text_key,), key_flag="text_key", columns=(text_key,), **ref.storage_options
+        )
+        for text in (record.data[text_key] for record in records):
             if limit is not None and counts["documents"] >= limit:
                 return
             counts["documents"] += 1
@@ -98,7 +75,9 @@ def iter_texts(
 
 def _build(params: TrainTokenizerParams, source: ArtifactRef, writer: ArtifactWriter) -> dict:
     counts = {"documents": 0, "characters": 0}
-    texts = tqdm(iter_texts(source, params.text_key, counts, params.max_documents), desc=STAGE, unit="doc")
+    texts = tqdm(
+        iter_texts(source, params.text_key, counts, params.max_documents), desc="train_tokenizer", unit="doc"
+    )
     out_dir = os.path.join(writer.local_dir, "tokenizer")
     started = time.perf_counter()
     if params.kind == "bpe":
@@ -146,24 +125,19 @@ def load_trained_tokenizer(ref: ArtifactRef) -> MegatronTokenizer:
     return load_tokenizer_files(ref.manifest()["tokenizer"], ref.local_path)
 
 
-Params = TrainTokenizerParams
+class TrainTokenizerStage(Stage):
+    name = "train_tokenizer"
+    version = "1"
+    Params = TrainTokenizerParams
+
+    def run(self, params: TrainTokenizerParams, inputs: Inputs, store: ArtifactStore) -> ArtifactRef:
+        """Train a tokenizer on the documents of `inputs[0]` (an artifact of Parquet document shards)."""
+        (source,) = expect_inputs(self, inputs, 1, "exactly one input: an artifact of document shards")
+        if not isinstance(source, ArtifactRef):
+            raise ValueError(f"the {self.name} stage takes an artifact of document shards, got {source!r}")
+        return self.build_artifact(params, [source], store, lambda writer: _build(params, source, writer))
 
 
-def key(params: TrainTokenizerParams, inputs: Sequence[ArtifactRef]) -> str:
-    """The output's key, as `run` computes it."""
-    return stage_key(STAGE, VERSION, params, inputs)
-
-
-def run(
-    params: TrainTokenizerParams = TrainTokenizerParams(),
-    inputs: Sequence[ArtifactRef] = (),
-    store: ArtifactStore | None = None,
-) -> ArtifactRef:
-    """Train a tokenizer on the documents of `inputs[0]` (an artifact of Parquet document shards)."""
-    if len(inputs) != 1 or not isinstance(inputs[0], ArtifactRef):
-        raise ValueError(
-            f"{STAGE} takes exactly one input: an artifact of document shards, got {list(inputs)!r}"
-        )
-    store = store or ArtifactStore()
-    source = inputs[0]
-    return run_stage(store, STAGE, VERSION, params, [source], lambda writer: _build(params, source, writer))
+STAGE = TrainTokenizerStage()
+run = STAGE.run
+key = STAGE.key

@@ -1,21 +1,21 @@
 """Streaming document readers (JSON Lines, Parquet; local or any fsspec URL) and a Parquet shard writer.
 
-Every corpus stage reads documents through `iter_records` so that bad input is reported the same way
-everywhere: the file and line of the record and what to do about it, or a count in the stage's manifest
-when the user asked to skip bad records.
+Every stage reads documents through `iter_records` (a whole file, or one `Span` of it: the unit of work a
+parallel reader gets) so that bad input is reported the same way everywhere: the file and line of the record
+and what to do about it, or a count in the stage's manifest when the user asked to skip bad records.
 """
 
 from __future__ import annotations
 
-import io
 import json
-import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import fsspec
 import pyarrow as pa
 import pyarrow.parquet as pq
+
+from storage.atomic import atomic_path
 
 JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
 PARQUET_SUFFIXES = (".parquet", ".pq")
@@ -33,8 +33,19 @@ class Record:
     data: dict
 
 
+@dataclass(frozen=True)
+class Span:
+    """A part of one document file, [start, stop) in the unit its format allows: bytes of plain JSON Lines (cut
+    at line starts), lines of compressed JSON Lines (a stream cannot seek), row groups of Parquet."""
+
+    start: int
+    stop: int
+    first_line: int  # 1-based line (JSON Lines) or row (Parquet) of the span's first record
+    lines: int  # lines or rows in the span, blank lines included
+
+
 class BadRecordError(ValueError):
-    """A record that is not a JSON object with a string text field."""
+    """A record that is not a JSON object with string text fields."""
 
     def __init__(self, source: str, line: int, problem: str):
         super().__init__(
@@ -43,6 +54,10 @@ class BadRecordError(ValueError):
         )
         self.source = source
         self.line = line
+        self.problem = problem
+
+    def __reduce__(self):  # raised in worker processes: rebuild it from its parts, not from its message
+        return BadRecordError, (self.source, self.line, self.problem)
 
 
 def document_format(url: str) -> str:
@@ -89,65 +104,138 @@ def expand_inputs(pattern: str, **storage_options) -> list[str]:
     return sorted(fs.unstrip_protocol(p) for p in paths)
 
 
-def _check(source: str, line: int, obj, text_key: str) -> str | None:
+def is_compressed(url: str) -> bool:
+    return fsspec.utils.infer_compression(url) is not None
+
+
+def _check(obj, text_keys: Sequence[str], key_flag: str, sentence_lists: bool) -> str | None:
     """What is wrong with a parsed record, or None."""
     if not isinstance(obj, dict):
         return f"expected a JSON object, got {type(obj).__name__}"
-    if text_key not in obj:
-        return f"no {text_key!r} field (fields: {', '.join(sorted(obj)) or 'none'}); set --text-key"
-    if not isinstance(obj[text_key], str):
-        return f"field {text_key!r} is {type(obj[text_key]).__name__}, not a string"
+    for key in text_keys:
+        if key not in obj:
+            return f"no {key!r} field (fields: {', '.join(sorted(obj)) or 'none'}); set {key_flag}"
+        value = obj[key]
+        if isinstance(value, str) or (
+            sentence_lists and isinstance(value, list) and all(isinstance(s, str) for s in value)
+        ):
+            continue
+        kind = "null" if value is None else type(value).__name__
+        return f"field {key!r} is {kind}, not a string" + (" or a list of strings" if sentence_lists else "")
     return None
 
 
-def _iter_jsonl(url: str, stats: dict, **storage_options) -> Iterator[tuple[int, object, str | None]]:
-    """(line number, parsed object or None, parse problem or None) for each non-blank line."""
+def read_lines(url: str, span: Span | None = None, **storage_options) -> Iterator[tuple[int, bytes]]:
+    """(line number, raw line without its newline) of a JSON Lines file, or of one span of it, read in blocks."""
     with fsspec.open(url, "rb", compression="infer", **storage_options) as f:
-        # zstandard's reader has no readline(); a buffer gives every codec line iteration.
-        for line_no, raw in enumerate(io.BufferedReader(f, READ_BUFFER_BYTES), start=1):
-            try:
-                text = raw.decode("utf-8")
-            except UnicodeDecodeError:
-                text = raw.decode("utf-8", errors="replace")
-                stats["invalid_utf8_lines"] = stats.get("invalid_utf8_lines", 0) + 1
-            if not text.strip():
-                continue
-            try:
-                yield line_no, json.loads(text), None
-            except json.JSONDecodeError as err:
-                yield line_no, None, f"not valid JSON ({err.msg}; column {err.colno})"
+        line_no, stop, data = 1, None, b""
+        if span is not None:
+            line_no, stop = span.first_line, span.first_line + span.lines
+            if is_compressed(url):
+                data = _skip_lines(f, span.start, url)
+            else:
+                f.seek(span.start)
+        while stop is None or line_no < stop:
+            block = f.read(READ_BUFFER_BYTES)
+            lines = (data + block).split(b"\n")
+            data = lines.pop()
+            if not block and data:  # end of file: what is left is the last line, which has no newline
+                lines.append(data)
+                data = b""
+            elif not block and not lines:
+                if stop is None:
+                    return
+                raise RuntimeError(f"{url}: file ended early; it changed while being read, rerun")
+            for raw in lines if stop is None else lines[: stop - line_no]:
+                yield line_no, raw
+                line_no += 1
 
 
-def _iter_parquet(url: str, **storage_options) -> Iterator[tuple[int, object, str | None]]:
+def _skip_lines(f, count: int, url: str) -> bytes:
+    """Read past the first `count` lines of a stream; return what was read after them."""
+    while count:
+        block = f.read(READ_BUFFER_BYTES)
+        if not block:
+            raise RuntimeError(f"{url}: file ended early; it changed while being read, rerun")
+        newlines = block.count(b"\n")
+        if newlines < count:
+            count -= newlines
+            continue
+        position = -1
+        for _ in range(count):
+            position = block.index(b"\n", position + 1)
+        return block[position + 1 :]
+    return b""
+
+
+def _iter_jsonl(
+    url: str, span: Span | None, stats: dict, **storage_options
+) -> Iterator[tuple[int, object, str | None]]:
+    """(line number, parsed object or None, parse problem or None) for each non-blank line."""
+    for line_no, raw in read_lines(url, span, **storage_options):
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            text = raw.decode("utf-8", errors="replace")
+            stats["invalid_utf8_lines"] += 1
+        if not text.strip():
+            continue
+        try:
+            yield line_no, json.loads(text), None
+        except json.JSONDecodeError as err:
+            yield line_no, None, f"not valid JSON ({err.msg}; column {err.colno})"
+
+
+def _iter_parquet(
+    url: str, span: Span | None, columns: Sequence[str] | None, key_flag: str, **storage_options
+) -> Iterator[tuple[int, object, str | None]]:
     with fsspec.open(url, "rb", **storage_options) as f:
-        row = 0
-        for batch in pq.ParquetFile(f).iter_batches(batch_size=PARQUET_BATCH_ROWS):
+        parquet = pq.ParquetFile(f)
+        names = parquet.schema_arrow.names
+        missing = [name for name in columns or () if name not in names]
+        if missing:
+            raise ValueError(f"{url}: no column {missing[0]!r} (columns: {', '.join(names)}); set {key_flag}")
+        row_groups = range(span.start, span.stop) if span is not None else None
+        batches = parquet.iter_batches(
+            batch_size=PARQUET_BATCH_ROWS,
+            row_groups=row_groups,
+            columns=list(columns) if columns is not None else None,
+        )
+        row = span.first_line if span is not None else 1
+        for batch in batches:
             for obj in batch.to_pylist():
-                row += 1
                 yield row, obj, None
+                row += 1
 
 
 def iter_records(
     url: str,
     *,
-    text_key: str = "text",
+    text_keys: Sequence[str] = ("text",),
+    key_flag: str = "--text-key",
+    sentence_lists: bool = False,
     skip_bad_records: bool = False,
     stats: dict | None = None,
+    span: Span | None = None,
+    columns: Sequence[str] | None = None,
     **storage_options,
 ) -> Iterator[Record]:
-    """Stream the documents of one file in bounded memory; bad records raise or are counted in `stats`.
+    """Stream the documents of one file (or one `span` of it) in bounded memory; bad records raise or are counted.
 
-    `stats` (when given) gets `skipped_bad_records` and `invalid_utf8_lines` added to its counts.
+    Every record must be an object whose `text_keys` are strings (or, with `sentence_lists`, lists of strings:
+    a document's sentences); `key_flag` is the option the user sets to name other keys. Parquet files are read
+    in their `columns` only (all when None); a missing column is an error naming the file. `stats` (when given)
+    gets `skipped_bad_records` and `invalid_utf8_lines` added to its counts.
     """
     stats = {} if stats is None else stats
     stats.setdefault("skipped_bad_records", 0)
     stats.setdefault("invalid_utf8_lines", 0)
     if document_format(url) == "jsonl":
-        rows = _iter_jsonl(url, stats, **storage_options)
+        rows = _iter_jsonl(url, span, stats, **storage_options)
     else:
-        rows = _iter_parquet(url, **storage_options)
+        rows = _iter_parquet(url, span, columns, key_flag, **storage_options)
     for line, obj, problem in rows:
-        problem = problem or _check(url, line, obj, text_key)
+        problem = problem or _check(obj, text_keys, key_flag, sentence_lists)
         if problem is None:
             yield Record(url, line, obj)
         elif skip_bad_records:
@@ -176,10 +264,8 @@ def write_parquet_shard(rows: list[dict], local_path: str) -> None:
 
 def write_parquet_table(table: pa.Table, local_path: str) -> None:
     """Write a table as one zstd Parquet file via a temporary name (same bytes for the same table)."""
-    os.makedirs(os.path.dirname(os.path.abspath(local_path)), exist_ok=True)
-    tmp_path = f"{local_path}.tmp"
-    pq.write_table(table, tmp_path, compression="zstd")
-    os.replace(tmp_path, local_path)
+    with atomic_path(local_path) as tmp_path:
+        pq.write_table(table, tmp_path, compression="zstd")
 
 
 def read_parquet_columns(url: str, columns: list[str] | None = None, **storage_options) -> pa.Table:

@@ -18,7 +18,17 @@ import torch.distributed as dist
 from safetensors import safe_open
 
 from megatron_train.arguments import MegatronConfig, config_from_dict
-from megatron_train.checkpoint_layout import (
+from megatron_train.checkpointing import (
+    CheckpointError,
+    TrainingProgress,
+    load_checkpoint,
+    load_model_for_inference,
+    read_latest_iteration,
+    read_metadata,
+    resolve_iteration_dir,
+    save_checkpoint,
+)
+from megatron_train.checkpointing.layout import (
     TensorSharding,
     check_layout,
     global_param_name,
@@ -29,16 +39,6 @@ from megatron_train.checkpoint_layout import (
     split_tp_shard,
     stage_tensor_names,
     true_vocab_range,
-)
-from megatron_train.checkpointing import (
-    CheckpointError,
-    TrainingProgress,
-    load_checkpoint,
-    load_model_for_inference,
-    read_latest_iteration,
-    read_metadata,
-    resolve_iteration_dir,
-    save_checkpoint,
 )
 from megatron_train.data.config import DataConfig
 from megatron_train.models.config import TransformerConfig

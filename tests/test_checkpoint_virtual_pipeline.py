@@ -14,7 +14,6 @@ import torch
 from safetensors import safe_open
 
 from megatron_train.arguments import parse_args
-from megatron_train.checkpoint_layout import OUTPUT_WEIGHT, WORD_EMBEDDING
 from megatron_train.checkpointing import (
     CheckpointError,
     SavedCheckpoint,
@@ -24,6 +23,7 @@ from megatron_train.checkpointing import (
     model_shard_dir,
     save_checkpoint,
 )
+from megatron_train.checkpointing.layout import OUTPUT_WEIGHT, WORD_EMBEDDING
 from megatron_train.models.gpt import GPTModel
 from megatron_train.parallel import state
 from megatron_train.tools.checkpoint_util import convert_checkpoint, main

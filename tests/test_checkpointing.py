@@ -1,12 +1,20 @@
 """Checkpoints: round trips of weights, optimizer, scheduler and RNG; the latest marker written last;
 Megatron's --finetune / --no-load-optim / --no-load-rng; clear refusals of broken or mismatched checkpoints;
-TP shards with their sharding info merged back by load_model_for_inference."""
+TP shards with their sharding info merged back by load_model_for_inference; every file's hash recorded and
+verified on load; no run overwrites another's iterations (a lost marker, a mistyped --load); a kill during a
+save leaves only files `storage.atomic.is_temporary` recognises."""
 
 from __future__ import annotations
 
 import json
+import logging
+import multiprocessing
 import os
+import pathlib
 import random
+import re
+import signal
+import struct
 
 import numpy as np
 import pytest
@@ -14,6 +22,7 @@ import torch
 from safetensors import safe_open
 
 import megatron_train.checkpointing as ckpt
+import megatron_train.checkpointing.save as ckpt_save
 from megatron_train.arguments import MegatronConfig
 from megatron_train.checkpointing import (
     CheckpointError,
@@ -27,9 +36,13 @@ from megatron_train.models.config import TransformerConfig
 from megatron_train.models.gpt import GPTModel
 from megatron_train.optimizer import get_megatron_optimizer
 from megatron_train.parallel import model_parallel_seed, state
+from megatron_train.tools.checkpoint_util import convert_checkpoint
 from megatron_train.training.config import CheckpointConfig, OptimizerConfig, TrainingConfig
 from megatron_train.training.lr_scheduler import build_opt_param_scheduler
+from storage import atomic
+from storage.fingerprint import hash_file
 from tests.distributed import run_distributed
+from tests.test_training import tiny_args
 
 VOCAB = 128
 
@@ -111,14 +124,11 @@ def test_marker_is_written_only_after_a_complete_folder(tmp_path, monkeypatch) -
     config = _config(str(tmp_path))
     parts = _build(config)
     _save(config, parts, iteration=1)
-    real_write = ckpt._atomic_write_text
 
-    def crash_on_metadata(path: str, text: str) -> None:
-        if path.endswith(ckpt.METADATA_FILENAME):
-            raise OSError("disk full")
-        real_write(path, text)
+    def crash_on_metadata(iteration_dir: str, metadata: dict) -> None:
+        raise OSError("disk full")
 
-    monkeypatch.setattr(ckpt, "_atomic_write_text", crash_on_metadata)
+    monkeypatch.setattr(ckpt_save, "write_metadata", crash_on_metadata)
     with pytest.raises(OSError):
         _save(config, parts, iteration=2)
     monkeypatch.undo()
@@ -248,3 +258,196 @@ def test_ckpt_step_and_no_save_optim(tmp_path) -> None:
         load_checkpoint(*_build(lean), lean, VOCAB)
     weights_only = _config(lean_dir, no_load_optim=True)
     assert load_checkpoint(*_build(weights_only), weights_only, VOCAB).iteration == 3
+
+
+def _files(root) -> dict[str, bytes]:
+    """Every file under `root` (relative path -> content)."""
+    return {
+        os.path.relpath(os.path.join(folder, name), root): pathlib.Path(folder, name).read_bytes()
+        for folder, _, names in os.walk(root)
+        for name in names
+    }
+
+
+def _tensor_offset(path: str, name: str) -> int:
+    """Where tensor `name`'s bytes start in a safetensors file (8-byte header length, JSON header, data)."""
+    with open(path, "rb") as handle:
+        (header_size,) = struct.unpack("<Q", handle.read(8))
+        header = json.loads(handle.read(header_size))
+    return 8 + header_size + header[name]["data_offsets"][0]
+
+
+def test_metadata_records_the_size_and_hash_of_every_file(tmp_path) -> None:
+    config = _config(str(tmp_path))
+    iteration_dir = _save(config, _build(config), iteration=1)
+    records = ckpt.read_metadata(iteration_dir)["files"]
+    written = sorted(name for name in _files(iteration_dir) if name != "metadata.json")
+    assert (
+        sorted(records)
+        == written
+        == [
+            "mp_rank_00/model.safetensors",
+            "mp_rank_00/optimizer.json",
+            "rng/rank_00000.json",
+            "rng/rank_00000.safetensors",
+        ]
+    )  # the optimizer never stepped: no optimizer.safetensors
+    for name, record in records.items():
+        path = os.path.join(iteration_dir, name)
+        assert record == {"size": os.path.getsize(path), "hash": hash_file(path)}
+
+
+@pytest.mark.parametrize("damage", ["16 KiB of 0xFF over the word embedding", "truncated"])
+@pytest.mark.parametrize("loader", ["training", "inference", "converter"])
+def test_a_damaged_weights_file_is_refused_naming_it(tmp_path, damage: str, loader: str) -> None:
+    config = _config(str(tmp_path))
+    iteration_dir = _save(config, _build(config), iteration=1)
+    weights = os.path.join(iteration_dir, "mp_rank_00", "model.safetensors")
+    size = os.path.getsize(weights)
+    with open(weights, "r+b") as handle:
+        if damage == "truncated":
+            handle.truncate(size - 1000)
+            expected = f"{weights} is corrupt: it has {size - 1000} bytes but the save wrote {size}"
+        else:
+            assert VOCAB * 32 * 4 == 16 << 10  # the whole fp32 embedding table
+            handle.seek(_tensor_offset(weights, "embedding.word_embeddings.weight"))
+            handle.write(b"\xff" * (16 << 10))
+            expected = f"{weights} is corrupt: its content hash"
+    with pytest.raises(CheckpointError, match=re.escape(expected)):
+        if loader == "training":
+            load_checkpoint(*_build(config), config, VOCAB)
+        elif loader == "inference":
+            load_model_for_inference(str(tmp_path), device="cpu")
+        else:
+            convert_checkpoint(str(tmp_path), str(tmp_path / "converted"), target_tp=2)
+
+
+@pytest.mark.parametrize(
+    "name", ["mp_rank_00/optimizer.safetensors", "mp_rank_00/optimizer.json", "rng/rank_00000.safetensors"]
+)
+def test_every_file_a_resume_reads_is_verified(tmp_path, name: str) -> None:
+    config = _config(str(tmp_path))
+    parts = _build(config)
+    _train_steps(*parts, steps=1)
+    path = os.path.join(_save(config, parts, iteration=1), name)
+    with open(path, "r+b") as handle:
+        handle.seek(os.path.getsize(path) - 2)
+        handle.write(b"00")  # same size, other bytes
+    with pytest.raises(CheckpointError, match=re.escape(f"{path} is corrupt: its content hash")):
+        load_checkpoint(*_build(config), config, VOCAB)
+
+
+def test_checkpoints_saved_without_hashes_load_with_a_warning(tmp_path, caplog) -> None:
+    config = _config(str(tmp_path))
+    saved = _build(config)
+    iteration_dir = _save(config, saved, iteration=1)
+    metadata_path = os.path.join(iteration_dir, "metadata.json")
+    metadata = ckpt.read_metadata(iteration_dir)
+    del metadata["files"]
+    with open(metadata_path, "w") as handle:
+        json.dump(metadata, handle)
+    parts = _build(config, seed=1)
+    with caplog.at_level(logging.WARNING, logger="megatron_train.checkpointing"):
+        assert load_checkpoint(*parts, config, VOCAB).iteration == 1
+    assert f"{metadata_path} records no content hashes" in caplog.text
+    assert all(torch.equal(a, b) for a, b in zip(saved[0].parameters(), parts[0].parameters(), strict=True))
+
+
+def test_a_save_never_overwrites_another_runs_iteration(tmp_path) -> None:
+    config = _config(str(tmp_path))
+    parts = _build(config)
+    first = _save(config, parts, iteration=1, consumed=2)
+    second = _save(config, parts, iteration=2, consumed=4)
+    before = _files(tmp_path)
+
+    def save(iteration: int, loaded_from: str | None) -> str:
+        progress = ckpt.TrainingProgress(iteration, 10 * iteration, 0, loaded_from)
+        return save_checkpoint(iteration, parts[0], parts[1], parts[2], progress, config, VOCAB)
+
+    # a fresh run (or --finetune, or one resumed from another folder) refuses, naming the folder
+    for loaded_from in (None, str(tmp_path / "elsewhere" / "iter_0000001")):
+        with pytest.raises(
+            CheckpointError, match=f"{second} already holds a complete checkpoint of another run"
+        ):
+            save(2, loaded_from)
+    # re-saving the iteration this run resumed from leaves it as it is
+    assert save(1, first) == first
+    assert _files(tmp_path) == before
+    # a run resumed from iteration 1 of this folder replaces iteration 2: its own history (a rewind)
+    save(2, first)
+    assert ckpt.read_metadata(second)["consumed_train_samples"] == 20
+    assert read_latest_iteration(str(tmp_path)) == 2
+    # an unfinished save (no metadata.json) is removed and written again, leftovers and all
+    unfinished = tmp_path / "iter_0000003"
+    (unfinished / "mp_rank_01").mkdir(parents=True)
+    (unfinished / "mp_rank_01" / "model.safetensors").write_bytes(b"old layout")
+    save(3, None)
+    assert sorted(os.listdir(unfinished)) == ["metadata.json", "mp_rank_00", "rng"]
+
+
+def test_a_resume_records_where_it_came_from(tmp_path) -> None:
+    config = _config(str(tmp_path))
+    iteration_dir = _save(config, _build(config), iteration=1)
+    assert load_checkpoint(*_build(config), config, VOCAB).loaded_from == iteration_dir
+    finetune = _config(str(tmp_path), finetune=True)
+    assert load_checkpoint(*_build(finetune), finetune, VOCAB).loaded_from is None  # a new run
+
+
+TRAIN = ("--mock-data", "--train-iters", "4", "--save-interval", "2")
+
+
+def _rerun_without_marker_worker(rank: int, world_size: int, save: str) -> tuple[dict, dict, list[str]]:
+    """Train to iteration 4 (saves at 2 and 4), delete the marker, then rerun with --load/--save on the same
+    folder, and with a mistyped --load; returns the files before and after, and each rerun's error."""
+    from megatron_train.pretrain_gpt import main
+
+    main(tiny_args(save, *TRAIN))
+    os.remove(os.path.join(save, "latest_checkpointed_iteration.txt"))
+    before = {name: data for name, data in _files(save).items() if name.startswith("iter_")}
+    mistyped = tiny_args(save, *TRAIN)
+    mistyped[mistyped.index("--load") + 1] = save + "-typo"
+    errors = []
+    for argv in (tiny_args(save, *TRAIN), mistyped):
+        try:
+            main(argv)
+            errors.append("trained")
+        except CheckpointError as error:
+            errors.append(str(error))
+    after = {name: data for name, data in _files(save).items() if name.startswith("iter_")}
+    return before, after, errors
+
+
+def test_a_lost_marker_or_a_mistyped_load_is_an_error_and_touches_no_iteration(tmp_path) -> None:
+    save = str(tmp_path / "run")
+    before, after, errors = run_distributed(_rerun_without_marker_worker, 1, save, timeout=300)[0]
+    assert {name.split("/")[0] for name in before} == {"iter_0000002", "iter_0000004"}
+    assert after == before
+    assert errors[0].startswith(
+        f"{save} holds the checkpoints of iterations [2, 4] but no latest_checkpointed_iteration.txt"
+    )
+    assert "--ckpt-step 4" in errors[0]
+    assert errors[1].startswith(
+        f"--load {save}-typo holds no checkpoint but --save {save} holds iterations [2, 4] of another run"
+    )
+
+
+def _save_killed_while_writing(save_dir: str) -> None:
+    """Save with a SIGKILL right after the first file's bytes are written, before it is renamed into place."""
+    atomic._fsync = lambda path: os.kill(os.getpid(), signal.SIGKILL)
+    config = _config(save_dir)
+    _save(config, _build(config), iteration=1)
+
+
+def test_a_kill_during_a_save_leaves_only_temporary_files(tmp_path) -> None:
+    process = multiprocessing.get_context("fork").Process(
+        target=_save_killed_while_writing, args=(str(tmp_path),)
+    )
+    process.start()
+    process.join(60)
+    assert process.exitcode == -signal.SIGKILL
+    leftovers = list(_files(tmp_path))
+    assert leftovers and all(atomic.is_temporary(name) for name in leftovers), leftovers
+    assert read_latest_iteration(str(tmp_path)) is None
+    config = _config(str(tmp_path))
+    _save(config, _build(config), iteration=1)  # the unfinished folder is written again, without leftovers
+    assert not any(atomic.is_temporary(name) for name in _files(tmp_path))

@@ -116,7 +116,7 @@ def source(tmp_path_factory):
     path = root / "corpus.jsonl"
     path.write_text("".join(json.dumps(d) + "\n" for d in _corpus()))
     return download.run(
-        download.DownloadParams(source=str(path), docs_per_shard=5), store=ArtifactStore(str(root / "store"))
+        download.DownloadParams(source=str(path), docs_per_shard=5), [], ArtifactStore(str(root / "store"))
     )
 
 
@@ -137,7 +137,9 @@ def test_clean_stage_counts_every_rule(source, tmp_path):
 
 
 def test_params_are_flat_and_load_from_plain_json():
-    params = clean.Params(**json.loads('{"fix_text": false, "min_words": 10, "c4_javascript": false}'))
+    params = clean.STAGE.params_from_dict(
+        json.loads('{"fix_text": false, "min_words": 10, "c4_javascript": false}')
+    )
     assert isinstance(params, QualityParams) and (params.min_words, params.c4_javascript) == (10, False)
     short = " ".join(PROSE.split()[:15])
     assert first_failing_rule(short, params) is None
@@ -153,7 +155,9 @@ def _same_shards(a, b) -> bool:
 
 def test_process_pool_matches_serial(source, tmp_path):
     serial = clean.run(CleanParams(), [source], ArtifactStore(str(tmp_path / "a")), map_shards=SERIAL)
-    pooled = clean.run(CleanParams(), [source], ArtifactStore(str(tmp_path / "b")), workers=2)
+    pooled = clean.run(
+        CleanParams(), [source], ArtifactStore(str(tmp_path / "b")), map_shards=process_pool(2)
+    )
     assert _same_shards(serial, pooled)
     assert serial.manifest()["counts"] == pooled.manifest()["counts"]
 
@@ -182,10 +186,10 @@ def test_crash_then_rerun_skips_committed_shards(source, tmp_path, monkeypatch):
 
 
 def test_embedded_corpus_mostly_passes(tmp_path):
-    kjv = download.run(download.DownloadParams(docs_per_shard=400), store=ArtifactStore(str(tmp_path / "s")))
-    counts = clean.run(CleanParams(), [kjv], ArtifactStore(str(tmp_path / "s")), workers=2).manifest()[
-        "counts"
-    ]
+    kjv = download.run(download.DownloadParams(docs_per_shard=400), [], ArtifactStore(str(tmp_path / "s")))
+    counts = clean.run(
+        CleanParams(), [kjv], ArtifactStore(str(tmp_path / "s")), map_shards=process_pool(2)
+    ).manifest()["counts"]
     assert counts["docs_in"] == 1189
     assert counts["docs_out"] == 1076  # 90.5%: the rest are repetitive (genealogies, lists, refrains)
     assert {rule: n for rule, n in counts["dropped"].items() if n} == {

@@ -59,7 +59,7 @@ def corpus_ref(tmp_path_factory):
     path = root / "corpus.jsonl"
     path.write_text("".join(json.dumps(d) + "\n" for d in _corpus()))
     store = ArtifactStore(str(root / "store"))
-    return download.run(download.DownloadParams(source=str(path), docs_per_shard=12), store=store)
+    return download.run(download.DownloadParams(source=str(path), docs_per_shard=12), [], store)
 
 
 def test_download_clean_dedup_counts_per_stage(tmp_path):
@@ -74,9 +74,9 @@ def test_download_clean_dedup_counts_per_stage(tmp_path):
     path.write_text("\n".join(lines) + "\n")
     store = ArtifactStore(str(tmp_path / "store"))
     with pytest.raises(BadRecordError, match=r"corpus.jsonl:6: not valid JSON"):
-        download.run(download.DownloadParams(source=str(path), docs_per_shard=8), store=store)
+        download.run(download.DownloadParams(source=str(path), docs_per_shard=8), [], store)
     docs = download.run(
-        download.DownloadParams(source=str(path), docs_per_shard=8, skip_bad_records=True), store=store
+        download.DownloadParams(source=str(path), docs_per_shard=8, skip_bad_records=True), [], store
     )
     assert docs.manifest()["counts"]["skipped_bad_records"] == 1
     assert docs.manifest()["counts"]["docs"] == 20 + 3 + 7
@@ -202,7 +202,9 @@ def test_verification_rejects_low_similarity_candidates(corpus_ref, tmp_path):
 
 def test_parallel_pool_gives_identical_bytes(corpus_ref, tmp_path):
     serial = dedup.run(DedupParams(), [corpus_ref], ArtifactStore(str(tmp_path / "a")), map_shards=SERIAL)
-    pooled = dedup.run(DedupParams(), [corpus_ref], ArtifactStore(str(tmp_path / "b")), workers=2)
+    pooled = dedup.run(
+        DedupParams(), [corpus_ref], ArtifactStore(str(tmp_path / "b")), map_shards=process_pool(2)
+    )
     assert _data_files(serial.url) == _data_files(pooled.url)
 
 
@@ -216,7 +218,7 @@ def test_bad_parameters_are_rejected():
 def test_empty_corpus(tmp_path):
     (tmp_path / "empty.jsonl").write_text("")
     store = ArtifactStore(str(tmp_path / "store"))
-    source = download.run(download.DownloadParams(source=str(tmp_path / "empty.jsonl")), store=store)
+    source = download.run(download.DownloadParams(source=str(tmp_path / "empty.jsonl")), [], store)
     ref = dedup.run(DedupParams(), [source], store, map_shards=SERIAL)
     counts = ref.manifest()["counts"]
     assert (counts["docs_in"], counts["docs_out"], counts["clusters"]) == (0, 0, 0)

@@ -111,7 +111,7 @@ def test_invalid_utf8_is_replaced_and_counted(tmp_path):
 def test_custom_text_key(tmp_path):
     path = tmp_path / "docs.jsonl"
     path.write_text('{"content": "hello"}\n')
-    assert [r.data["content"] for r in iter_records(str(path), text_key="content")] == ["hello"]
+    assert [r.data["content"] for r in iter_records(str(path), text_keys=("content",))] == ["hello"]
     with pytest.raises(BadRecordError, match="no 'text' field"):
         list(iter_records(str(path)))
 

@@ -32,7 +32,7 @@ def store(tmp_path):
 
 
 def test_embedded_corpus_is_the_default(store):
-    ref = download.run(DownloadParams(docs_per_shard=500), store=store)
+    ref = download.run(DownloadParams(docs_per_shard=500), [], store)
     assert ref.files("shards/") == ["shards/00000.parquet", "shards/00001.parquet", "shards/00002.parquet"]
     docs = _docs(ref)
     assert len(docs) == 1189
@@ -40,9 +40,9 @@ def test_embedded_corpus_is_the_default(store):
     assert docs[0]["text"].startswith("In the beginning God created the heaven and the earth.")
     counts = ref.manifest()["counts"]
     assert counts["docs"] == 1189 and counts["bytes"] == sum(len(d["text"].encode()) for d in docs)
-    again = download.run(DownloadParams(docs_per_shard=500), store=store)
+    again = download.run(DownloadParams(docs_per_shard=500), [], store)
     assert again.cache_hit and again.url == ref.url
-    assert download.key(DownloadParams(docs_per_shard=500)) == ref.key
+    assert download.key(DownloadParams(docs_per_shard=500), []) == ref.key
 
 
 def test_glob_of_compressed_jsonl_and_parquet_with_generated_ids(tmp_path, store):
@@ -56,7 +56,7 @@ def test_glob_of_compressed_jsonl_and_parquet_with_generated_ids(tmp_path, store
     )
     write_parquet_shard([{"id": "p1", "body": "fourth"}], str(src / "c.parquet"))
     params = DownloadParams(source=str(src / "*"), text_key="body", docs_per_shard=3)
-    ref = download.run(params, store=store)
+    ref = download.run(params, [], store)
     docs = _docs(ref)
     assert [(d["id"], d["text"]) for d in docs] == [
         ("a.jsonl.gz:1", "first"),
@@ -71,10 +71,10 @@ def test_glob_of_compressed_jsonl_and_parquet_with_generated_ids(tmp_path, store
 def test_changed_source_gets_a_new_key_unchanged_is_a_cache_hit(tmp_path, store):
     path = tmp_path / "docs.jsonl"
     _write_jsonl(path, [{"text": "version one"}])
-    first = download.run(DownloadParams(source=str(path)), store=store)
-    assert download.run(DownloadParams(source=str(path)), store=store).cache_hit
+    first = download.run(DownloadParams(source=str(path)), [], store)
+    assert download.run(DownloadParams(source=str(path)), [], store).cache_hit
     _write_jsonl(path, [{"text": "version two, longer"}])
-    second = download.run(DownloadParams(source=str(path)), store=store)
+    second = download.run(DownloadParams(source=str(path)), [], store)
     assert not second.cache_hit and second.key != first.key
     assert [d["text"] for d in _docs(second)] == ["version two, longer"]
     assert [d["text"] for d in _docs(first)] == ["version one"]  # the old artifact is untouched
@@ -83,8 +83,7 @@ def test_changed_source_gets_a_new_key_unchanged_is_a_cache_hit(tmp_path, store)
 def test_memory_and_http_urls(tmp_path, store):
     fsspec.filesystem("memory").pipe("/corpus/docs.jsonl", b'{"text": "from memory"}\n')
     assert [
-        d["text"]
-        for d in _docs(download.run(DownloadParams(source="memory://corpus/docs.jsonl"), store=store))
+        d["text"] for d in _docs(download.run(DownloadParams(source="memory://corpus/docs.jsonl"), [], store))
     ] == ["from memory"]
 
     _write_jsonl(tmp_path / "served.jsonl", [{"id": "h1", "text": "over http"}])
@@ -93,7 +92,7 @@ def test_memory_and_http_urls(tmp_path, store):
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         url = f"http://127.0.0.1:{server.server_address[1]}/served.jsonl"
-        ref = download.run(DownloadParams(source=url), store=store)
+        ref = download.run(DownloadParams(source=url), [], store)
         assert [(d["id"], d["text"]) for d in _docs(ref)] == [("h1", "over http")]
     finally:
         server.shutdown()
@@ -105,7 +104,7 @@ def test_hugging_face_saved_and_json_datasets(tmp_path, store, monkeypatch):
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
     saved = tmp_path / "saved"
     datasets.Dataset.from_dict({"content": ["alpha", "beta"], "score": [1, 2]}).save_to_disk(str(saved))
-    ref = download.run(DownloadParams(hf_name=str(saved), text_key="content"), store=store)
+    ref = download.run(DownloadParams(hf_name=str(saved), text_key="content"), [], store)
     assert _docs(ref) == [
         {"id": "train-0", "text": "alpha", "score": 1},
         {"id": "train-1", "text": "beta", "score": 2},
@@ -118,14 +117,14 @@ def test_hugging_face_saved_and_json_datasets(tmp_path, store, monkeypatch):
         }
     )
     splits.save_to_disk(str(tmp_path / "splits"))
-    ref = download.run(DownloadParams(hf_name=str(tmp_path / "splits"), hf_split="validation"), store=store)
+    ref = download.run(DownloadParams(hf_name=str(tmp_path / "splits"), hf_split="validation"), [], store)
     assert _docs(ref) == [{"id": "validation-0", "text": "v"}]
     with pytest.raises(ValueError, match=r"row 0: no string field 'body'"):
-        download.run(DownloadParams(hf_name=str(tmp_path / "splits"), text_key="body"), store=store)
+        download.run(DownloadParams(hf_name=str(tmp_path / "splits"), text_key="body"), [], store)
 
     _write_jsonl(tmp_path / "part.jsonl", [{"id": "j1", "text": "gamma"}, {"id": "j2", "text": "delta"}])
     params = DownloadParams(hf_name="json", hf_data_files=[str(tmp_path / "part.jsonl")])
-    ref = download.run(params, store=store)
+    ref = download.run(params, [], store)
     assert [(d["id"], d["text"]) for d in _docs(ref)] == [("j1", "gamma"), ("j2", "delta")]
 
 
@@ -136,12 +135,12 @@ def test_bad_record_names_file_and_line_and_loses_nothing(tmp_path, store):
         "".join(json.dumps(d) + "\n" for d in good) + '{"txt": "oops"}\n' + json.dumps(good[0]) + "\n"
     )
     with pytest.raises(BadRecordError, match=r"docs.jsonl:5: no 'text' field .*--skip-bad-records"):
-        download.run(DownloadParams(source=str(path), docs_per_shard=2), store=store)
+        download.run(DownloadParams(source=str(path), docs_per_shard=2), [], store)
     partial_dirs = list((tmp_path / "store" / "download").iterdir())
     assert len(partial_dirs) == 1 and not (partial_dirs[0] / "manifest.json").exists()
     assert sorted(p.name for p in (partial_dirs[0] / "_shards").iterdir()) == ["00000.json", "00001.json"]
 
-    ref = download.run(DownloadParams(source=str(path), docs_per_shard=2, skip_bad_records=True), store=store)
+    ref = download.run(DownloadParams(source=str(path), docs_per_shard=2, skip_bad_records=True), [], store)
     assert ref.manifest()["counts"]["skipped_bad_records"] == 1
     assert [d["id"] for d in _docs(ref)] == [
         "docs.jsonl:1",
@@ -167,11 +166,11 @@ def test_crash_then_rerun_reuses_committed_shards(tmp_path, store, monkeypatch):
 
     monkeypatch.setattr(ArtifactWriter, "commit_shard", crash_on_third)
     with pytest.raises(KeyboardInterrupt):
-        download.run(params, store=store)
+        download.run(params, [], store)
     monkeypatch.setattr(ArtifactWriter, "commit_shard", commit_shard)
-    resumed = download.run(params, store=store)
+    resumed = download.run(params, [], store)
     assert resumed.manifest()["counts"]["shards_reused"] == 2
-    fresh = download.run(params, store=ArtifactStore(str(tmp_path / "fresh")))
+    fresh = download.run(params, [], ArtifactStore(str(tmp_path / "fresh")))
     for name in fresh.files("shards/"):
         with open(resumed.local_path(name), "rb") as a, open(fresh.local_path(name), "rb") as b:
             assert a.read() == b.read()
@@ -179,7 +178,7 @@ def test_crash_then_rerun_reuses_committed_shards(tmp_path, store, monkeypatch):
 
 def test_missing_source_is_a_clear_error(tmp_path, store):
     with pytest.raises(FileNotFoundError, match="nothing-here"):
-        download.run(DownloadParams(source=str(tmp_path / "nothing-here*.jsonl")), store=store)
+        download.run(DownloadParams(source=str(tmp_path / "nothing-here*.jsonl")), [], store)
     with pytest.raises(ValueError, match="docs_per_shard must be at least 1, got 0"):
         DownloadParams(docs_per_shard=0)
     assert not os.path.exists(tmp_path / "store" / "download")
@@ -200,14 +199,14 @@ def test_s3_source_with_storage_options(tmp_path, store, monkeypatch):
         fs.mkdir("corpus-bucket")
         fs.pipe("corpus-bucket/raw/part-0.jsonl.gz", gzip.compress(b'{"id": "s1", "text": "from s3"}\n'))
         params = DownloadParams(source="s3://corpus-bucket/raw/*.jsonl.gz", storage_options=options)
-        ref = download.run(params, store=store)
+        ref = download.run(params, [], store)
         assert [(d["id"], d["text"]) for d in _docs(ref)] == [("s1", "from s3")]
         assert ref.manifest()["params"]["storage_options"] == {}  # credentials stay out of manifests
-        assert download.run(params, store=store).cache_hit
+        assert download.run(params, [], store).cache_hit
         fs.pipe(
             "corpus-bucket/raw/part-0.jsonl.gz", gzip.compress(b'{"id": "s1", "text": "changed in s3"}\n')
         )
-        changed = download.run(params, store=store)
+        changed = download.run(params, [], store)
         assert changed.key != ref.key and _docs(changed)[0]["text"] == "changed in s3"
     finally:
         server.stop()

@@ -20,16 +20,12 @@ import zstandard
 
 import stages.tokenize as tokenize_stage
 from megatron_train.tokenizer import build_tokenizer
-from stages.tokenize import (
-    PARTIALS_DIR,
-    TokenizeParams,
-    _jsonl_lines,
-    main,
-    plan_units,
-    run,
-    split_sentences,
-)
+from stages.sentences import split_sentences
+from stages.tokenize import main, run
+from stages.tokenize_inputs import plan_units
+from stages.tokenize_params import PARTIALS_DIR, TokenizeParams
 from storage.artifacts import ArtifactStore, ArtifactWriter
+from storage.documents import read_lines
 from storage.indexed_dataset import IndexedDataset, IndexedDatasetBuilder, best_dtype
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -132,14 +128,15 @@ def test_plain_jsonl_is_cut_in_byte_ranges_at_line_boundaries(tmp_path):
     with open(path, "rb") as f:
         data = f.read()
     units = plan_units([path], dataclasses.replace(NULL, workers=1, shard_size_mb=1000 / 2**20), {})
-    assert len(units) > 5 and all(u.kind == "jsonl" for u in units)
-    assert units[0].start == 0 and units[-1].stop == len(data)
-    assert all(a.stop == b.start for a, b in zip(units[:-1], units[1:], strict=True))
-    for unit in units:
-        chunk = data[unit.start : unit.stop]
-        assert chunk.endswith(b"\n") and len(chunk) >= 1000 or unit is units[-1]
-        assert data[: unit.start].count(b"\n") + 1 == unit.first_line
-        assert chunk.count(b"\n") == unit.records
+    spans = [u.span for u in units]
+    assert len(units) > 5 and all(u.url == path for u in units)
+    assert spans[0].start == 0 and spans[-1].stop == len(data)
+    assert all(a.stop == b.start for a, b in zip(spans[:-1], spans[1:], strict=True))
+    for span in spans:
+        chunk = data[span.start : span.stop]
+        assert chunk.endswith(b"\n") and len(chunk) >= 1000 or span is spans[-1]
+        assert data[: span.start].count(b"\n") + 1 == span.first_line
+        assert chunk.count(b"\n") == span.lines
     assert [u.name for u in units] == sorted(u.name for u in units)
     # --partitions asks for about that many units (cut at the line after each 1/40 of the bytes)
     assert 30 <= len(plan_units([path], dataclasses.replace(NULL, partitions=40, shard_size_mb=64), {})) <= 40
@@ -159,15 +156,15 @@ def test_units_read_back_every_line_once(tmp_path, suffix):
     units = plan_units([path], params, {})
     # a compressed file cannot seek: it is cut in at most --workers line ranges
     assert len(units) == 3 if suffix != ".jsonl" else len(units) > 5
-    assert sum(u.records for u in units) == 300
-    read = [item for unit in units for item in _jsonl_lines(unit, {})]
+    assert sum(u.span.lines for u in units) == 300
+    read = [item for unit in units for item in read_lines(unit.url, unit.span)]
     assert read == list(enumerate(lines, start=1))
 
 
 # --- end to end ------------------------------------------------------------------------------------------
 
 
-def test_output_is_megatrons_bytes_whatever_the_cut(tmp_path):
+def test_output_is_megatrons_bytes_whatever_the_cut(tmp_path, caplog):
     texts = [null_text(i) for i in range(400)]
     rows = [{"text": t, "title": t[:9], "id": i} for i, t in enumerate(texts)]
     rows[5]["text"] = ["1 2 3", "", "4 5"]  # a list is the document's sentences, as in Megatron
@@ -178,8 +175,16 @@ def test_output_is_megatrons_bytes_whatever_the_cut(tmp_path):
     pattern = str(tmp_path / "*.json*")
     params = dataclasses.replace(NULL, json_keys=("text", "title"), shard_size_mb=2000 / 2**20)
 
-    ref = run(params, pattern, ArtifactStore(str(tmp_path / "store")))
+    with caplog.at_level(logging.INFO, logger="megatron_flow.stage.tokenize"):
+        ref = run(
+            dataclasses.replace(params, log_interval=100), pattern, ArtifactStore(str(tmp_path / "store"))
+        )
     assert artifact_pair(ref, params) == megatron_reference(str(tmp_path / "expected"), texts, params)
+    # Megatron's throughput lines as units finish: one per 100 documents crossed, ending at the 400th
+    processed = [
+        int(r.getMessage().split()[1]) for r in caplog.records if r.getMessage().startswith("Processed ")
+    ]
+    assert processed == sorted(processed) and processed[-1] == 400 and len(processed) <= 4
     titles = [row["title"] for row in rows]
     assert artifact_pair(ref, params, "title") == megatron_reference(str(tmp_path / "titles"), titles, params)
     summary = ref.manifest()["summary"]
@@ -306,7 +311,7 @@ def test_cli_resumes_after_kill_9_with_identical_bytes(tmp_path, caplog, capsys)
     assert not os.path.exists(os.path.join(shards, artifact, "manifest.json")), "run ended before the kill"
     committed = sum(m.endswith(".json") for m in os.listdir(os.path.join(shards, artifact, "_shards")))
 
-    with caplog.at_level(logging.INFO, logger="megatron_flow.stage.tokenize"):
+    with caplog.at_level(logging.INFO, logger="megatron_flow.stage"):
         assert main([*argv, "--store", killed_store]) == 0
     resumed = [r.getMessage() for r in caplog.records if r.getMessage().startswith("resuming")]
     assert resumed and resumed[0].startswith(f"resuming: {committed} of ")
@@ -373,11 +378,46 @@ def test_empty_input_and_a_remote_store(tmp_path, monkeypatch):
     texts = [null_text(i) for i in range(50)]
     path = write_jsonl(str(tmp_path / "in.jsonl"), [{"text": t} for t in texts])
     remote = ArtifactStore(f"memory://tokenize-test-{os.getpid()}")
-    params = dataclasses.replace(NULL, shard_size_mb=100 / 2**20)
+    # One worker: units run in this process, since a memory:// store lives in one process only.
+    params = dataclasses.replace(NULL, shard_size_mb=100 / 2**20, workers=1)
     ref = run(params, path, remote)
     assert ref.url.startswith("memory://")
     assert artifact_pair(ref, params) == megatron_reference(str(tmp_path / "expected"), texts, params)
     assert not ref.files(PARTIALS_DIR)
+
+
+def test_an_input_without_documents_warns_or_fails_on_request(tmp_path, caplog, capsys):
+    blank = str(tmp_path / "blank.jsonl")
+    with open(blank, "w") as f:
+        f.write("\n  \n")
+    store = ArtifactStore(str(tmp_path / "store"))
+    with caplog.at_level(logging.WARNING, logger="megatron_flow.stage.tokenize"):
+        ref = run(NULL, blank, store)
+    assert ref.manifest()["summary"]["documents"] == 0
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warning.startswith(f"no documents in {blank}: the dataset ") and "--fail-on-empty" in warning
+
+    with pytest.raises(ValueError, match=r"no documents in .*blank\.jsonl.*--fail-on-empty is set"):
+        run(dataclasses.replace(NULL, fail_on_empty=True), blank, store)
+    argv = ["--input", blank, "--tokenizer-type", "NullTokenizer", "--vocab-size", "10", "--workers", "1"]
+    argv += ["--store", str(tmp_path / "store"), "--output-prefix", str(tmp_path / "out")]
+    assert main([*argv, "--fail-on-empty"]) == 1
+    assert "blank.jsonl" in capsys.readouterr().err
+    assert not os.path.exists(str(tmp_path / "out_text_document.bin"))
+    assert main(argv) == 0 and os.path.exists(str(tmp_path / "out_text_document.bin"))
+
+
+def test_an_unwritable_output_prefix_fails_before_tokenizing(tmp_path, capsys):
+    path = write_jsonl(str(tmp_path / "in.jsonl"), [{"text": null_text(i)} for i in range(20)])
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    argv = ["--input", path, "--tokenizer-type", "NullTokenizer", "--vocab-size", "1000", "--workers", "1"]
+    argv += ["--store", str(tmp_path / "store"), "--output-prefix", str(blocker / "out" / "corpus")]
+    assert main(argv) == 1
+    error = capsys.readouterr().err.strip()
+    assert error.startswith(f"error: --output-prefix {blocker}/out/corpus: cannot create the folder ")
+    assert error.endswith("choose a writable path")
+    assert not os.path.exists(tmp_path / "store" / "tokenize"), "tokenized before checking the output"
 
 
 def test_cli_reports_bad_input_and_missing_files_in_one_line(tmp_path, capsys):
@@ -432,7 +472,7 @@ def test_a_crash_after_the_merge_is_resumed_without_tokenizing_again(tmp_path, m
     def no_tokenizing(*args):
         raise AssertionError("the merged output was committed: nothing is left to tokenize")
 
-    monkeypatch.setattr(tokenize_stage, "_tokenize_units", no_tokenizing)
+    monkeypatch.setattr(tokenize_stage, "run_shards", no_tokenizing)
     ref = run(params, path, store)
     assert artifact_pair(ref, params) == clean
     assert ref.manifest()["summary"]["documents"] == 200

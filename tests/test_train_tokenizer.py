@@ -156,7 +156,9 @@ def test_stage_errors_name_the_problem(chapters, tmp_path):
     local = os.path.join(writer.local_dir, shard_file("00000"))
     write_parquet_shard([{"id": "a", "text": "fine"}, {"id": "b", "text": None}], local)
     writer.commit_shard("00000", {shard_file("00000"): local})
-    with pytest.raises(ValueError, match=r"with-null/shards/00000\.parquet: row 1 has no 'text' \(null\)"):
+    with pytest.raises(
+        ValueError, match=r"with-null/shards/00000\.parquet:2: field 'text' is null, not a string"
+    ):
         train_tokenizer.run(TrainTokenizerParams(), [writer.commit({})], store)
     with pytest.raises(ValueError, match="exactly one input"):
         train_tokenizer.run(TrainTokenizerParams(), [], store)

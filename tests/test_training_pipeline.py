@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from megatron_train.arguments import MegatronConfig, parse_args
-from megatron_train.checkpoint_layout import (
+from megatron_train.checkpointing.layout import (
     WORD_EMBEDDING,
     TensorSharding,
     global_param_name,

@@ -1,8 +1,10 @@
 """Build the train, valid and test datasets from DataConfig, as Megatron-Core's BlendedMegatronDatasetBuilder.
 
-For `--data-path`, every dataset's sequences are cut into train/valid/test ranges by `--split`; a
-weighted blend asks each dataset for its share of the samples plus Megatron's 0.5% surplus and blends
-them with BlendedDataset. `--train-data-path` etc. give each split its own blend, used whole.
+One builder serves GPT (`build_train_valid_test_datasets`) and the masked-LM kinds BERT and T5
+(`build_masked_train_valid_test_datasets`, the kind chosen by the type of its config). For `--data-path`,
+every dataset's elements (sequences for GPT, documents for BERT/T5) are cut into train/valid/test ranges
+by `--split`; a weighted blend asks each dataset for its share of the samples plus Megatron's 0.5% surplus
+and blends them with BlendedDataset. `--train-data-path` etc. give each split its own blend, used whole.
 Under torch.distributed, rank 0 builds (and caches) the indices first; the other ranks then load them.
 """
 
@@ -20,11 +22,14 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megatron_train.data.bert_dataset import BERTDataset, BERTDatasetConfig
 from megatron_train.data.blended import BlendedDataset
 from megatron_train.data.config import Blend, DataConfig, parse_split, split_bounds, split_matrix
 from megatron_train.data.gpt_dataset import GPTDataset, GPTDatasetConfig, Split
 from megatron_train.data.indices import normalize_weights
+from megatron_train.data.masked_dataset import MaskedDatasetConfig, MaskedWordPieceDataset
 from megatron_train.data.mock import MockGPTDataset
+from megatron_train.data.t5_dataset import T5Dataset, T5DatasetConfig
 from storage.indexed_dataset import IndexedDataset
 
 logger = logging.getLogger(__name__)
@@ -36,6 +41,10 @@ T = TypeVar("T")
 Datasets = tuple[
     torch.utils.data.Dataset | None, torch.utils.data.Dataset | None, torch.utils.data.Dataset | None
 ]
+MASKED_DATASET_KINDS: dict[type[MaskedDatasetConfig], type[MaskedWordPieceDataset]] = {
+    BERTDatasetConfig: BERTDataset,
+    T5DatasetConfig: T5Dataset,
+}
 
 
 def build_train_valid_test_datasets(
@@ -61,7 +70,23 @@ def build_train_valid_test_datasets(
         return _build_mock(config, train_valid_test_num_samples, vocab_size)  # nothing cached: no ordering
     if not any(data_config.blends()):
         raise ValueError("no data: give --data-path (or --train-data-path ...), or --mock-data")
-    builder = _SplitBuilder(data_config, config)
+    builder = _SplitBuilder(data_config, GPTDataset, config)
+    return _rank_zero_first(lambda: builder.build(train_valid_test_num_samples))
+
+
+def build_masked_train_valid_test_datasets(
+    data_config: DataConfig,
+    config: BERTDatasetConfig | T5DatasetConfig,
+    train_valid_test_num_samples: tuple[int | None, int | None, int | None],
+) -> Datasets:
+    """(train, valid, test) BERT or T5 datasets (by the type of `config`) from sentence-split data,
+    blended and split as for GPT; a split is None when it has no data or 0 samples are asked of it."""
+    if data_config.mock_data:
+        raise ValueError("--mock-data makes GPT samples only; give BERT/T5 a sentence-split --data-path")
+    if not any(data_config.blends()):
+        raise ValueError("no data: give --data-path (or --train-data-path ...) of --split-sentences data")
+    config = replace(config, split=data_config.split)
+    builder = _SplitBuilder(data_config, MASKED_DATASET_KINDS[type(config)], config)
     return _rank_zero_first(lambda: builder.build(train_valid_test_num_samples))
 
 
@@ -79,10 +104,16 @@ def _build_mock(
 
 
 class _SplitBuilder:
-    """Opens each dataset prefix once and builds the GPT/blended dataset of every split."""
+    """Opens each dataset prefix once and builds the `dataset_class`/blended dataset of every split."""
 
-    def __init__(self, data_config: DataConfig, config: GPTDatasetConfig) -> None:
+    def __init__(
+        self,
+        data_config: DataConfig,
+        dataset_class: type[GPTDataset] | type[MaskedWordPieceDataset],
+        config: GPTDatasetConfig | MaskedDatasetConfig,
+    ) -> None:
         self.data_config = data_config
+        self.dataset_class = dataset_class
         self.blends = data_config.blends()
         if data_config.data_path:
             self.config = config
@@ -111,10 +142,10 @@ class _SplitBuilder:
     ) -> torch.utils.data.Dataset:
         prefixes = blend.prefixes
         if len(prefixes) == 1:
-            return self._gpt_dataset(prefixes[0], split, bookend, size)
+            return self._dataset(prefixes[0], split, bookend, size)
         cache_dir = self._cache_dir(prefixes[0])
         if blend.weights is None:  # weigh each dataset by its one-epoch size
-            datasets = [self._gpt_dataset(prefix, split, bookend, None) for prefix in prefixes]
+            datasets = [self._dataset(prefix, split, bookend, None) for prefix in prefixes]
             lengths = [len(dataset) for dataset in datasets]
             total = sum(lengths) if size is None else min(size, sum(lengths))
             return BlendedDataset(datasets, lengths, total, cache_dir)
@@ -125,26 +156,28 @@ class _SplitBuilder:
         weights = normalize_weights(blend.weights).tolist()
         targets = [math.ceil(size * weight) for weight in weights]
         datasets = [
-            self._gpt_dataset(prefix, split, bookend, math.ceil(target * (1 + MID_LEVEL_DATASET_SURPLUS)))
+            self._dataset(prefix, split, bookend, math.ceil(target * (1 + MID_LEVEL_DATASET_SURPLUS)))
             for prefix, target in zip(prefixes, targets, strict=True)
         ]
         return BlendedDataset(datasets, weights, sum(targets), cache_dir)
 
-    def _gpt_dataset(
+    def _dataset(
         self, prefix: str, split: Split, bookend: tuple[float, float], num_samples: int | None
-    ) -> GPTDataset:
+    ) -> GPTDataset | MaskedWordPieceDataset:
         if prefix not in self._sequences:
             self._sequences[prefix] = IndexedDataset(prefix)
         sequences = self._sequences[prefix]
-        begin, end = split_bounds(bookend, len(sequences))
+        num_elements = self.dataset_class.num_elements(sequences)
+        elements = "sequences" if self.dataset_class is GPTDataset else "documents"
+        begin, end = split_bounds(bookend, num_elements)
         if begin == end:
             raise ValueError(
-                f"{prefix}: --split {self.data_config.split} leaves the {split.name} split no sequences "
-                f"(range [{begin}, {end}) of {len(sequences)}); give it a larger share in --split, or a 0 share "
+                f"{prefix}: --split {self.data_config.split} leaves the {split.name} split no {elements} "
+                f"(range [{begin}, {end}) of {num_elements}); give it a larger share in --split, or a 0 share "
                 "to skip it (e.g. --split 90,10,0 has no test split)"
             )
         documents = np.arange(begin, end, dtype=np.int32)
-        return GPTDataset(
+        return self.dataset_class(
             sequences, prefix, documents, num_samples, split, self.config, self._cache_dir(prefix)
         )
 

@@ -116,6 +116,11 @@ class GPTDataset(torch.utils.data.Dataset):
         self.sample_index = arrays["sample_index"]
         self.shuffle_index = arrays["shuffle_index"]
 
+    @staticmethod
+    def num_elements(sequences: TokenSequences) -> int:
+        """What --split divides: sequences (GPT's "documents")."""
+        return len(sequences.sequence_lengths)
+
     def _drop_last_partial_sequence(self) -> bool:
         return self.split != Split.valid or self.config.drop_last_partial_validation_sequence
 

@@ -27,7 +27,6 @@ import torch
 from tqdm import tqdm
 
 from megatron_train.arguments import config_from_dict, config_to_dict
-from megatron_train.checkpoint_layout import TensorSharding, check_layout, split_tp_shard, stage_tensor_names
 from megatron_train.checkpointing import (
     FORMAT_VERSION,
     METADATA_FILENAME,
@@ -40,6 +39,12 @@ from megatron_train.checkpointing import (
     sharding_record,
     write_metadata_and_marker,
     write_shard,
+)
+from megatron_train.checkpointing.layout import (
+    TensorSharding,
+    check_layout,
+    split_tp_shard,
+    stage_tensor_names,
 )
 from megatron_train.models.transformer import get_layer_range
 from megatron_train.tokenizer import vocab_size_with_padding
@@ -100,7 +105,7 @@ def convert_checkpoint(
         raise ValueError(
             f"{out_dir} already holds a complete checkpoint: delete it or pick another --save-dir"
         )
-    start, written_bytes = time.perf_counter(), 0
+    start, files = time.perf_counter(), {}
     stages = tqdm(range(target_pp), desc="pipeline stages", unit="stage", disable=None)
     for pp_rank in stages:
         layers = [
@@ -129,8 +134,7 @@ def convert_checkpoint(
                 None if optimizer_tensors is None else (optimizer_tensors[tp_rank], optimizer_meta)
             )
             shard_dir = model_shard_dir(out_dir, tp_rank, pp_rank, target_pp)
-            write_shard(shard_dir, weights[tp_rank], sharding, optimizer_state)
-            written_bytes += sum(os.path.getsize(os.path.join(shard_dir, f)) for f in os.listdir(shard_dir))
+            files.update(write_shard(shard_dir, weights[tp_rank], sharding, optimizer_state))
     data_parallel_size = metadata["data_parallel_size"]
     write_metadata_and_marker(
         save_dir,
@@ -158,8 +162,9 @@ def convert_checkpoint(
                 "padded_vocab_size": saved.padded_vocab_size,
             },
         },
+        files,
     )
-    seconds = time.perf_counter() - start
+    seconds, written_bytes = time.perf_counter() - start, sum(record["size"] for record in files.values())
     logger.info(
         "resharded %s from (TP, PP) = (%d, %d) to (%d, %d) into %s: %.1f MB in %.1f s (%.1f MB/s)%s",
         iteration_dir, saved.tp_size, saved.pp_size, target_tp, target_pp, out_dir, written_bytes / 1e6,

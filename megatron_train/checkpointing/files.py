@@ -1,0 +1,224 @@
+"""The files of a checkpoint: their paths, atomic writes that record a content hash, and reads that verify it.
+
+Every file a save writes is hashed (xxh3-128, as the artifact manifests) by the rank that wrote it, and
+metadata.json, written last, lists each one's size and hash relative to its iteration folder. A read checks
+the size first (a truncated file is named at once) and the hash before any of its bytes are used, so a file
+damaged after the save fails with an error naming it instead of loading NaN weights (docs/architecture.md,
+checkpoints). Checkpoints saved before hashes were recorded load unverified, with a warning.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import load as load_tensor_bytes
+from safetensors.torch import save_file
+
+from storage.atomic import atomic_path, atomic_write_bytes, atomic_write_text
+from storage.fingerprint import hash_bytes, hash_file
+
+logger = logging.getLogger(__name__)
+
+FORMAT_VERSION = 2  # 2: global layer names and PP stage records, any (TP, PP) layout loads
+# Version 1 wrote only PP = 1 checkpoints, whose names and records version 2 reads unchanged.
+READABLE_FORMAT_VERSIONS = (1, 2)
+TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
+METADATA_FILENAME = "metadata.json"
+
+FileRecord = dict[str, Any]  # {"size": bytes, "hash": xxh3-128 hex digest}
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be loaded or saved: the message names the file and what to do."""
+
+
+def checkpoint_dir(root: str, iteration: int) -> str:
+    return os.path.join(root, f"iter_{iteration:07d}")
+
+
+def model_shard_dir(iteration_dir: str, tp_rank: int, pp_rank: int, pp_size: int) -> str:
+    """Megatron's per-model-parallel-rank folder name: mp_rank_<tp>[_<pp>]."""
+    name = f"mp_rank_{tp_rank:02d}" if pp_size == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
+    return os.path.join(iteration_dir, name)
+
+
+def is_complete(iteration_dir: str) -> bool:
+    """A save finished writing the folder: its metadata.json, written last, is there."""
+    return os.path.exists(os.path.join(iteration_dir, METADATA_FILENAME))
+
+
+def complete_iterations(root: str) -> list[int]:
+    """The iterations of `root` whose folders are complete, ascending (none for a missing folder)."""
+    if not os.path.isdir(root):
+        return []
+    return sorted(
+        int(name.removeprefix("iter_"))
+        for name in os.listdir(root)
+        if name.startswith("iter_")
+        and name.removeprefix("iter_").isdigit()
+        and is_complete(os.path.join(root, name))
+    )
+
+
+def write_tensors(path: str, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> FileRecord:
+    """A safetensors file, atomically; returns its size and content hash."""
+    with atomic_path(path) as tmp:
+        save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, tmp, metadata=metadata)
+        return {"size": os.path.getsize(tmp), "hash": hash_file(tmp)}
+
+
+def write_json(path: str, value: Any) -> FileRecord:
+    """A JSON file, atomically; returns its size and content hash."""
+    data = json.dumps(value).encode()
+    atomic_write_bytes(path, data)
+    return {"size": len(data), "hash": hash_bytes(data)}
+
+
+def write_metadata(iteration_dir: str, metadata: dict[str, Any]) -> None:
+    """metadata.json (with the file records under "files"): the folder is complete once it exists."""
+    atomic_write_text(os.path.join(iteration_dir, METADATA_FILENAME), json.dumps(metadata, indent=1))
+
+
+def write_marker(root: str, iteration: int) -> None:
+    atomic_write_text(os.path.join(root, TRACKER_FILENAME), str(iteration))
+
+
+def read_latest_iteration(load_dir: str) -> int | None:
+    """The iteration in the latest marker, None when there is none (nothing saved yet)."""
+    path = os.path.join(load_dir, TRACKER_FILENAME)
+    if not os.path.exists(path):
+        return None
+    with open(path) as handle:
+        text = handle.read().strip()
+    if not text.isdigit():
+        raise CheckpointError(f"{path} should hold an iteration number but holds {text[:40]!r}")
+    return int(text)
+
+
+def resolve_iteration_dir(load_dir: str, iteration: int | None) -> str | None:
+    """The folder of `iteration` (default: the latest marker's) in `load_dir`; None when there is no marker."""
+    if iteration is None:
+        iteration = read_latest_iteration(load_dir)
+        if iteration is None:
+            return None
+    iteration_dir = checkpoint_dir(load_dir, iteration)
+    if not os.path.isdir(iteration_dir):
+        saved = (
+            sorted(d for d in os.listdir(load_dir) if d.startswith("iter_"))
+            if os.path.isdir(load_dir)
+            else []
+        )
+        raise CheckpointError(f"checkpoint folder {iteration_dir} does not exist (iterations there: {saved})")
+    return iteration_dir
+
+
+def missing_file_error(path: str) -> CheckpointError:
+    return CheckpointError(f"checkpoint file {path} is missing: the save did not finish or files were moved")
+
+
+def _parse_json(path: str, data: bytes) -> Any:
+    try:
+        return json.loads(data)
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise CheckpointError(f"checkpoint file {path} is not valid JSON ({error})") from error
+
+
+def read_metadata(iteration_dir: str) -> dict:
+    path = os.path.join(iteration_dir, METADATA_FILENAME)
+    if not os.path.exists(path):
+        raise missing_file_error(path)
+    with open(path, "rb") as handle:
+        metadata = _parse_json(path, handle.read())
+    if metadata.get("format_version") not in READABLE_FORMAT_VERSIONS:
+        raise CheckpointError(
+            f"{iteration_dir}/{METADATA_FILENAME}: format version {metadata.get('format_version')} is not one "
+            f"this code reads ({READABLE_FORMAT_VERSIONS}); convert it with the code version that wrote it"
+        )
+    return metadata
+
+
+class CheckpointFiles:
+    """Reads the files of one saved iteration, each checked against the size and hash metadata.json records."""
+
+    def __init__(self, iteration_dir: str, metadata: dict) -> None:
+        self.iteration_dir = iteration_dir
+        self.records: dict[str, FileRecord] | None = metadata.get("files")
+        self._verified: set[str] = set()
+        if self.records is None:
+            logger.warning(
+                "%s/%s records no content hashes (saved before they were added): its files load unverified",
+                iteration_dir,
+                METADATA_FILENAME,
+            )
+
+    def _record(self, path: str) -> FileRecord | None:
+        """The saved size and hash of `path` (None for a checkpoint without hashes)."""
+        if not os.path.exists(path):
+            raise missing_file_error(path)
+        if self.records is None:
+            return None
+        name = os.path.relpath(path, self.iteration_dir).replace(os.sep, "/")
+        if name not in self.records:
+            raise CheckpointError(
+                f"checkpoint file {path} is not among the files {self.iteration_dir}/{METADATA_FILENAME} "
+                "lists: the files of this folder do not belong together; load another iteration"
+            )
+        record = self.records[name]
+        size = os.path.getsize(path)
+        if size != record["size"]:
+            raise self._corrupt(path, f"it has {size} bytes but the save wrote {record['size']}")
+        return record
+
+    def _corrupt(self, path: str, what: str) -> CheckpointError:
+        return CheckpointError(
+            f"checkpoint file {path} is corrupt: {what} (damaged or partly copied after the save); restore "
+            "it, or load an earlier iteration with --ckpt-step"
+        )
+
+    def _check_hash(self, path: str, record: FileRecord, digest: str) -> None:
+        if digest != record["hash"]:
+            raise self._corrupt(
+                path, f"its content hash {digest} is not the {record['hash']} recorded in {METADATA_FILENAME}"
+            )
+
+    def verify(self, path: str) -> None:
+        """Hash `path` once (a streamed read that also brings it into the page cache for the reads after)."""
+        if path in self._verified:
+            return
+        record = self._record(path)
+        if record is not None:
+            self._check_hash(path, record, hash_file(path))
+        self._verified.add(path)
+
+    def _read_bytes(self, path: str) -> bytes:
+        """A small file's bytes, read once and verified."""
+        record = self._record(path)
+        with open(path, "rb") as handle:
+            data = handle.read()
+        if record is not None:
+            self._check_hash(path, record, hash_bytes(data))
+        return data
+
+    def read_json(self, path: str) -> Any:
+        return _parse_json(path, self._read_bytes(path))
+
+    def read_tensors(self, path: str) -> dict[str, torch.Tensor]:
+        """Every tensor of a small safetensors file (one read, verified)."""
+        data = self._read_bytes(path)
+        try:
+            return load_tensor_bytes(data)
+        except (SafetensorError, ValueError) as error:
+            raise self._corrupt(path, f"safetensors cannot parse it ({error})") from error
+
+    def open_tensors(self, path: str) -> Any:
+        """A lazy safetensors handle (only the header read); call `verify` before reading its tensors."""
+        self._record(path)
+        try:
+            return safe_open(path, framework="pt")
+        except (SafetensorError, OSError, ValueError) as error:
+            raise self._corrupt(path, f"safetensors cannot parse it ({error})") from error

@@ -1,0 +1,47 @@
+"""A checkpoint as one model for generation, evaluation and serving (docs/architecture.md, checkpoints)."""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_train.arguments import MegatronConfig, config_from_dict
+from megatron_train.checkpointing.files import (
+    TRACKER_FILENAME,
+    CheckpointError,
+    complete_iterations,
+    resolve_iteration_dir,
+)
+from megatron_train.checkpointing.load import load_model_weights
+from megatron_train.checkpointing.saved import SavedCheckpoint
+from megatron_train.device import get_device
+from megatron_train.models.gpt import GPTModel
+
+
+def load_model_for_inference(
+    load_dir: str, iteration: int | None = None, device: torch.device | str | None = None
+) -> tuple[torch.nn.Module, MegatronConfig]:
+    """A GPTModel in eval mode with the checkpoint's weights, and the config it was trained with.
+
+    Single process: the TP shards and PP stages of any saved layout are merged into one model; every file is
+    verified against its recorded hash, so a damaged checkpoint fails naming the file.
+    """
+    iteration_dir = resolve_iteration_dir(load_dir, iteration)
+    if iteration_dir is None:
+        raise CheckpointError(
+            f"no {TRACKER_FILENAME} in {load_dir} (complete iterations there: {complete_iterations(load_dir)}): "
+            "pass iteration= or a directory with a save"
+        )
+    saved = SavedCheckpoint(iteration_dir)
+    config = config_from_dict(saved.metadata["args"])
+    config.parallel.tensor_model_parallel_size = 1
+    config.parallel.pipeline_model_parallel_size = 1
+    config.parallel.sequence_parallel = False
+    model = GPTModel(config.model, saved.padded_vocab_size)
+    names = {name: name for name in model.state_dict()}
+    load_model_weights(model, saved, names, saved.padded_vocab_size, tp_size=1, tp_rank=0)
+    dtype = (
+        torch.bfloat16 if config.training.bf16 else torch.float16 if config.training.fp16 else torch.float32
+    )
+    model.to(device=device or get_device(), dtype=dtype)
+    model.eval()
+    return model, config

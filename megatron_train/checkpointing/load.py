@@ -1,0 +1,192 @@
+"""Load a training checkpoint into this rank's stage, with Megatron's --finetune / --no-load-* rules.
+
+A checkpoint saved under any (TP, PP, DP, virtual) layout loads under any other (`saved.SavedCheckpoint`
+reshards); `check_compatible` first refuses one whose model settings differ. A --load folder that holds
+complete iterations but no latest marker is an error rather than a silent fresh start that would overwrite
+them (docs/architecture.md, checkpoints).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import torch
+
+from megatron_train.arguments import MegatronConfig
+from megatron_train.checkpointing.files import (
+    TRACKER_FILENAME,
+    CheckpointError,
+    complete_iterations,
+    resolve_iteration_dir,
+)
+from megatron_train.checkpointing.layout import padded_vocab_sizes_agree, true_vocab_range
+from megatron_train.checkpointing.names import StageModel, global_names, stage_module
+from megatron_train.checkpointing.progress import TrainingProgress
+from megatron_train.checkpointing.rng import global_rank, load_rng_state
+from megatron_train.checkpointing.saved import SavedCheckpoint, saved_true_vocab_range
+from megatron_train.parallel import state
+
+logger = logging.getLogger(__name__)
+
+# Model settings that change the weights' shapes or meaning: a checkpoint must agree on all of them.
+MODEL_ARGS_TO_CHECK = (
+    "num_layers",
+    "hidden_size",
+    "ffn_hidden_size",
+    "num_attention_heads",
+    "kv_channels",
+    "group_query_attention",
+    "num_query_groups",
+    "max_position_embeddings",
+    "position_embedding_type",
+    "normalization",
+    "swiglu",
+    "add_bias_linear",
+    "untie_embeddings_and_output_weights",
+)
+
+
+def check_compatible(metadata: dict, config: MegatronConfig, padded_vocab_size: int, where: str) -> None:
+    """Refuse a checkpoint whose weights cannot fit this run's model, naming the first setting that differs.
+
+    The parallel layout may differ; the padded vocabulary may differ only as TP sizes pad one true
+    vocabulary differently (Megatron pads to a multiple of --make-vocab-size-divisible-by x TP).
+    """
+    saved_model = metadata["args"]["model"]
+    for name in MODEL_ARGS_TO_CHECK:
+        ours = getattr(config.model, name)
+        if name in saved_model and saved_model[name] != ours:
+            raise CheckpointError(
+                f"checkpoint {where} was saved with {name}={saved_model[name]} but this run has {name}={ours}; "
+                f"pass --{name.replace('_', '-')} {saved_model[name]} or load a matching checkpoint"
+            )
+    our_multiple = (
+        config.tokenizer.make_vocab_size_divisible_by * state.get_tensor_model_parallel_world_size()
+    )
+    saved_vocab = metadata["padded_vocab_size"]
+    if not padded_vocab_sizes_agree(
+        saved_true_vocab_range(metadata), true_vocab_range(padded_vocab_size, our_multiple)
+    ):
+        raise CheckpointError(
+            f"checkpoint {where} was saved with padded_vocab_size={saved_vocab} but this run has "
+            f"padded_vocab_size={padded_vocab_size}, more than TP padding explains: use the checkpoint's "
+            "tokenizer (and --make-vocab-size-divisible-by)"
+        )
+
+
+def load_model_weights(
+    model: torch.nn.Module,
+    saved: SavedCheckpoint,
+    names: dict[str, str],
+    padded_vocab_size: int,
+    tp_size: int,
+    tp_rank: int,
+) -> None:
+    """`model`'s weights (`names`: its state-dict names -> checkpoint names) as TP rank `tp_rank` of `tp_size`."""
+    weights = {
+        local: saved.tensor_for(name, "model", tp_size, tp_rank, padded_vocab_size)
+        for local, name in names.items()
+    }
+    for local, tensor in model.state_dict().items():
+        if weights[local].shape != tensor.shape:
+            raise CheckpointError(
+                f"{saved.iteration_dir}: weight {names[local]!r} has shape {tuple(weights[local].shape)} for "
+                f"TP rank {tp_rank} of {tp_size} but the model's is {tuple(tensor.shape)}"
+            )
+    model.load_state_dict(weights)
+
+
+def load_checkpoint(
+    model: StageModel,
+    optimizer: Any | None,
+    opt_param_scheduler: Any | None,
+    config: MegatronConfig,
+    padded_vocab_size: int,
+) -> TrainingProgress:
+    """Load `--load` (its latest iteration, or `--ckpt-step`) with Megatron's --finetune / --no-load-* rules,
+    resharding weights and optimizer state when it was saved under another (TP, PP, DP, virtual) layout.
+
+    `model` is what `save_checkpoint` takes: this stage's module, or the list of its chunks when interleaved.
+
+    Without a latest marker the run starts from scratch (Megatron's behaviour) when nothing would be lost;
+    see `_check_nothing_to_overwrite`.
+    """
+    ckpt = config.checkpoint
+    iteration_dir = resolve_iteration_dir(ckpt.load, ckpt.ckpt_step)
+    if iteration_dir is None:
+        _check_nothing_to_overwrite(config)
+        logger.warning(
+            "no %s in %s: nothing to load; starting from random weights", TRACKER_FILENAME, ckpt.load
+        )
+        return TrainingProgress()
+    saved = SavedCheckpoint(iteration_dir)
+    metadata = saved.metadata
+    check_compatible(metadata, config, padded_vocab_size, iteration_dir)
+    tp_size, tp_rank = state.get_tensor_model_parallel_world_size(), state.get_tensor_model_parallel_rank()
+    saved_layout = (saved.tp_size, saved.pp_size)
+    our_layout = (tp_size, state.get_pipeline_model_parallel_world_size())
+    if saved_layout != our_layout and global_rank() == 0:
+        logger.info("resharding %s from (TP, PP) = %s to %s", iteration_dir, saved_layout, our_layout)
+    names = global_names(model, config)
+    model = stage_module(model)
+    load_model_weights(model, saved, names, padded_vocab_size, tp_size, tp_rank)
+    if ckpt.finetune:
+        if optimizer is not None:
+            optimizer.reload_model_params()
+        logger.info("loaded weights of %s for finetuning (iteration and samples reset)", iteration_dir)
+        return TrainingProgress()
+    if optimizer is not None and not ckpt.no_load_optim:
+        if not saved.has_optimizer_state():
+            missing = next(p for p in saved.optimizer_json_paths() if not os.path.exists(p))
+            raise CheckpointError(
+                f"{missing} is missing (saved with --no-save-optim?); pass --no-load-optim to load the "
+                "weights with a fresh optimizer"
+            )
+        trained = {n: names[n] for n, p in model.named_parameters() if p.requires_grad}
+        tensors = {
+            key: saved.tensor_for(name, "optimizer", tp_size, tp_rank, padded_vocab_size)
+            for key, name in saved.optimizer_tensor_names(trained).items()
+        }
+        meta = saved.optimizer_meta_for(trained)
+        optimizer.load_state_dict(tensors, meta, source=saved.optimizer_json_paths()[0])
+        if opt_param_scheduler is not None and metadata["opt_param_scheduler"] is not None:
+            opt_param_scheduler.load_state_dict(metadata["opt_param_scheduler"])
+    elif optimizer is not None:
+        optimizer.reload_model_params()
+    if not ckpt.no_load_rng:
+        load_rng_state(saved.files, metadata, saved_layout, our_layout)
+    logger.info("loaded checkpoint %s", iteration_dir)
+    return TrainingProgress(
+        iteration=metadata["iteration"],
+        consumed_train_samples=metadata["consumed_train_samples"],
+        consumed_valid_samples=metadata["consumed_valid_samples"],
+        loaded_from=iteration_dir,
+    )
+
+
+def _check_nothing_to_overwrite(config: MegatronConfig) -> None:
+    """Refuse a fresh start that would overwrite checkpoints: --load holds complete iterations but no latest
+    marker (deleted, or lost in a copy), or --load holds nothing while --save holds another run's iterations
+    (a mistyped --load). --exit-on-missing-checkpoint refuses any fresh start."""
+    ckpt = config.checkpoint
+    marker = os.path.join(ckpt.load, TRACKER_FILENAME)
+    found = complete_iterations(ckpt.load)
+    if found:
+        raise CheckpointError(
+            f"{ckpt.load} holds the checkpoints of iterations {found} but no {TRACKER_FILENAME}, and starting "
+            f"from scratch would overwrite them: to resume, pass --ckpt-step {found[-1]} (or write {found[-1]} "
+            f"into {marker}); to start a new run, pass an empty --load and --save folder"
+        )
+    if ckpt.exit_on_missing_checkpoint:
+        raise CheckpointError(
+            f"no {TRACKER_FILENAME} in {ckpt.load}: nothing to load (and --exit-on-missing-checkpoint is set)"
+        )
+    saved = complete_iterations(ckpt.save) if ckpt.save else []
+    if saved:
+        raise CheckpointError(
+            f"--load {ckpt.load} holds no checkpoint but --save {ckpt.save} holds iterations {saved} of another "
+            f"run, which this fresh start would overwrite: pass --load {ckpt.save} to resume them, or pass an "
+            "empty --save folder"
+        )

@@ -1,0 +1,202 @@
+"""Save a training checkpoint: every rank writes its part, rank 0 completes the folder (docs/architecture.md).
+
+Each file is written atomically (`storage.atomic`) and hashed by the rank that wrote it; rank 0 gathers the
+records, writes metadata.json (the folder is complete) and then the latest marker.
+
+What a save may overwrite: a complete iteration folder belongs to the run that wrote it. A run may replace one
+only when it resumed from an iteration of the same folder (its own history: a rewind with --ckpt-step, or a
+save a kill interrupted before the marker moved); re-saving the very iteration it resumed from leaves the folder
+as it is (it holds that state already). A run that started from scratch, with --finetune, or from another
+folder refuses, naming the folder, instead of overwriting another run's checkpoint. An incomplete folder (no
+metadata.json: a save that died) is removed and written again.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from typing import Any
+
+import torch.distributed as dist
+
+from megatron_train.arguments import MegatronConfig, config_to_dict
+from megatron_train.checkpointing.files import (
+    FORMAT_VERSION,
+    CheckpointError,
+    FileRecord,
+    checkpoint_dir,
+    is_complete,
+    model_shard_dir,
+    write_json,
+    write_marker,
+    write_metadata,
+    write_tensors,
+)
+from megatron_train.checkpointing.layout import true_vocab_range
+from megatron_train.checkpointing.names import (
+    StageModel,
+    global_names,
+    owned,
+    rename_optimizer_state,
+    sharding_records,
+    stage_module,
+)
+from megatron_train.checkpointing.progress import TrainingProgress
+from megatron_train.checkpointing.rng import global_rank, save_rng_state
+from megatron_train.parallel import state
+
+logger = logging.getLogger(__name__)
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _same_path(a: str, b: str) -> bool:
+    return os.path.realpath(a) == os.path.realpath(b)
+
+
+def write_shard(
+    shard_dir: str,
+    weights: dict[str, Any],
+    sharding: dict[str, dict[str, Any]],
+    optimizer_state: tuple[dict[str, Any], dict] | None,
+) -> dict[str, FileRecord]:
+    """One (TP, PP) rank's files: model.safetensors and, given optimizer state, optimizer.safetensors/.json.
+
+    Returns each file's record keyed by its path in the iteration folder (`mp_rank_00/model.safetensors`)."""
+    name = os.path.basename(shard_dir)
+    metadata = {"format_version": str(FORMAT_VERSION), "sharding": json.dumps(sharding)}
+    records = {
+        f"{name}/model.safetensors": write_tensors(f"{shard_dir}/model.safetensors", weights, metadata)
+    }
+    if optimizer_state is not None:
+        tensors, meta = optimizer_state
+        if tensors:  # safetensors cannot read back an empty file (an optimizer that never stepped)
+            path = f"{shard_dir}/optimizer.safetensors"
+            records[f"{name}/optimizer.safetensors"] = write_tensors(path, tensors, metadata)
+        records[f"{name}/optimizer.json"] = write_json(f"{shard_dir}/optimizer.json", meta)
+    return records
+
+
+def write_metadata_and_marker(
+    root: str, iteration: int, metadata: dict[str, Any], files: dict[str, FileRecord]
+) -> None:
+    """Complete a saved iteration: metadata.json listing every file's size and hash, then the latest marker
+    (never before the folder is whole)."""
+    write_metadata(checkpoint_dir(root, iteration), {**metadata, "files": dict(sorted(files.items()))})
+    write_marker(root, iteration)
+
+
+def _may_write(root: str, iteration_dir: str, progress: TrainingProgress) -> bool:
+    """Whether this run writes `iteration_dir` (False: it is the checkpoint the run resumed from); raises
+    when the folder holds another run's complete checkpoint (see the module docstring)."""
+    if not is_complete(iteration_dir):
+        return True
+    loaded = progress.loaded_from
+    if loaded is not None and _same_path(loaded, iteration_dir):
+        return False
+    if loaded is None or not _same_path(os.path.dirname(loaded), root):
+        started = "from scratch or with --finetune" if loaded is None else f"from {loaded}"
+        raise CheckpointError(
+            f"{iteration_dir} already holds a complete checkpoint of another run (this run started {started}), "
+            f"and saving would overwrite it: resume that run with --load {root}, or pass another --save folder"
+        )
+    return True
+
+
+def _gather_file_records(local: dict[str, FileRecord]) -> dict[str, FileRecord]:
+    """Every rank's file records (a collective: it also waits until every rank has written its files)."""
+    if not dist.is_initialized():
+        return local
+    gathered: list[dict[str, FileRecord] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, local)
+    return {name: record for part in gathered for name, record in (part or {}).items()}
+
+
+def save_checkpoint(
+    iteration: int,
+    model: StageModel,
+    optimizer: Any | None,
+    opt_param_scheduler: Any | None,
+    progress: TrainingProgress,
+    config: MegatronConfig,
+    padded_vocab_size: int,
+) -> str:
+    """Save `progress` and the state of every rank under `--save`/iter_<iteration>. Returns the folder.
+
+    `model` is the unwrapped module of this pipeline stage, or the list of its chunks (one per virtual stage,
+    in order) when interleaved. Raises CheckpointError rather than overwrite another run's iteration.
+    """
+    names = owned(global_names(model, config))
+    module = stage_module(model)
+    root = config.checkpoint.save
+    iteration_dir = checkpoint_dir(root, iteration)
+    if not _may_write(root, iteration_dir, progress):
+        logger.info("iteration %d is the checkpoint this run resumed from: %s left as it is", iteration, root)
+        return iteration_dir
+    if global_rank() == 0 and os.path.exists(iteration_dir):
+        what = "a checkpoint of this run's history" if is_complete(iteration_dir) else "an unfinished save"
+        logger.warning("replacing %s: %s", iteration_dir, what)
+        shutil.rmtree(iteration_dir)
+    _barrier()
+    files: dict[str, FileRecord] = {}
+    optimizer_state = None
+    if optimizer is not None and not config.checkpoint.no_save_optim:
+        # every DP rank asks: a distributed optimizer gathers its shards into per-param tensors here
+        optimizer_state = rename_optimizer_state(*optimizer.state_dict(), names)
+    if state.get_data_parallel_rank() == 0:
+        weights = {names[local]: tensor for local, tensor in module.state_dict().items() if local in names}
+        shard_dir = model_shard_dir(
+            iteration_dir,
+            state.get_tensor_model_parallel_rank(),
+            state.get_pipeline_model_parallel_rank(),
+            state.get_pipeline_model_parallel_world_size(),
+        )
+        files.update(write_shard(shard_dir, weights, sharding_records(module, names), optimizer_state))
+    if not config.checkpoint.no_save_rng:
+        files.update(save_rng_state(iteration_dir))
+    files = _gather_file_records(files)
+    if global_rank() == 0:
+        write_metadata_and_marker(
+            root,
+            iteration,
+            _metadata(iteration, opt_param_scheduler, progress, config, padded_vocab_size),
+            files,
+        )
+    _barrier()
+    logger.info("saved checkpoint at iteration %d to %s", iteration, iteration_dir)
+    return iteration_dir
+
+
+def _metadata(
+    iteration: int,
+    opt_param_scheduler: Any | None,
+    progress: TrainingProgress,
+    config: MegatronConfig,
+    padded_vocab_size: int,
+) -> dict[str, Any]:
+    """metadata.json but its file records: progress, vocabulary, layout, scheduler and the run's args."""
+    tp_size = state.get_tensor_model_parallel_world_size()
+    return {
+        "format_version": FORMAT_VERSION,
+        "iteration": iteration,
+        "consumed_train_samples": progress.consumed_train_samples,
+        "consumed_valid_samples": progress.consumed_valid_samples,
+        "padded_vocab_size": padded_vocab_size,
+        # the tokenizer's vocabulary size is low < V <= high: what a later layout may re-pad from
+        "true_vocab_size_range": true_vocab_range(
+            padded_vocab_size, config.tokenizer.make_vocab_size_divisible_by * tp_size
+        ),
+        "world_size": dist.get_world_size() if dist.is_initialized() else 1,
+        "tensor_model_parallel_size": tp_size,
+        "pipeline_model_parallel_size": state.get_pipeline_model_parallel_world_size(),
+        # informative only: loading does not depend on it
+        "virtual_pipeline_model_parallel_size": state.get_virtual_pipeline_model_parallel_world_size(),
+        "data_parallel_size": state.get_data_parallel_world_size(),
+        "opt_param_scheduler": opt_param_scheduler.state_dict() if opt_param_scheduler is not None else None,
+        "args": config_to_dict(config),
+    }

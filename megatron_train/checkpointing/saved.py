@@ -1,0 +1,183 @@
+"""One saved iteration seen as global tensors, whatever (TP, PP, virtual) layout wrote it (docs/architecture.md).
+
+Loading for training, the inference loader and the offline converter all read through `SavedCheckpoint`: it
+finds each tensor by its record, merges its TP shards, re-pads the vocabulary, and verifies every file against
+the hashes in metadata.json before using its bytes (`files.CheckpointFiles`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+
+from megatron_train.checkpointing.files import (
+    CheckpointError,
+    CheckpointFiles,
+    model_shard_dir,
+    read_metadata,
+)
+from megatron_train.checkpointing.layout import (
+    VOCAB_PARAMS,
+    TensorSharding,
+    merge_tp_shards,
+    module_order,
+    resize_vocab,
+    split_tp_shard,
+    true_vocab_range,
+)
+from megatron_train.checkpointing.names import param_of
+
+
+def saved_true_vocab_range(metadata: dict) -> tuple[int, int]:
+    """The range of true vocabulary sizes a checkpoint's padded vocabulary allows (older ones: from its TP)."""
+    if "true_vocab_size_range" in metadata:
+        return tuple(metadata["true_vocab_size_range"])
+    divisor = metadata["args"].get("tokenizer", {}).get("make_vocab_size_divisible_by", 128)
+    return true_vocab_range(metadata["padded_vocab_size"], divisor * metadata["tensor_model_parallel_size"])
+
+
+class SavedCheckpoint:
+    """One saved iteration seen as global tensors, whatever (TP, PP) layout wrote it.
+
+    Opening reads metadata.json and each pipeline stage's shard header; tensors are read only when asked
+    for, from the TP shards that hold them, each file verified against its recorded hash before its first use.
+    """
+
+    def __init__(self, iteration_dir: str) -> None:
+        self.iteration_dir = iteration_dir
+        self.metadata = read_metadata(iteration_dir)
+        self.files = CheckpointFiles(iteration_dir, self.metadata)
+        self.tp_size: int = self.metadata["tensor_model_parallel_size"]
+        self.pp_size: int = self.metadata["pipeline_model_parallel_size"]
+        self.padded_vocab_size: int = self.metadata["padded_vocab_size"]
+        self._handles: dict[str, Any] = {}
+        self._saved_optimizer: tuple[dict, set[str]] | None = None
+        records: dict[str, dict[str, Any]] = {}
+        for pp_rank in range(self.pp_size):
+            path = self.path("model", 0, pp_rank)
+            records.update(json.loads((self._handle(path).metadata() or {}).get("sharding", "{}")))
+        # checkpoint name -> record, in model order (an interleaved pipeline's stages hold layers out of order)
+        self.params: dict[str, dict[str, Any]] = {
+            name: records[name] for name in sorted(records, key=module_order)
+        }
+
+    def path(self, kind: str, tp_rank: int, pp_rank: int) -> str:
+        """`kind` is "model" or "optimizer"."""
+        return os.path.join(
+            model_shard_dir(self.iteration_dir, tp_rank, pp_rank, self.pp_size), f"{kind}.safetensors"
+        )
+
+    def _handle(self, path: str) -> Any:
+        if path not in self._handles:
+            self._handles[path] = self.files.open_tensors(path)
+        return self._handles[path]
+
+    def _read(self, path: str, name: str) -> torch.Tensor:
+        handle = self._handle(path)
+        self.files.verify(path)
+        try:
+            return handle.get_tensor(name)
+        except SafetensorError as error:
+            raise CheckpointError(
+                f"checkpoint file {path} holds no tensor {name!r} ({error}); the files of "
+                f"{self.iteration_dir} do not belong together: load another iteration"
+            ) from error
+
+    def _record(self, param: str) -> dict[str, Any]:
+        if param not in self.params:
+            raise CheckpointError(
+                f"{self.iteration_dir} holds no weight {param!r} (it holds {list(self.params)[:5]}...); the "
+                "checkpoint was saved from a different model"
+            )
+        return self.params[param]
+
+    def sharding(self, name: str, kind: str = "model") -> TensorSharding:
+        """How a tensor (optimizer tensors: `<param>.<state>`, split like their param) is cut across TP."""
+        record = self._record(param_of(name, kind))
+        return TensorSharding(record["partition_dim"], record["partition_stride"])
+
+    def _repads(self, name: str, kind: str, padded_vocab_size: int) -> bool:
+        param = param_of(name, kind)
+        return param in VOCAB_PARAMS and self._record(param)["global_shape"][0] != padded_vocab_size
+
+    def global_tensor(
+        self, name: str, kind: str = "model", padded_vocab_size: int | None = None
+    ) -> torch.Tensor:
+        """A whole tensor, its TP shards merged; given `padded_vocab_size`, its vocabulary padding re-cut."""
+        sharding = self.sharding(name, kind)
+        pp_rank = self._record(param_of(name, kind))["pp_rank"]
+        tp_ranks = range(self.tp_size) if sharding.is_split else [0]
+        tensor = merge_tp_shards([self._read(self.path(kind, r, pp_rank), name) for r in tp_ranks], sharding)
+        if padded_vocab_size is not None and self._repads(name, kind, padded_vocab_size):
+            # weights and fp32 main params copy the last row, Adam moments start at zero
+            tensor = resize_vocab(tensor, padded_vocab_size, kind == "model" or name.endswith(".main_param"))
+        return tensor
+
+    def tensor_for(
+        self, name: str, kind: str, tp_size: int, tp_rank: int, padded_vocab_size: int
+    ) -> torch.Tensor:
+        """TP rank `tp_rank`'s slice (of `tp_size`) of a tensor, the vocabulary padded to `padded_vocab_size`."""
+        sharding = self.sharding(name, kind)
+        if sharding.is_split and tp_size == self.tp_size and not self._repads(name, kind, padded_vocab_size):
+            pp_rank = self._record(param_of(name, kind))["pp_rank"]
+            return self._read(self.path(kind, tp_rank, pp_rank), name)  # the saved cut: one shard
+        return split_tp_shard(
+            self.global_tensor(name, kind, padded_vocab_size), sharding, tp_size, tp_rank, name
+        )
+
+    def optimizer_json_paths(self) -> list[str]:
+        return [
+            os.path.join(model_shard_dir(self.iteration_dir, 0, pp_rank, self.pp_size), "optimizer.json")
+            for pp_rank in range(self.pp_size)
+        ]
+
+    def has_optimizer_state(self) -> bool:
+        return all(os.path.exists(path) for path in self.optimizer_json_paths())
+
+    def _optimizer_meta(self) -> tuple[dict, set[str]]:
+        """Every stage's optimizer.json merged (per-param entries are keyed by checkpoint name), and the
+        names of the optimizer tensors saved."""
+        if self._saved_optimizer is None:
+            stages = [self.files.read_json(path) for path in self.optimizer_json_paths()]
+            meta = {**stages[0], "param_names": [], "scalars": {}, "tensor_states": {}}
+            tensor_names: set[str] = set()
+            for pp_rank, stage in enumerate(stages):
+                meta["param_names"] += stage["param_names"]
+                meta["scalars"].update(stage["scalars"])
+                meta["tensor_states"].update(stage["tensor_states"])
+                path = self.path("optimizer", 0, pp_rank)
+                if os.path.exists(path):
+                    tensor_names.update(self._handle(path).keys())
+            self._saved_optimizer = meta, tensor_names
+        return self._saved_optimizer
+
+    def optimizer_tensor_names(self, names: dict[str, str]) -> dict[str, str]:
+        """{`<key>.<state>`: `<checkpoint name>.<state>`} for every optimizer tensor saved for the params
+        `names` (key -> checkpoint name)."""
+        saved, tensor_names = self._optimizer_meta()
+        return {
+            f"{key}.{state_name}": f"{name}.{state_name}"
+            for key, name in names.items()
+            for state_name in [*saved["tensor_states"].get(name, []), "main_param"]
+            if f"{name}.{state_name}" in tensor_names
+        }
+
+    def optimizer_meta_for(self, names: dict[str, str]) -> dict:
+        """The JSON part of the optimizer's `state_dict()` for the params `names`, keyed by `key`."""
+        saved, _ = self._optimizer_meta()
+        return {
+            **saved,
+            "param_names": list(names),
+            "scalars": {
+                key: saved["scalars"][name] for key, name in names.items() if name in saved["scalars"]
+            },
+            "tensor_states": {
+                key: saved["tensor_states"][name]
+                for key, name in names.items()
+                if name in saved["tensor_states"]
+            },
+        }
