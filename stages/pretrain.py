@@ -14,6 +14,7 @@ import copy
 import dataclasses
 import logging
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -30,6 +31,7 @@ from megatron_train.arguments import (
     validate_config,
 )
 from megatron_train.checkpointing import (
+    METADATA_FILENAME,
     TRACKER_FILENAME,
     checkpoint_dir,
     read_latest_iteration,
@@ -45,11 +47,13 @@ from storage.artifacts import (
     run_stage,
     stage_key,
 )
+from storage.atomic import is_temporary
 from storage.fingerprint import hash_file
 
 STAGE = "pretrain"
 VERSION = "1"
 log = logging.getLogger("megatron_flow.stage.pretrain")  # every line of the training job; flows forward it
+_ITERATION_FOLDER = re.compile(r"iter_(\d+)$")  # the name checkpoint_dir gives a saved iteration
 
 
 def default_config() -> MegatronConfig:
@@ -221,14 +225,7 @@ def run(
                 "rerun the stage to continue from there"
             )
         metadata = read_metadata(checkpoint_dir(run_dir, iteration))
-        # The marker moves first: a crash while moving leaves a run directory that restarts cleanly rather than
-        # a marker that points at a checkpoint already moved away.
-        names = sorted(
-            (os.path.relpath(os.path.join(folder, name), run_dir) for folder, _, files in os.walk(run_dir)
-             for name in files),
-            key=lambda name: name != TRACKER_FILENAME,
-        )  # fmt: skip
-        for name in names:
+        for name in committable_files(run_dir):
             writer.put_file(os.path.join(run_dir, name), name)
         return {
             "iteration": iteration,
@@ -238,6 +235,34 @@ def run(
         }
 
     return run_stage(store, STAGE, VERSION, params, [tokenized, *tokenizer_fingerprints], build)
+
+
+def committable_files(run_dir: str) -> list[str]:
+    """The run directory's files that belong in the artifact, the latest marker first.
+
+    Left out: temporary files of an interrupted write (`storage.atomic.is_temporary`) and checkpoint folders
+    that are not complete, i.e. without their metadata file (written after every rank's shard) or beyond the
+    latest marker (a save that a kill interrupted). The marker goes first so that a crash while moving leaves
+    a run directory that restarts cleanly rather than a marker pointing at a checkpoint already moved away.
+    """
+    latest = read_latest_iteration(run_dir)
+    names = []
+    for folder, _, files in os.walk(run_dir):
+        for file in files:
+            name = os.path.relpath(os.path.join(folder, file), run_dir)
+            if not is_temporary(name) and _in_complete_checkpoint(run_dir, name, latest):
+                names.append(name)
+    return sorted(names, key=lambda name: (name != TRACKER_FILENAME, name))
+
+
+def _in_complete_checkpoint(run_dir: str, name: str, latest: int | None) -> bool:
+    """True for a file outside the iteration folders, or inside a complete one."""
+    match = _ITERATION_FOLDER.match(name.split(os.sep)[0])
+    if match is None:
+        return True
+    iteration = int(match.group(1))
+    complete = os.path.isfile(os.path.join(checkpoint_dir(run_dir, iteration), METADATA_FILENAME))
+    return complete and latest is not None and iteration <= latest
 
 
 def run_directory(ref: ArtifactRef) -> str:
