@@ -172,7 +172,7 @@ class _ScratchSlot:
         os.makedirs(base, exist_ok=True)
         self.base = base
         for n in itertools.count():
-            handle = _try_lock(os.path.join(base, f"{n}.lock"))
+            handle = try_lock(os.path.join(base, f"{n}.lock"))
             if handle is not None:
                 self.lock: IO[bytes] | None = handle
                 self.path = os.path.join(base, str(n))
@@ -201,7 +201,7 @@ class _ScratchSlot:
         if remove:
             shutil.rmtree(self.path, ignore_errors=True)
             for lock in self.others():
-                handle = _try_lock(lock)
+                handle = try_lock(lock)
                 if handle is not None:
                     shutil.rmtree(lock[: -len(".lock")], ignore_errors=True)
                     handle.close()
@@ -209,8 +209,11 @@ class _ScratchSlot:
         self.lock = None
 
 
-def _try_lock(path: str) -> IO[bytes] | None:
-    """The open lock file with an exclusive lock taken, or None when another process holds it."""
+def try_lock(path: str) -> IO[bytes] | None:
+    """The open lock file with an exclusive lock taken, or None when another process holds it.
+
+    The lock lasts until the file is closed or the process dies (the kernel releases it even after SIGKILL).
+    """
     handle = open(path, "ab")  # noqa: SIM115 - held open: the lock lives as long as the handle
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
