@@ -107,6 +107,7 @@ def prefect_api(startup_timeout: float = STARTUP_TIMEOUT_SECONDS) -> Iterator[st
         proc = subprocess.Popen([sys.executable, "-m", "flows.server", str(port)], env=env)
         stack.callback(_stop, proc)
         _wait_until_healthy(proc, url, startup_timeout)
+        stack.callback(_drain_prefect_clients)  # runs before _stop: the last logs and events reach the server
         # Worker processes and subprocesses read the environment; this process reads the settings.
         stack.enter_context(_environment("PREFECT_API_URL", url))
         stack.enter_context(temporary_settings(updates={PREFECT_API_URL: url}))
@@ -124,6 +125,16 @@ def _environment(name: str, value: str) -> Iterator[None]:
             os.environ.pop(name, None)
         else:
             os.environ[name] = previous
+
+
+def _drain_prefect_clients() -> None:
+    """Send the logs and events Prefect still buffers in this process (what prefect_test_harness does)."""
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+
+    with contextlib.suppress(RuntimeError):  # raised when the worker never started
+        APILogWorker.instance().drain()
+    EventsWorker.drain_all()
 
 
 def _stop(proc: subprocess.Popen, grace_seconds: float = 10.0) -> None:

@@ -7,6 +7,7 @@ import glob
 import json
 import lzma
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -25,8 +26,7 @@ def small_corpus(tmp_path_factory) -> Path:
     """The first 24 chapters of the embedded corpus: a flow on it takes seconds."""
     path = tmp_path_factory.mktemp("corpus") / "corpus.jsonl"
     with lzma.open(EMBEDDED_CORPUS, "rt") as source, open(path, "w") as out:
-        for _, line in zip(range(24), source):
-            out.write(line)
+        out.writelines(line for _, line in zip(range(24), source, strict=False))
     return path
 
 
@@ -44,14 +44,16 @@ def _flow(store: Path, corpus: Path, home: Path, runner: str, **popen) -> subpro
 def test_two_flows_at_once_on_one_store_and_prefect_home_both_finish(small_corpus, tmp_path):
     store, home = tmp_path / "store", tmp_path / "prefect-home"
     logs = [tmp_path / f"flow{n}.log" for n in range(2)]
-    procs = [
-        _flow(store, small_corpus, home, "threads", stdout=open(log, "w"), stderr=subprocess.STDOUT)
-        for log in logs
-    ]
-    codes = [proc.wait(600) for proc in procs]
+    with open(logs[0], "w") as first, open(logs[1], "w") as second:
+        procs = [
+            _flow(store, small_corpus, home, "threads", stdout=out, stderr=subprocess.STDOUT)
+            for out in (first, second)
+        ]
+        codes = [proc.wait(600) for proc in procs]
     outputs = [log.read_text() for log in logs]
     assert codes == [0, 0], "\n\n".join(output[-3000:] for output in outputs)
-    tokens = [output.split("tokens: ")[-1].strip() for output in outputs]
+    assert not any("Error logging to API" in output for output in outputs)  # logs drained before shutdown
+    tokens = [re.search(r"^tokens: (.+)$", output, re.MULTILINE).group(1) for output in outputs]
     assert tokens[0] == tokens[1] and os.path.exists(os.path.join(tokens[0], "manifest.json"))
     # Each stage was committed once; whichever flow lost a race reports a cache hit, none left scratch behind.
     for stage in ("download", "clean", "dedup", "train_tokenizer", "tokenize"):
@@ -101,7 +103,8 @@ def test_sigkill_of_a_flow_leaves_no_server_or_worker_running(small_corpus, tmp_
     deadline = time.time() + 20
     while time.time() < deadline and any(_alive(pid) for pid in children):
         time.sleep(0.2)
-    survivors = {pid: open(f"/proc/{pid}/cmdline").read().replace("\0", " ") for pid in children if _alive(pid)}
+    survivors = [pid for pid in children if _alive(pid)]
+    commands = {pid: Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ") for pid in survivors}
     for pid in survivors:
         os.kill(pid, signal.SIGKILL)
-    assert survivors == {}, json.dumps(survivors)
+    assert survivors == [], json.dumps(commands)
