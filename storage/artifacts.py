@@ -15,7 +15,7 @@ Concurrent writers of one artifact (two flows started together on one store) are
 docs/architecture.md describes:
 
 - Each writer has scratch space of its own: slot ``<n>`` of ``<root>/.scratch/<stage>/<key>/`` on a local
-  store (same file system, so commits are renames), of ``$MEGATRON_FLOW_CACHE/scratch/...`` otherwise. A
+  store (same file system, so commits are renames), of ``$MEGATRON_FLOW_CACHE/.scratch/...`` otherwise. A
   slot belongs to the writer holding the lock file ``<n>.lock`` (`fcntl.flock`); the kernel drops the lock
   when its process dies, so the next writer takes the slot over and resumes from what is in it.
 - Stages are deterministic: two writers commit the same bytes to a shard, and whichever rename or PUT lands

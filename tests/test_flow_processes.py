@@ -33,7 +33,8 @@ def small_corpus(tmp_path_factory) -> Path:
 def _flow(store: Path, corpus: Path, home: Path, runner: str, **popen) -> subprocess.Popen:
     """`python -m flows.corpus` with a Prefect home of its own and no PREFECT_API_URL."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")}
-    env.update(PREFECT_HOME=str(home), PREFECT_SERVER_ANALYTICS_ENABLED="false", OMP_NUM_THREADS="1")
+    env.update(PREFECT_HOME=str(home), PREFECT_SERVER_ANALYTICS_ENABLED="false", OMP_NUM_THREADS="1",
+               PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="180")  # fmt: skip
     command = [
         sys.executable, "-m", "flows.corpus", "--store", str(store), "--download.source", str(corpus),
         "--download.docs-per-shard", "8", "--tokenize.workers", "1", "--task-runner", runner, "--workers", "2",
