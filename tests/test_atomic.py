@@ -46,9 +46,9 @@ def test_copy_and_move(tmp_path):
 
 
 def test_exclusive_write_keeps_the_first_file(tmp_path):
-    path = str(tmp_path / "manifest.json")
-    with atomic_path(path, exclusive=True) as tmp, open(tmp, "w") as f:
+    path = tmp_path / "manifest.json"
+    with atomic_path(str(path), exclusive=True) as tmp, open(tmp, "w") as f:
         f.write("first")
-    with pytest.raises(FileExistsError), atomic_path(path, exclusive=True) as tmp, open(tmp, "w") as f:
+    with pytest.raises(FileExistsError), atomic_path(str(path), exclusive=True) as tmp, open(tmp, "w") as f:
         f.write("second")
-    assert open(path).read() == "first" and os.listdir(tmp_path) == ["manifest.json"]
+    assert path.read_text() == "first" and os.listdir(tmp_path) == ["manifest.json"]
