@@ -271,6 +271,19 @@ def test_a_killed_writers_scratch_goes_to_the_next_writer(tmp_path):
     assert calls == [["resume-from-here"]]
 
 
+def test_a_writer_that_fails_after_another_committed_returns_the_winners_artifact(tmp_path):
+    store = ArtifactStore(str(tmp_path / "store"))
+    key = stage_key("toy", "1", Params(), [])
+
+    def loses_the_race(writer) -> dict:
+        winner = store.begin("toy", key)
+        winner.commit({"counts": {"by": "winner"}})
+        raise FileNotFoundError("partials/00000/stats.json")  # what the winner's clean-up does to a loser
+
+    ref = run_stage(store, "toy", "1", Params(), [], loses_the_race)
+    assert ref.cache_hit and ref.manifest()["counts"] == {"by": "winner"}
+
+
 def race_writer(store_url: str, meet: str, n: int, delay: float, out: str, endpoint: str | None) -> None:
     """One of two processes building the same artifact at once (started by the concurrency tests): both
     begin building before either commits; then the one with the longer `delay` is the slower."""
