@@ -20,6 +20,7 @@ from prefect import flow, get_run_logger
 from pydantic import BaseModel, ConfigDict
 
 from flows.cli import parse_config
+from flows.server import prefect_api
 from flows.summary import summarize, summary_table
 from flows.tasks import TaskRunnerKind, make_task_runner, run_stage_task
 from stages.clean import CleanParams
@@ -96,7 +97,8 @@ def run_corpus(config: CorpusConfig) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     config = parse_config(CorpusConfig, argv, description=__doc__.split("\n")[0])
-    refs = run_corpus(config)
+    with prefect_api():
+        refs = run_corpus(config)
     print(summary_table(summarize(refs, config.store)))
     print(f"tokens: {refs['tokenize']['url']}")
     return 0

@@ -9,13 +9,15 @@ import json
 import sys
 
 from flows.eval import parse, run_eval
+from flows.server import prefect_api
 from flows.summary import summarize, summary_table
 from storage.artifacts import ArtifactStore
 
 
 def main(argv: list[str] | None = None) -> int:
     config = parse(argv)
-    refs = run_eval(config)
+    with prefect_api():
+        refs = run_eval(config)
     store = config.pretrain.corpus.store
     print("\n" + summary_table(summarize({k: v for k, v in refs.items() if k != "pretrain"}, store)))
     evaluate = ArtifactStore(store).ref(refs["evaluate"])

@@ -15,6 +15,7 @@ from prefect import flow, get_run_logger
 from pydantic import BaseModel, ConfigDict
 
 from flows.pretrain import PretrainFlowConfig, add_pretrain_flags, pretrain_config, pretrain_flow, split_argv
+from flows.server import prefect_api
 from flows.tasks import make_task_runner, run_stage_task
 from stages.evaluate import EvaluateParams
 
@@ -57,7 +58,8 @@ def run_eval(config: EvalFlowConfig) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    refs = run_eval(parse(argv))
+    with prefect_api():
+        refs = run_eval(parse(argv))
     print(f"report: {refs['evaluate']['url']}/report.md")
     return 0
 

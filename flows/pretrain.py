@@ -19,6 +19,7 @@ from prefect import flow, get_run_logger
 from pydantic import BaseModel, ConfigDict
 
 from flows.corpus import CorpusConfig, corpus_flow
+from flows.server import prefect_api
 from flows.tasks import make_task_runner, run_stage_task
 from stages.pretrain import params_from_argv
 
@@ -89,7 +90,8 @@ def parse(argv: list[str] | None) -> PretrainFlowConfig:
 def main(argv: list[str] | None = None) -> int:
     config = parse(argv)
     runner = make_task_runner(config.corpus.task_runner, config.corpus.workers, config.corpus.cluster_address)
-    refs = pretrain_flow.with_options(task_runner=runner)(config)
+    with prefect_api():
+        refs = pretrain_flow.with_options(task_runner=runner)(config)
     print(f"trained run: {refs['pretrain']['url']}")
     return 0
 

@@ -18,6 +18,7 @@ from prefect.context import TaskRunContext
 from prefect.futures import as_completed
 from prefect.task_runners import ProcessPoolTaskRunner, TaskRunner, ThreadPoolTaskRunner
 
+from flows.server import exit_with_parent
 from stages.base import Stage
 from storage.artifacts import ArtifactRef, ArtifactStore
 
@@ -34,8 +35,8 @@ def make_task_runner(
     """The task runner the per-shard work is mapped on."""
     if kind == "threads":
         return ThreadPoolTaskRunner(max_workers=workers)
-    if kind == "processes":
-        return ProcessPoolTaskRunner(max_workers=workers)
+    if kind == "processes":  # workers stop when the flow process dies, even by SIGKILL
+        return ProcessPoolTaskRunner(max_workers=workers, initializer=exit_with_parent)
     if kind == "dask":
         try:
             from prefect_dask import DaskTaskRunner

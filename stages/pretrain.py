@@ -14,7 +14,9 @@ import copy
 import dataclasses
 import logging
 import os
+import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -30,6 +32,7 @@ from megatron_train.arguments import (
     validate_config,
 )
 from megatron_train.checkpointing import (
+    METADATA_FILENAME,
     TRACKER_FILENAME,
     checkpoint_dir,
     read_latest_iteration,
@@ -44,9 +47,11 @@ from storage.artifacts import (
     ArtifactStore,
     ArtifactWriter,
 )
+from storage.atomic import is_temporary
 from storage.fingerprint import hash_file
 
 log = logging.getLogger("megatron_flow.stage.pretrain")  # every line of the training job; flows forward it
+_ITERATION_FOLDER = re.compile(r"iter_(\d+)$")  # the name checkpoint_dir gives a saved iteration
 
 
 def default_config() -> MegatronConfig:
@@ -175,6 +180,34 @@ def launch(command: list[str], on_line: Callable[[str], None] | None = None) -> 
         )
 
 
+def committable_files(run_dir: str) -> list[str]:
+    """The run directory's files that belong in the artifact, the latest marker first.
+
+    Left out: temporary files of an interrupted write (`storage.atomic.is_temporary`) and checkpoint folders
+    that are not complete, i.e. without their metadata file (written after every rank's shard) or beyond the
+    latest marker (a save that a kill interrupted). The marker goes first so that a crash while moving leaves
+    a run directory that restarts cleanly rather than a marker pointing at a checkpoint already moved away.
+    """
+    latest = read_latest_iteration(run_dir)
+    names = []
+    for folder, _, files in os.walk(run_dir):
+        for file in files:
+            name = os.path.relpath(os.path.join(folder, file), run_dir)
+            if not is_temporary(name) and _in_complete_checkpoint(run_dir, name, latest):
+                names.append(name)
+    return sorted(names, key=lambda name: (name != TRACKER_FILENAME, name))
+
+
+def _in_complete_checkpoint(run_dir: str, name: str, latest: int | None) -> bool:
+    """True for a file outside the iteration folders, or inside a complete one."""
+    match = _ITERATION_FOLDER.match(name.split(os.sep)[0])
+    if match is None:
+        return True
+    iteration = int(match.group(1))
+    complete = os.path.isfile(os.path.join(checkpoint_dir(run_dir, iteration), METADATA_FILENAME))
+    return complete and latest is not None and iteration <= latest
+
+
 def run_directory(ref: ArtifactRef) -> str:
     """The local run directory of a pretrain artifact (for `--load` or `load_model_for_inference`); a remote
     artifact is downloaded to the local cache first."""
@@ -224,6 +257,14 @@ class PretrainStage(Stage):
         def build(writer: ArtifactWriter) -> dict:
             run_dir = os.path.join(writer.local_dir, "run")
             config = run_config(params, _data_prefix(tokenized, params.json_key), tokenizer_fields, run_dir)
+            if os.path.isdir(run_dir) and read_latest_iteration(run_dir) is None:
+                # A crash while moving a finished run into the artifact (the marker moves first): its checkpoints
+                # are partly gone, so train again from scratch; the run is deterministic, the bytes the same.
+                log.info(
+                    "%s holds no marker: an earlier attempt was cut off while committing; starting over",
+                    run_dir,
+                )
+                shutil.rmtree(run_dir)
             resumed_from = read_latest_iteration(run_dir) if os.path.isdir(run_dir) else None
             if resumed_from is not None:
                 log.info("resuming %s from iteration %d", run_dir, resumed_from)
@@ -236,14 +277,7 @@ class PretrainStage(Stage):
                     "rerun the stage to continue from there"
                 )
             metadata = read_metadata(checkpoint_dir(run_dir, iteration))
-            # The marker moves first: a crash while moving leaves a run directory that restarts cleanly rather than
-            # a marker that points at a checkpoint already moved away.
-            names = sorted(
-                (os.path.relpath(os.path.join(folder, name), run_dir) for folder, _, files in os.walk(run_dir)
-                 for name in files),
-                key=lambda name: name != TRACKER_FILENAME,
-            )  # fmt: skip
-            for name in names:
+            for name in committable_files(run_dir):
                 writer.put_file(os.path.join(run_dir, name), name)
             return {
                 "iteration": iteration,

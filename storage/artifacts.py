@@ -6,54 +6,100 @@ Layout under the store's root (a local directory or any fsspec URL such as ``s3:
     <root>/<stage>/<key>/<files...>         the artifact's files
     <root>/<stage>/<key>/_shards/<name>.json  one marker per committed shard, written after its files
 
-On a local file system every file is written under a temporary name and renamed into place. On object
+On a local file system every file is written under a temporary name and renamed into place
+(`storage.atomic`); names `storage.atomic.is_temporary` recognises are never part of an artifact. On object
 stores a PUT is already atomic per object, so data objects go first and the small marker or manifest last.
 A killed stage therefore leaves only complete files behind; rerun, it skips the shards whose markers exist.
+
+Concurrent writers of one artifact (two flows started together on one store) are safe, as
+docs/architecture.md describes:
+
+- Each writer has scratch space of its own: slot ``<n>`` of ``<root>/.scratch/<stage>/<key>/`` on a local
+  store (same file system, so commits are renames), of ``$MEGATRON_FLOW_CACHE/.scratch/...`` otherwise. A
+  slot belongs to the writer holding the lock file ``<n>.lock`` (`fcntl.flock`); the kernel drops the lock
+  when its process dies, so the next writer takes the slot over and resumes from what is in it.
+- Stages are deterministic: two writers commit the same bytes to a shard, and whichever rename or PUT lands
+  last leaves the same consistent shard (files first, then the marker that describes them).
+- The first manifest wins. Locally it is linked into place, which fails if one exists; on object stores it
+  is a conditional PUT (``If-None-Match: *``, honoured by AWS S3 and moto; stores that ignore it fall back
+  to last-writer-wins, and both manifests then describe the same files). The loser returns the winner's
+  reference as a cache hit without rewriting anything, and it stops placing files once it sees a manifest.
+- A writer that fails while another writer built the artifact (e.g. it read files the winner cleaned up)
+  waits for the other live writers on this machine, then returns the committed artifact as a cache hit.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import importlib.metadata
+import itertools
 import json
 import logging
 import os
 import platform
+import posixpath
 import shutil
-import tempfile
 import time
-import uuid
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import IO, Any
 
 import fsspec
 
+from storage.atomic import atomic_move, atomic_path, atomic_write_bytes, is_temporary
 from storage.fingerprint import canonical_json, hash_bytes, hash_file
 
 log = logging.getLogger("megatron_flow.stage")
 
 MANIFEST = "manifest.json"
 SHARD_DIR = "_shards"
-_SCRATCH = ".scratch"
+SCRATCH_DIR = ".scratch"
 # Libraries whose versions go into every manifest when they are installed.
 _LIBRARIES = ("numpy", "pyarrow", "fsspec", "tokenizers", "datasets", "torch", "ftfy", "prefect")
+
+
+class AlreadyCommitted(Exception):
+    """Another writer committed the artifact first: this writer's work is not needed."""
 
 
 def _is_local(fs: fsspec.AbstractFileSystem) -> bool:
     return "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,))
 
 
+def _cache_root() -> str:
+    return os.environ.get("MEGATRON_FLOW_CACHE", os.path.expanduser("~/.cache/megatron-flow"))
+
+
 def _write_bytes_atomic(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -> None:
     if _is_local(fs):
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        tmp = f"{path}.tmp-{uuid.uuid4().hex}"
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        atomic_write_bytes(path, data)
     else:
         fs.pipe_file(path, data)
+
+
+def _create_once(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -> bool:
+    """Write `path` only if it does not exist yet; False when another writer's file is already there."""
+    try:
+        if _is_local(fs):
+            with atomic_path(path, exclusive=True) as tmp, open(tmp, "wb") as f:
+                f.write(data)
+        else:
+            fs.pipe_file(path, data, mode="create")
+    except FileExistsError:
+        return False
+    return True
+
+
+def checked_name(name: str, where: str) -> str:
+    """`name` if it is a relative path inside an artifact: a name read from a manifest must never escape it."""
+    normal = posixpath.normpath(name.replace("\\", "/")) if name else ""
+    if normal in ("", ".") or normal.startswith(("/", "../")) or normal == ".." or os.path.isabs(name):
+        raise ValueError(
+            f"{where}: file name {name!r} is absolute or leaves the artifact; an artifact's files are relative "
+            "paths below its folder. The manifest was not written by this project or was altered: delete the "
+            "artifact and rerun its stage"
+        )
+    return normal
 
 
 def _library_versions() -> dict[str, str]:
@@ -86,7 +132,7 @@ class ArtifactRef:
         return f"{self.stage}:{self.key}"
 
     def file_url(self, name: str) -> str:
-        return f"{self.url.rstrip('/')}/{name}"
+        return f"{self.url.rstrip('/')}/{checked_name(name, f'{self.url}/{MANIFEST}')}"
 
     def _path(self, name: str) -> str:
         return fsspec.core.url_to_fs(self.file_url(name), **self.storage_options)[1]
@@ -104,25 +150,86 @@ class ArtifactRef:
         fs = self.fs
         if _is_local(fs):
             return self._path(name)
-        cache = os.path.join(
-            os.environ.get("MEGATRON_FLOW_CACHE", os.path.expanduser("~/.cache/megatron-flow")),
-            self.stage,
-            self.key,
-            name,
-        )
+        relative = checked_name(name, f"{self.url}/{MANIFEST}")
+        cache = os.path.join(_cache_root(), self.stage, self.key, *relative.split("/"))
         if not os.path.exists(cache):
-            os.makedirs(os.path.dirname(cache), exist_ok=True)
-            tmp = f"{cache}.tmp-{uuid.uuid4().hex}"
-            fs.get_file(self._path(name), tmp)
-            os.replace(tmp, cache)
+            with atomic_path(cache) as tmp:
+                fs.get_file(self._path(relative), tmp)
         return cache
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
 
+class _ScratchSlot:
+    """A writer's own scratch folder, ``<base>/<n>``, owned while the lock file ``<base>/<n>.lock`` is held.
+
+    Lock files are never deleted (deleting one while another writer opens it would let two writers own a
+    slot); they are empty and live outside every artifact.
+    """
+
+    def __init__(self, base: str):
+        os.makedirs(base, exist_ok=True)
+        self.base = base
+        for n in itertools.count():
+            handle = try_lock(os.path.join(base, f"{n}.lock"))
+            if handle is not None:
+                self.lock: IO[bytes] | None = handle
+                self.path = os.path.join(base, str(n))
+                os.makedirs(self.path, exist_ok=True)
+                return
+
+    def others(self) -> list[str]:
+        """Lock files of the other slots (live or abandoned writers of the same artifact)."""
+        mine = f"{self.path}.lock"
+        return sorted(
+            os.path.join(self.base, name)
+            for name in os.listdir(self.base)
+            if name.endswith(".lock") and os.path.join(self.base, name) != mine
+        )
+
+    def wait_for_others(self) -> None:
+        """Block until no other writer on this machine holds a slot of this artifact."""
+        for lock in self.others():
+            with open(lock, "rb") as handle:
+                fcntl.flock(handle, fcntl.LOCK_SH)
+
+    def release(self, remove: bool) -> None:
+        """Give the slot up; `remove` deletes its folder and those of abandoned slots (the artifact is done)."""
+        if self.lock is None:
+            return
+        if remove:
+            shutil.rmtree(self.path, ignore_errors=True)
+            for lock in self.others():
+                handle = try_lock(lock)
+                if handle is not None:
+                    shutil.rmtree(lock[: -len(".lock")], ignore_errors=True)
+                    handle.close()
+        self.lock.close()
+        self.lock = None
+
+
+def try_lock(path: str) -> IO[bytes] | None:
+    """The open lock file with an exclusive lock taken, or None when another process holds it.
+
+    The lock lasts until the file is closed or the process dies (the kernel releases it even after SIGKILL).
+    """
+    handle = open(path, "ab")  # noqa: SIM115 - held open: the lock lives as long as the handle
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.close()
+        return None
+    return handle
+
+
 class ArtifactWriter:
-    """Builds one artifact: commits shards atomically, then the manifest last."""
+    """Builds one artifact: commits shards atomically, then the manifest last (first writer's manifest wins).
+
+    `local_dir` is this writer's own scratch folder; a writer that was killed leaves it to the next writer of
+    the same artifact, which can resume from it (the pretrain stage's run directory). Worker processes get a
+    pickled copy that can place files and commit shards but does not own the scratch slot.
+    """
 
     def __init__(self, store: ArtifactStore, stage: str, key: str):
         self.store = store
@@ -131,15 +238,25 @@ class ArtifactWriter:
         self.fs = store.fs
         self.path = store._artifact_path(stage, key)
         self.url = store.artifact_url(stage, key)
-        if _is_local(self.fs):
-            # Scratch inside the artifact, on the same file system: commits are renames.
-            self.local_dir = os.path.join(self.path, _SCRATCH)
-            os.makedirs(self.local_dir, exist_ok=True)
+        if _is_local(self.fs):  # on the store's file system: commits are renames
+            base = os.path.join(store.root, SCRATCH_DIR, stage, key)
         else:
-            self.local_dir = tempfile.mkdtemp(prefix=f"{stage}-{key[:12]}-")
+            base = os.path.join(_cache_root(), SCRATCH_DIR, hash_bytes(store.url.encode()), stage, key)
+        self._slot: _ScratchSlot | None = _ScratchSlot(base)
+        self.local_dir = self._slot.path
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_slot": None}
 
     def _marker(self, name: str) -> str:
         return f"{self.path}/{SHARD_DIR}/{name}.json"
+
+    def is_committed(self) -> bool:
+        return self.fs.exists(f"{self.path}/{MANIFEST}")
+
+    def _check_not_committed(self) -> None:
+        if self.is_committed():
+            raise AlreadyCommitted(f"{self.url} was committed by another writer")
 
     def has_shard(self, name: str) -> bool:
         return self.fs.exists(self._marker(name))
@@ -155,31 +272,27 @@ class ArtifactWriter:
             "size": os.path.getsize(local_path),
             "hash": hash_file(local_path, fsspec.filesystem("file")),
         }
-        dest = f"{self.path}/{name}"
+        dest = f"{self.path}/{checked_name(name, self.url)}"
         if _is_local(self.fs):
-            os.makedirs(os.path.dirname(dest), exist_ok=True)
-            tmp = f"{dest}.tmp-{uuid.uuid4().hex}"
-            if _same_device(local_path, dest):
-                os.replace(local_path, tmp)
-            else:
-                shutil.copyfile(local_path, tmp)
-            os.replace(tmp, dest)
+            atomic_move(local_path, dest)
         else:
             self.fs.put_file(local_path, dest)
         return described
 
     def commit_shard(self, name: str, files: dict[str, str]) -> None:
         """Commit a finished unit of work: its files first, then the marker that says it is done."""
+        self._check_not_committed()
         placed = {rel: self._place(local, rel) for rel, local in files.items()}
         marker = canonical_json({"shard": name, "files": placed, "committed_at": time.time()}).encode()
         _write_bytes_atomic(self.fs, self._marker(name), marker)
 
     def put_file(self, local_path: str, name: str) -> None:
         """Place a non-shard output file (written again on a rerun: it must be reproducible)."""
+        self._check_not_committed()
         self._place(local_path, name)
 
-    def commit(self, manifest: dict[str, Any]) -> ArtifactRef:
-        """Describe every file (size, content hash) and write manifest.json last: the artifact is done."""
+    def _describe_files(self) -> dict[str, dict[str, Any]]:
+        """Every committed file of the artifact with its size and hash (from shard markers where they match)."""
         known: dict[str, dict[str, Any]] = {}
         if self.fs.exists(f"{self.path}/{SHARD_DIR}"):
             for marker in self.fs.find(f"{self.path}/{SHARD_DIR}"):
@@ -190,33 +303,48 @@ class ArtifactWriter:
         root = self.fs._strip_protocol(self.path).rstrip("/")
         for full in sorted(self.fs.find(self.path)):
             rel = self.fs._strip_protocol(full)[len(root) + 1 :]
-            if rel == MANIFEST or rel.startswith((f"{SHARD_DIR}/", f"{_SCRATCH}/")) or ".tmp-" in rel:
+            if rel == MANIFEST or rel.startswith(f"{SHARD_DIR}/") or is_temporary(rel):
                 continue
             size = self.fs.size(full)
             if rel in known and known[rel]["size"] == size:
                 files[rel] = known[rel]
             else:
                 files[rel] = {"size": size, "hash": hash_file(full, self.fs)}
+        return files
+
+    def commit(self, manifest: dict[str, Any]) -> ArtifactRef:
+        """Describe every file (size, content hash) and write manifest.json last: the artifact is done.
+
+        When another writer committed first, its artifact is returned as a cache hit and nothing is written.
+        """
+        ref = ArtifactRef(self.stage, self.key, self.url, storage_options=self.store.storage_options)
+        if self.is_committed():
+            self.release(remove=True)
+            return dataclasses.replace(ref, cache_hit=True)
         body = {
             "stage": self.stage,
             "key": self.key,
             **manifest,
-            "files": files,
+            "files": self._describe_files(),
             "library_versions": _library_versions(),
             "committed_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         }
-        _write_bytes_atomic(
+        won = _create_once(
             self.fs, f"{self.path}/{MANIFEST}", json.dumps(body, indent=2, sort_keys=True).encode()
         )
-        shutil.rmtree(self.local_dir, ignore_errors=True)
-        return ArtifactRef(self.stage, self.key, self.url, storage_options=self.store.storage_options)
+        self.release(remove=True)
+        return dataclasses.replace(ref, cache_hit=not won)
 
+    def wait_for_other_writers(self) -> None:
+        """Give up this writer's slot, then block while other writers of this artifact run on this machine."""
+        if self._slot is not None:
+            self._slot.release(remove=False)
+            self._slot.wait_for_others()
 
-def _same_device(src: str, dest: str) -> bool:
-    try:
-        return os.stat(src).st_dev == os.stat(os.path.dirname(dest)).st_dev
-    except OSError:
-        return False
+    def release(self, remove: bool = False) -> None:
+        """Give up the scratch slot (idempotent); `remove` also deletes the scratch (the artifact is done)."""
+        if self._slot is not None:
+            self._slot.release(remove)
 
 
 class ArtifactStore:
@@ -287,15 +415,29 @@ def run_stage(
         return dataclasses.replace(found, cache_hit=True)
     started = time.time()
     writer = store.begin(stage, key)
-    extra = build(writer)
-    seconds = time.time() - started
-    manifest = {
-        "version": version,
-        "params": json.loads(canonical_json(params)),
-        "inputs": fingerprints,
-        **extra,
-        "seconds": round(seconds, 3),
-    }
-    ref = writer.commit(manifest)
-    log.info("%s: built %s in %.1f s", stage, ref.url, seconds)
+    try:
+        extra = build(writer)
+        seconds = time.time() - started
+        manifest = {
+            "version": version,
+            "params": json.loads(canonical_json(params)),
+            "inputs": fingerprints,
+            **extra,
+            "seconds": round(seconds, 3),
+        }
+        ref = writer.commit(manifest)
+    except Exception as error:
+        writer.wait_for_other_writers()
+        found = store.find(stage, key)
+        if found is None:
+            raise
+        log.info("%s: %s was committed by another writer first (%s: %s)", stage, found.url,
+                 type(error).__name__, error)  # fmt: skip
+        return dataclasses.replace(found, cache_hit=True)
+    finally:
+        writer.release()
+    if ref.cache_hit:
+        log.info("%s: %s was committed by another writer first", stage, ref.url)
+    else:
+        log.info("%s: built %s in %.1f s", stage, ref.url, seconds)
     return ref

@@ -36,10 +36,12 @@ def _fsync(path: str) -> None:
 
 
 @contextlib.contextmanager
-def atomic_path(path: str, fsync: bool = True) -> Iterator[str]:
+def atomic_path(path: str, fsync: bool = True, exclusive: bool = False) -> Iterator[str]:
     """Yield a temporary path to write; on success it replaces `path`, on error it is removed.
 
     `fsync=False` skips the flush to disk for caches that can be rebuilt (the rename stays atomic).
+    `exclusive=True` never replaces: the file is linked into place, and FileExistsError says another writer
+    got there first (its file is kept; what first commits wins).
     """
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
@@ -48,7 +50,11 @@ def atomic_path(path: str, fsync: bool = True) -> Iterator[str]:
         yield tmp
         if fsync:
             _fsync(tmp)
-        os.replace(tmp, path)
+        if exclusive:
+            os.link(tmp, path)
+            os.remove(tmp)
+        else:
+            os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.remove(tmp)

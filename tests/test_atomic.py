@@ -43,3 +43,12 @@ def test_copy_and_move(tmp_path):
     assert (tmp_path / "out" / "copy.bin").read_bytes() == b"xyz"
     atomic_move(str(src), str(tmp_path / "moved" / "m.bin"))
     assert not src.exists() and (tmp_path / "moved" / "m.bin").read_bytes() == b"xyz"
+
+
+def test_exclusive_write_keeps_the_first_file(tmp_path):
+    path = tmp_path / "manifest.json"
+    with atomic_path(str(path), exclusive=True) as tmp, open(tmp, "w") as f:
+        f.write("first")
+    with pytest.raises(FileExistsError), atomic_path(str(path), exclusive=True) as tmp, open(tmp, "w") as f:
+        f.write("second")
+    assert path.read_text() == "first" and os.listdir(tmp_path) == ["manifest.json"]

@@ -17,6 +17,8 @@ from collections.abc import Callable
 
 import numpy as np
 
+from storage.atomic import atomic_path, atomic_write_text
+
 logger = logging.getLogger(__name__)
 
 INT32_MAX = np.iinfo(np.int32).max
@@ -247,8 +249,9 @@ def load_or_build_indices(
     try:
         os.makedirs(cache_dir, exist_ok=True)
         for name, path in paths.items():
-            _atomic_write(path, lambda file, array=arrays[name]: np.save(file, array, allow_pickle=False))
-        _atomic_write(description_path, lambda file: file.write(description.encode("utf-8")))
+            with atomic_path(path, fsync=False) as tmp, open(tmp, "wb") as file:
+                np.save(file, arrays[name], allow_pickle=False)
+        atomic_write_text(description_path, description, fsync=False)
     except OSError as error:
         raise OSError(
             f"cannot write the {kind} index cache under {cache_dir}: {error}; set --data-cache-path to a "
@@ -262,11 +265,3 @@ def _timed_build(kind: str, build: Callable[[], dict[str, np.ndarray]]) -> dict[
     arrays = build()
     logger.info("%s indices built in %.3f s", kind, time.perf_counter() - began)
     return arrays
-
-
-def _atomic_write(path: str, write: Callable) -> None:
-    """Write through `write(file)` to a temporary name beside `path`, then rename it into place."""
-    temporary = f"{path}.tmp-{os.getpid()}"
-    with open(temporary, "wb") as file:
-        write(file)
-    os.replace(temporary, path)

@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from storage.atomic import atomic_write_text
+
 
 def peak_memory_mb() -> float:
     """Peak memory of this process: allocated CUDA memory on GPU, resident set size on CPU."""
@@ -105,7 +107,4 @@ def _truncate_after(path: str, start_iteration: int) -> None:
             for line in handle
             if line.strip() and json.loads(line).get("iteration", 0) <= start_iteration
         ]
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as handle:
-        handle.writelines(kept)
-    os.replace(tmp, path)
+    atomic_write_text(path, "".join(kept))
