@@ -49,6 +49,7 @@ from megatron_train.parallel import model_parallel_seed, state
 from megatron_train.tools.checkpoint_util import convert_checkpoint, main
 from megatron_train.training.config import CheckpointConfig, OptimizerConfig, TokenizerConfig, TrainingConfig
 from tests.distributed import run_distributed
+from tests.tiny import tiny_llama_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GPT_PADDED_VOCAB = 128  # NullTokenizer --vocab-size 127 (+ eod) pads to 128 at TP 1, 2 and 4 with divisor 32
@@ -75,11 +76,7 @@ def _train_argv(save: str, tp: int, *extra: str) -> list[str]:
 
 def _llama_config(save_dir: str) -> MegatronConfig:
     """GQA (8 heads, 4 groups), SwiGLU, RoPE, RMSNorm, untied output layer, biases."""
-    model = TransformerConfig(
-        num_layers=2, hidden_size=32, num_attention_heads=8, group_query_attention=True, num_query_groups=4,
-        ffn_hidden_size=64, swiglu=True, position_embedding_type="rope", normalization="RMSNorm",
-        untie_embeddings_and_output_weights=True, seq_length=16, hidden_dropout=0.0, attention_dropout=0.0,
-    )  # fmt: skip
+    model = tiny_llama_config(add_bias_linear=True)
     return MegatronConfig(
         model=model,
         data=DataConfig(mock_data=True),

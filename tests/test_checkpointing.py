@@ -32,7 +32,6 @@ from megatron_train.checkpointing import (
     save_checkpoint,
 )
 from megatron_train.data.config import DataConfig
-from megatron_train.models.config import TransformerConfig
 from megatron_train.models.gpt import GPTModel
 from megatron_train.optimizer import get_megatron_optimizer
 from megatron_train.parallel import model_parallel_seed, state
@@ -43,19 +42,13 @@ from storage import atomic
 from storage.fingerprint import hash_file
 from tests.distributed import run_distributed
 from tests.test_training import tiny_args
+from tests.tiny import tiny_config
 
 VOCAB = 128
 
 
 def _config(save_dir: str, hidden_size: int = 32, **checkpoint: object) -> MegatronConfig:
-    model = TransformerConfig(
-        num_layers=2,
-        hidden_size=hidden_size,
-        num_attention_heads=4,
-        seq_length=16,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-    )
+    model = tiny_config(hidden_size=hidden_size)
     return MegatronConfig(
         model=model,
         data=DataConfig(mock_data=True),

@@ -17,13 +17,13 @@ from safetensors.torch import load_file
 
 from megatron_train.distributed import DDPConfig, DistributedDataParallel
 from megatron_train.distributed.ddp import Bucket
-from megatron_train.models.config import TransformerConfig
 from megatron_train.models.gpt import GPTModel
 from megatron_train.optimizer import DistributedOptimizer, MegatronOptimizer, get_megatron_optimizer
 from megatron_train.optimizer.distrib_optimizer import shards_of_bucket
 from megatron_train.training.config import OptimizerConfig
 from tests.distributed import run_distributed
 from tests.test_training import tiny_args, write_corpus
+from tests.tiny import tiny_config
 
 VOCAB = 128
 DIST = "--use-distributed-optimizer"
@@ -64,16 +64,7 @@ LOADS = {"resumed_dp1": "saved_dp2", "resumed_dp1_bf16": "saved_dp2_bf16", "resu
 
 def _gpt(dtype: torch.dtype) -> GPTModel:
     torch.manual_seed(0)
-    config = TransformerConfig(
-        num_layers=2,
-        hidden_size=32,
-        num_attention_heads=4,
-        seq_length=16,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        bf16=dtype == torch.bfloat16,
-        fp16=dtype == torch.float16,
-    )
+    config = tiny_config(bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16)
     return GPTModel(config, VOCAB)
 
 

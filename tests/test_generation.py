@@ -68,18 +68,13 @@ def tokenizer() -> CharTokenizer:
 
 def build_tiny_gpt(seed: int = 0, max_position_embeddings: int = 64):
     """A 2-layer GPTModel with a padded vocabulary (128 > the tokenizer's 79), in eval mode."""
-    from megatron_train.models.config import TransformerConfig
     from megatron_train.models.gpt import GPTModel
+    from tests.tiny import tiny_config
 
     torch.manual_seed(seed)
-    config = TransformerConfig(
-        num_layers=2,
-        hidden_size=32,
-        num_attention_heads=4,
+    config = tiny_config(
         seq_length=max_position_embeddings,
         max_position_embeddings=max_position_embeddings,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
         init_method_std=0.2,
     )
     return GPTModel(config, vocab_size=128).eval()
@@ -331,23 +326,19 @@ def test_model_mode_is_restored(tokenizer):
 
 def _tensor_parallel_worker(rank: int, world_size: int) -> dict[str, list[list[int]]]:
     """Greedy tokens of a learned-absolute GPT and a GQA + RoPE Llama, at TP=1 and at TP=world_size."""
-    from megatron_train.models.config import TransformerConfig
     from megatron_train.models.gpt import GPTModel
     from megatron_train.parallel import state
+    from tests.tiny import tiny_config, tiny_llama_config
 
-    tiny = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=32, init_method_std=0.2)
-    llama = dict(tiny, position_embedding_type="rope", normalization="RMSNorm", swiglu=True, ffn_hidden_size=64,
-                 group_query_attention=True, num_query_groups=2, add_bias_linear=False,
-                 untie_embeddings_and_output_weights=True)  # fmt: skip
+    shape = dict(num_attention_heads=4, seq_length=32, init_method_std=0.2)
+    configs = {"gpt": tiny_config(**shape), "llama": tiny_llama_config(**shape, num_query_groups=2)}
     results = {}
     for tp in (1, world_size):
         if tp > 1:
             state.initialize_model_parallel(tensor_model_parallel_size=tp)
-        for name, kwargs in (("gpt", tiny), ("llama", llama)):
+        for name, config in configs.items():
             torch.manual_seed(7)
-            model = GPTModel(
-                TransformerConfig(hidden_dropout=0.0, attention_dropout=0.0, **kwargs), 128
-            ).eval()
+            model = GPTModel(config, 128).eval()
             out = generate(model, CharTokenizer(), ["hello", "a b"], GREEDY)
             results[f"{name} tp{tp}"] = out.tokens
     return results

@@ -11,6 +11,7 @@ from megatron_train.models.hf_import import gpt2_state_dict_from_hf, llama_state
 from megatron_train.models.rotary import RotaryEmbedding, apply_rotary_pos_emb
 from megatron_train.models.transformer import get_layer_range, pack_qkv, unpack_qkv
 from megatron_train.parallel.random import model_parallel_seed
+from tests.tiny import TINY_MODEL
 
 
 @pytest.fixture
@@ -23,19 +24,12 @@ VOCAB = 128
 
 
 def gpt2_config(**overrides) -> TransformerConfig:
-    settings = dict(hidden_dropout=0.0, attention_dropout=0.0)
-    settings.update(overrides)
-    return TransformerConfig.gpt2(
-        num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16, **settings
-    )
+    return TransformerConfig.gpt2(**{**TINY_MODEL, **overrides})
 
 
 def llama_config(**overrides) -> TransformerConfig:
-    settings = dict(ffn_hidden_size=64, group_query_attention=True, num_query_groups=2)
-    settings.update(overrides)
-    return TransformerConfig.llama(
-        num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16, **settings
-    )
+    settings = dict(TINY_MODEL, ffn_hidden_size=64, group_query_attention=True, num_query_groups=2)
+    return TransformerConfig.llama(**{**settings, **overrides})
 
 
 def build(config: TransformerConfig, seed: int = 0) -> GPTModel:

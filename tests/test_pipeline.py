@@ -340,15 +340,9 @@ GPT_VOCAB, GPT_SEQ, GPT_MICRO_BATCH, GPT_MICROBATCHES = 128, 16, 2, 4
 
 def gpt_config():
     from megatron_train.models.config import TransformerConfig
+    from tests.tiny import TINY_MODEL
 
-    return TransformerConfig.gpt2(
-        num_layers=4,
-        hidden_size=32,
-        num_attention_heads=4,
-        seq_length=GPT_SEQ,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-    )
+    return TransformerConfig.gpt2(**dict(TINY_MODEL, num_layers=4, seq_length=GPT_SEQ))
 
 
 def gpt_batches() -> list[dict[str, torch.Tensor]]:

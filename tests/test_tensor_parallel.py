@@ -21,19 +21,9 @@ from megatron_train.parallel import (
     vocab_parallel_cross_entropy,
 )
 from tests.distributed import run_distributed
+from tests.tiny import TINY_LLAMA, TINY_MODEL, tiny_config, tiny_llama_config
 
 VOCAB = 128
-TINY = dict(
-    num_layers=2,
-    hidden_size=32,
-    num_attention_heads=4,
-    seq_length=16,
-    hidden_dropout=0.0,
-    attention_dropout=0.0,
-)
-LLAMA_GQA = dict(TINY, num_attention_heads=8, group_query_attention=True, num_query_groups=4, position_embedding_type="rope",
-                 normalization="RMSNorm", swiglu=True, ffn_hidden_size=64, add_bias_linear=False,
-                 untie_embeddings_and_output_weights=True)  # fmt: skip
 
 
 def _batch() -> tuple[torch.Tensor, torch.Tensor]:
@@ -87,7 +77,7 @@ def _equivalence_worker(rank: int, world_size: int, cases: list[tuple[str, int, 
 
 EQUIVALENCE_CASES = [
     (f"{arch}_tp{tp}_sp{int(sp)}", tp, sp, kwargs)
-    for arch, kwargs in (("gpt", TINY), ("llama_gqa", LLAMA_GQA))
+    for arch, kwargs in (("gpt", TINY_MODEL), ("llama_gqa", TINY_LLAMA))
     for tp in (2, 4)
     for sp in (False, True)
 ]
@@ -184,7 +174,7 @@ def _recompute_error_under_tp(sequence_parallel: bool, recompute: dict) -> float
     """TP=2 with dropout on: recompute vs none, same seeds -> max abs difference of loss and local grads."""
     runs = []
     for extra in ({}, recompute):
-        config = TransformerConfig(**dict(LLAMA_GQA, hidden_dropout=0.1, attention_dropout=0.1, **extra))
+        config = tiny_llama_config(hidden_dropout=0.1, attention_dropout=0.1, **extra)
         torch.manual_seed(1234)
         model = GPTModel(config, VOCAB, sequence_parallel=sequence_parallel).train()
         model_parallel_seed(9)
@@ -227,7 +217,7 @@ def _check_linear_options() -> dict[str, float]:
 def _kv_cache_error_under_tp() -> float:
     """TP=2 GQA model (2 of 4 query groups per rank): cached decoding equals the full forward's logits."""
     torch.manual_seed(1234)
-    model = GPTModel(TransformerConfig(**LLAMA_GQA), VOCAB).eval()
+    model = GPTModel(tiny_llama_config(), VOCAB).eval()
     ids, _ = _batch()
     cache = KVCache(
         2, batch_size=2, max_seq_len=16, num_kv_heads=2, head_dim=4, dtype=torch.float32, device="cpu"
@@ -240,7 +230,7 @@ def _kv_cache_error_under_tp() -> float:
 
 def _check_pipeline_hooks(rank: int) -> float:
     """PP=2: stage 0 (embedding + layer 0) sends hidden states to stage 1 (layer 1 + loss): equals one model."""
-    config = TransformerConfig(**TINY)
+    config = tiny_config()
     torch.manual_seed(1234)
     reference = GPTModel(config, VOCAB)
     ids, labels = _batch()
