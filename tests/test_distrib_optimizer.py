@@ -266,19 +266,19 @@ def test_per_rank_memory_follows_megatrons_table(runs) -> None:
             assert held_bytes == replicated * numel + sharded * numel // d, (rank, d, dtype, distributed)
 
 
-def test_params_straddling_rank_parts_are_split_as_megatron_does() -> None:
+@pytest.mark.parametrize("dp_size", [1, 3, 4, 5])
+def test_params_straddling_rank_parts_are_split_as_megatron_does(dp_size: int) -> None:
     """Each rank owns an equal part of the padded bucket; a param cut by a part boundary is shared."""
     params = [torch.nn.Parameter(torch.zeros(n)) for n in (2, 5, 3)]
-    for dp_size in (1, 3, 4, 5):
-        bucket = Bucket(params, [0, 2, 7], torch.zeros(-(-10 // dp_size) * dp_size), None)
-        owned = []  # per rank: (param index, start, end) in the flattened param
-        for rank in range(dp_size):
-            shards = shards_of_bucket(bucket, rank, dp_size)
-            owned.append([(i, shards[p].start, shards[p].end) for i, p in enumerate(params) if p in shards])
-        tiles = [(i, start, end) for ranges in owned for i, start, end in ranges]
-        assert sum(end - start for _, start, end in tiles) == 10  # every element once; padding owned by none
-        if dp_size == 4:  # parts of 3 in a bucket padded to 12
-            assert owned == [[(0, 0, 2), (1, 0, 1)], [(1, 1, 4)], [(1, 4, 5), (2, 0, 2)], [(2, 2, 3)]]
+    bucket = Bucket(params, [0, 2, 7], torch.zeros(-(-10 // dp_size) * dp_size), None)
+    owned = []  # per rank: (param index, start, end) in the flattened param
+    for rank in range(dp_size):
+        shards = shards_of_bucket(bucket, rank, dp_size)
+        owned.append([(i, shards[p].start, shards[p].end) for i, p in enumerate(params) if p in shards])
+    tiles = [(i, start, end) for ranges in owned for i, start, end in ranges]
+    assert sum(end - start for _, start, end in tiles) == 10  # every element once; padding owned by none
+    if dp_size == 4:  # parts of 3 in a bucket padded to 12
+        assert owned == [[(0, 0, 2), (1, 0, 1)], [(1, 1, 4)], [(1, 4, 5), (2, 0, 2)], [(2, 2, 3)]]
 
 
 def test_checkpoints_move_between_sharded_and_replicated_and_dp_sizes(runs) -> None:

@@ -167,16 +167,16 @@ def test_lambada_accuracy_against_an_oracle(tmp_path, tokenizer):
     assert evaluate_lambada(NextIdOracle(), tokenizer, path, seq_length=8, strict=True).correct == 0
 
 
-def test_lambada_matches_a_direct_computation(tmp_path, model, tokenizer):
+@pytest.mark.parametrize("strict", [False, True])
+def test_lambada_matches_a_direct_computation(tmp_path, model, tokenizer, strict):
     texts = ["the cat sat on the mat", "hello there world", "a b", "it is what it is"]
     path = write_lambada(tmp_path, texts)
-    for strict in (False, True):
-        expected = 0
-        for context, target in load_lambada(path, tokenizer, strict):
-            logits = model(torch.tensor([context + target])[:, :-1])[0, :, : tokenizer.vocab_size]
-            expected += logits[len(context) - 1 :].argmax(-1).tolist() == target
-        result = evaluate_lambada(model, tokenizer, path, seq_length=32, strict=strict, micro_batch_size=3)
-        assert result.correct == expected and result.total == 4
+    expected = 0
+    for context, target in load_lambada(path, tokenizer, strict):
+        logits = model(torch.tensor([context + target])[:, :-1])[0, :, : tokenizer.vocab_size]
+        expected += logits[len(context) - 1 :].argmax(-1).tolist() == target
+    result = evaluate_lambada(model, tokenizer, path, seq_length=32, strict=strict, micro_batch_size=3)
+    assert result.correct == expected and result.total == 4
 
 
 @pytest.mark.parametrize(
@@ -206,13 +206,13 @@ def indexed_prefix(tmp_path):
     return prefix
 
 
-def test_indexed_tokens_slice_across_sequences(indexed_prefix):
+@pytest.mark.parametrize(("start", "stop"), [(0, 55), (3, 9), (5, 6), (4, 40), (50, 70), (7, 7)])
+def test_indexed_tokens_slice_across_sequences(indexed_prefix, start, stop):
     dataset = IndexedDataset(indexed_prefix)
     stream = np.concatenate([dataset[i] for i in range(len(dataset))])
     tokens = IndexedTokens(dataset)
     assert len(tokens) == len(stream) == 55
-    for start, stop in [(0, 55), (3, 9), (5, 6), (4, 40), (50, 70), (7, 7)]:
-        assert tokens[start:stop].tolist() == stream[start:stop].tolist()
+    assert tokens[start:stop].tolist() == stream[start:stop].tolist()
 
 
 def test_validation_perplexity_equals_the_stream_loss(model, indexed_prefix):

@@ -175,11 +175,15 @@ def test_greedy_is_deterministic_and_matches_full_forward_argmax(model, tokenize
     assert first.segments[0] == [tokenizer.detokenize([t]) for t in ids]
 
 
-def test_kv_cache_equals_recompute(model, tokenizer):
-    for params in (GREEDY, GenerationParams(tokens_to_generate=12, random_seed=3, top_p=0.9)):
-        cached = generate(model, tokenizer, ["ab", "the cat sat"], params)
-        recomputed = generate(model, tokenizer, ["ab", "the cat sat"], replace(params, use_kv_cache=False))
-        assert cached.tokens == recomputed.tokens
+@pytest.mark.parametrize(
+    "params",
+    [GREEDY, GenerationParams(tokens_to_generate=12, random_seed=3, top_p=0.9)],
+    ids=["greedy", "top_p"],
+)
+def test_kv_cache_equals_recompute(model, tokenizer, params):
+    cached = generate(model, tokenizer, ["ab", "the cat sat"], params)
+    recomputed = generate(model, tokenizer, ["ab", "the cat sat"], replace(params, use_kv_cache=False))
+    assert cached.tokens == recomputed.tokens
 
 
 def test_seeded_sampling_is_reproducible(model, tokenizer):

@@ -341,19 +341,18 @@ def test_default_cache_dir_is_beside_the_data(corpus):
     assert len(glob.glob(os.path.join(cache, "*-GPTDataset-train-description.txt"))) == 1
 
 
-def test_blending_indices_equal_megatron_greedy():
-    rng = np.random.default_rng(3)
-    for num_datasets in (1, 2, 3, 7):
-        for size in (1, 5, 257, 3000):
-            weights = rng.random(num_datasets) + 0.01
-            expected = reference_blend(weights, size)
-            for segment_length in (None, 5, 64):
-                dataset_index, dataset_sample_index = build_blending_indices(
-                    weights, size, segment_length, warmup=3
-                )
-                np.testing.assert_array_equal(dataset_index, expected[0])
-                np.testing.assert_array_equal(dataset_sample_index, expected[1])
-                assert dataset_index.dtype == np.int16 and dataset_sample_index.dtype == np.int64
+@pytest.mark.parametrize("num_datasets", [1, 2, 3, 7], ids=lambda n: f"{n}_datasets")
+@pytest.mark.parametrize("size", [1, 5, 257, 3000], ids=lambda n: f"{n}_samples")
+def test_blending_indices_equal_megatron_greedy(num_datasets, size):
+    weights = np.random.default_rng([3, num_datasets, size]).random(num_datasets) + 0.01
+    expected = reference_blend(weights, size)
+    for segment_length in (None, 5, 64):
+        dataset_index, dataset_sample_index = build_blending_indices(weights, size, segment_length, warmup=3)
+        np.testing.assert_array_equal(dataset_index, expected[0], err_msg=f"segment_length={segment_length}")
+        np.testing.assert_array_equal(
+            dataset_sample_index, expected[1], err_msg=f"segment_length={segment_length}"
+        )
+        assert dataset_index.dtype == np.int16 and dataset_sample_index.dtype == np.int64
 
 
 def test_blending_proportions_at_scale():

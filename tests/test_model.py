@@ -141,16 +141,16 @@ def _loss_and_grads(config: TransformerConfig) -> tuple[torch.Tensor, dict[str, 
     return loss.detach(), {name: p.grad for name, p in model.named_parameters()}
 
 
+@pytest.mark.parametrize("make_config", [gpt2_config, llama_config], ids=["gpt2", "llama"])
 @pytest.mark.parametrize("mode", list(RECOMPUTE_MODES))
-def test_recompute_gives_identical_loss_and_grads_with_dropout(mode):
+def test_recompute_gives_identical_loss_and_grads_with_dropout(mode, make_config):
     dropout = dict(hidden_dropout=0.1, attention_dropout=0.1)
-    for make_config in (gpt2_config, llama_config):
-        base_loss, base_grads = _loss_and_grads(make_config(**dropout))
-        loss, grads = _loss_and_grads(make_config(**dropout, **RECOMPUTE_MODES[mode]))
-        torch.testing.assert_close(loss, base_loss, rtol=0, atol=0)
-        for name, grad in grads.items():
-            torch.testing.assert_close(grad, base_grads[name], rtol=1e-6, atol=1e-7, msg=name)
-    no_dropout_loss, _ = _loss_and_grads(llama_config())
+    base_loss, base_grads = _loss_and_grads(make_config(**dropout))
+    loss, grads = _loss_and_grads(make_config(**dropout, **RECOMPUTE_MODES[mode]))
+    torch.testing.assert_close(loss, base_loss, rtol=0, atol=0)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, base_grads[name], rtol=1e-6, atol=1e-7, msg=name)
+    no_dropout_loss, _ = _loss_and_grads(make_config())
     assert not torch.allclose(no_dropout_loss, loss)  # dropout was really active
 
 
