@@ -328,21 +328,25 @@ def test_converter_command_line_splits_pipeline_stages(layouts, tmp_path) -> Non
         torch.testing.assert_close(model(_tokens(127)), layouts["gpt"][(2, 1)], rtol=1e-5, atol=1e-5)
 
 
-def test_impossible_targets_are_refused_naming_the_setting(layouts, tmp_path, capsys) -> None:
+@pytest.mark.parametrize(
+    ("source", "tp", "pp", "message"),
+    [
+        ("gpt_tp2", 3, 1, r"--num-attention-heads \(4\) is not divisible by the target tensor model parallel size \(3\)"),
+        ("llama_tp2_pp2", 8, 1, r"number of query groups \(--num-query-groups\) \(4\) is not divisible .* \(8\)"),
+        ("gpt_tp2", 1, 3, r"--num-layers \(2\) is not divisible by the target pipeline model parallel size \(3\)"),
+    ],
+    ids=["heads_over_tp3", "query_groups_over_tp8", "layers_over_pp3"],
+)  # fmt: skip
+def test_impossible_targets_are_refused_naming_the_setting(
+    layouts, tmp_path, source, tp, pp, message
+) -> None:
+    with pytest.raises(ValueError, match=message):
+        convert_checkpoint(f"{layouts['root']}/{source}", str(tmp_path / "out"), tp, pp)
+    assert not os.path.exists(tmp_path / "out")  # nothing written for a refused target
+
+
+def test_impossible_conversions_are_refused(layouts, tmp_path, capsys) -> None:
     gpt, llama = f"{layouts['root']}/gpt_tp2", f"{layouts['root']}/llama_tp2_pp2"
-    cases = (
-        (
-            gpt,
-            3,
-            1,
-            r"--num-attention-heads \(4\) is not divisible by the target tensor model parallel size \(3\)",
-        ),
-        (llama, 8, 1, r"number of query groups \(--num-query-groups\) \(4\) is not divisible .* \(8\)"),
-        (gpt, 1, 3, r"--num-layers \(2\) is not divisible by the target pipeline model parallel size \(3\)"),
-    )
-    for source, tp, pp, message in cases:
-        with pytest.raises(ValueError, match=message):
-            convert_checkpoint(source, str(tmp_path / "out"), tp, pp)
     with pytest.raises(ValueError, match="--true-vocab-size 200 exceeds"):
         convert_checkpoint(llama, str(tmp_path / "out"), 1, 1, true_vocab_size=200)
     with pytest.raises(ValueError, match="is --load-dir"):
