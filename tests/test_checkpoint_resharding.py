@@ -41,7 +41,6 @@ from megatron_train.checkpointing.layout import (
     true_vocab_range,
 )
 from megatron_train.data.config import DataConfig
-from megatron_train.models.config import TransformerConfig
 from megatron_train.models.gpt import GPTModel
 from megatron_train.models.transformer import pack_qkv
 from megatron_train.optimizer import get_megatron_optimizer
@@ -49,7 +48,7 @@ from megatron_train.parallel import model_parallel_seed, state
 from megatron_train.tools.checkpoint_util import convert_checkpoint, main
 from megatron_train.training.config import CheckpointConfig, OptimizerConfig, TokenizerConfig, TrainingConfig
 from tests.distributed import run_distributed
-from tests.tiny import tiny_llama_config
+from tests.tiny import tiny_config, tiny_llama_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GPT_PADDED_VOCAB = 128  # NullTokenizer --vocab-size 127 (+ eod) pads to 128 at TP 1, 2 and 4 with divisor 32
@@ -490,9 +489,7 @@ def test_layer_renumbering_and_stage_ownership() -> None:
     llama = _llama_config("unused").model
     check_layout(llama, 192, 4, 2)
     with pytest.raises(ValueError, match=r"padded vocabulary size \(100\) is not divisible .* \(8\)"):
-        check_layout(
-            TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=8, seq_length=16), 100, 8, 1
-        )
+        check_layout(tiny_config(num_attention_heads=8), 100, 8, 1)
 
 
 def test_bf16_main_params_and_adam_moments_follow_their_weights_through_repadding(tmp_path) -> None:
