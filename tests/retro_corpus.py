@@ -17,7 +17,7 @@ from storage.indexed_dataset import IndexedDatasetBuilder, data_file_path, index
 from tests.wordpiece_corpus import STEMS
 
 EOD, NEWLINE = 0, 1
-WORDS = ["<eod>", "\n", *(f" {stem}" for stem in STEMS)]
+WORDS = [" <eod>", "\n", *(f" {stem}" for stem in STEMS)]
 NUM_TOPICS = 8
 
 
