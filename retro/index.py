@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict
 
 import faiss
@@ -162,15 +162,18 @@ def add_to_index(
         logger.info(
             "retro index: encoded chunks [%d, %d) (block %d/%d)", start, end, number + 1, len(missing)
         )
-    ivf = _ivf(index)
-    target = index if ivf is None else ivf
-    start = 0
-    for codes in load_blocks(codes_dir, len(db), config.retro_block_size):
-        target.add_sa_codes(codes, np.arange(start, start + len(codes), dtype=np.int64))
-        start += len(codes)
-    index.ntotal = target.ntotal
+    add_codes(index, load_blocks(codes_dir, len(db), config.retro_block_size))
     _write_index(index, path)
     return path
+
+
+def add_codes(index: faiss.Index, code_blocks: Iterable[np.ndarray]) -> None:
+    """Add `sa_encode` codes, block after block, with consecutive ids from 0 (the chunk ids)."""
+    ivf = _ivf(index)
+    target = index if ivf is None else ivf
+    for codes in code_blocks:
+        target.add_sa_codes(codes, np.arange(target.ntotal, target.ntotal + len(codes), dtype=np.int64))
+    index.ntotal = target.ntotal
 
 
 def load_index(path: str, nprobe: int, ef_search: int) -> faiss.Index:
