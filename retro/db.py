@@ -98,8 +98,6 @@ def build_chunk_database(
     `data_path` is a blend as for `--data-path`: `prefix [prefix ...]` or `w1 prefix1 w2 prefix2 ...`.
     Returns the opened database; a finished one is opened at once.
     """
-    if os.path.isfile(os.path.join(db_dir, DATASETS_FILE)):
-        return ChunkDatabase(db_dir)
     blend = parse_blend(list(data_path), "--retro-gpt-data-path")
     prefixes = [os.path.abspath(prefix) for prefix in blend.prefixes]
     check_settings(
@@ -112,6 +110,8 @@ def build_chunk_database(
             "bert_tokenizer": [type(bert_tokenizer).__name__, bert_tokenizer.vocab_size],
         },
     )
+    if os.path.isfile(os.path.join(db_dir, DATASETS_FILE)):
+        return ChunkDatabase(db_dir)
     datasets = [IndexedDataset(prefix) for prefix in prefixes]
     for dataset_idx, dataset in enumerate(datasets):
         directory = _blocks_dir(db_dir, dataset_idx)

@@ -92,6 +92,10 @@ def set_search_parameters(index: faiss.Index, nprobe: int, ef_search: int) -> No
         quantizer.hnsw.efSearch = ef_search
 
 
+def _check_index_settings(db: ChunkDatabase, config: IndexConfig, index_dir: str) -> None:
+    check_settings(index_dir, {"db_dir": os.path.abspath(db.db_dir), **asdict(config)})
+
+
 def _write_index(index: faiss.Index, path: str) -> None:
     with atomic_path(path) as tmp:
         faiss.write_index(index, tmp)
@@ -103,7 +107,7 @@ def train_index(
     """Train an empty index of `retro_index_str` on sampled chunks; returns `<index_dir>/trained.faissindex`
     (at once if it exists)."""
     path = os.path.join(index_dir, TRAINED_INDEX)
-    check_settings(index_dir, {"db_dir": os.path.abspath(db.db_dir), **asdict(config)})
+    _check_index_settings(db, config, index_dir)
     if os.path.isfile(path):
         return path
     ids = training_chunk_ids(db, config)
@@ -140,6 +144,7 @@ def add_to_index(
     """Fill the trained index with every database chunk (id = chunk id); returns
     `<index_dir>/added.faissindex` (at once if it exists). Committed code blocks are never recomputed."""
     path = os.path.join(index_dir, ADDED_INDEX)
+    _check_index_settings(db, config, index_dir)
     if os.path.isfile(path):
         return path
     trained_path = os.path.join(index_dir, TRAINED_INDEX)

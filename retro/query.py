@@ -101,14 +101,18 @@ def query_neighbours(
     missing = missing_blocks(out_dir, num_chunks, config.retro_block_size)
     for number, (start, end) in enumerate(missing):
         texts, banned = [], []
-        for chunk_id in range(start, end):
-            sample, position = divmod(chunk_id, chunks_per_sample)
+        for sample in range(start // chunks_per_sample, (end - 1) // chunks_per_sample + 1):
             gpt, idx = _gpt_sample(dataset, sample)
-            tokens = gpt.sample_tokens(idx)[position * chunk_length : (position + 1) * chunk_length]
-            texts.append(
-                gpt_tokenizer.detokenize(tokens[tokens >= 0].tolist())
-            )  # drop the padding of a short sample
-            banned.append(document_key(db_dataset_idx[id(gpt)], sample_document_ids(gpt, idx)))
+            tokens = gpt.sample_tokens(idx)[:seq_length]
+            keys = document_key(db_dataset_idx[id(gpt)], sample_document_ids(gpt, idx))
+            first_chunk = sample * chunks_per_sample
+            for chunk_id in range(max(start, first_chunk), min(end, first_chunk + chunks_per_sample)):
+                offset = (chunk_id - first_chunk) * chunk_length
+                chunk = tokens[offset : offset + chunk_length]
+                texts.append(
+                    gpt_tokenizer.detokenize(chunk[chunk >= 0].tolist())
+                )  # no padding of a short sample
+                banned.append(keys)
         _, found = index.search(embed_texts(embed, texts), config.retro_query_num_neighbors_query)
         neighbours = exclude_own_documents(found, chunk_keys, banned, config.retro_query_num_neighbors_save)
         save_block(block_path(out_dir, start, end), neighbours)

@@ -85,7 +85,6 @@ def test_database_rows_invalid_chunks_blend_and_split(tmp_path):
     assert (
         len(build_chunk_database(["3", a, "1", b], str(tmp_path / "db"), config, WordTokenizer(), bert)) == 9
     )
-    os.remove(tmp_path / "db" / "datasets.json")
     other = ChunkDatabaseConfig(retro_gpt_chunk_length=8, retro_doc_block_size=3, retro_gpt_split="75,25,0")
     with pytest.raises(ValueError, match="retro_gpt_chunk_length differ"):
         build_chunk_database(["3", a, "1", b], str(tmp_path / "db"), other, WordTokenizer(), bert)
