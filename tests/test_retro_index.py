@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
+import subprocess
+import sys
+import textwrap
 
 import faiss
 import numpy as np
@@ -15,6 +19,7 @@ from retro.index import add_to_index, load_index, set_search_parameters, train_i
 from tests.retro_corpus import WordTokenizer, topic_documents, topic_embed, write_corpus
 from tests.wordpiece_corpus import build_tokenizer
 
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DB_CONFIG = ChunkDatabaseConfig(
     retro_gpt_chunk_length=16, retro_doc_block_size=100, retro_gpt_split="90,10,0"
 )
@@ -34,14 +39,17 @@ def database(tmp_path_factory) -> ChunkDatabase:
 
 
 class CountingEmbed:
-    """`topic_embed` that counts the texts it embeds, and raises at call `fail_at` (a crash mid-fill)."""
+    """`topic_embed` that counts the texts it embeds; at call `fail_at` it raises (a crash mid-fill), or
+    with `kill` SIGKILLs its own process."""
 
-    def __init__(self, fail_at: int | None = None) -> None:
-        self.fail_at, self.calls, self.texts = fail_at, 0, 0
+    def __init__(self, fail_at: int | None = None, kill: bool = False) -> None:
+        self.fail_at, self.kill, self.calls, self.texts = fail_at, kill, 0, 0
 
     def __call__(self, texts: list[str]) -> np.ndarray:
         self.calls += 1
         if self.calls == self.fail_at:
+            if self.kill:
+                os.kill(os.getpid(), signal.SIGKILL)
             raise RuntimeError("crash while embedding a block")
         self.texts += len(texts)
         return topic_embed(texts)
@@ -134,3 +142,33 @@ def test_index_without_standalone_codes_is_refused(database, tmp_path):
     train_index(database, config, topic_embed, WordTokenizer(), str(tmp_path))
     with pytest.raises(ValueError, match="use an IVF index"):
         add_to_index(database, config, topic_embed, WordTokenizer(), str(tmp_path))
+
+
+def test_sigkilled_fill_resumes_to_identical_index(database, tmp_path):
+    train_index(database, INDEX_CONFIG, topic_embed, WordTokenizer(), str(tmp_path / "clean"))
+    shutil.copytree(tmp_path / "clean", tmp_path / "resumed")
+    clean = add_to_index(database, INDEX_CONFIG, topic_embed, WordTokenizer(), str(tmp_path / "clean"))
+    script = textwrap.dedent(
+        f"""
+        from retro.db import ChunkDatabase
+        from retro.index import add_to_index
+        from tests.retro_corpus import WordTokenizer
+        from tests.test_retro_index import INDEX_CONFIG, CountingEmbed
+        db = ChunkDatabase({database.db_dir!r})
+        add_to_index(db, INDEX_CONFIG, CountingEmbed(fail_at=4, kill=True), WordTokenizer(), {str(tmp_path / "resumed")!r})
+        """
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script],
+        env={**os.environ, "PYTHONPATH": REPO},
+        cwd=REPO,
+        capture_output=True,
+        timeout=120,
+    )
+    assert result.returncode == -signal.SIGKILL, result.stderr.decode()
+    assert len(os.listdir(tmp_path / "resumed" / "codes")) == 3
+    resumed = CountingEmbed()
+    path = add_to_index(database, INDEX_CONFIG, resumed, WordTokenizer(), str(tmp_path / "resumed"))
+    assert resumed.texts == len(database) - 3 * INDEX_CONFIG.retro_block_size
+    with open(clean, "rb") as a, open(path, "rb") as b:
+        assert a.read() == b.read()
