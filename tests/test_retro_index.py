@@ -172,3 +172,18 @@ def test_sigkilled_fill_resumes_to_identical_index(database, tmp_path):
     assert resumed.texts == len(database) - 3 * INDEX_CONFIG.retro_block_size
     with open(clean, "rb") as a, open(path, "rb") as b:
         assert a.read() == b.read()
+
+
+def test_training_clusters_on_gpu_when_faiss_sees_one(database, tmp_path, monkeypatch):
+    """With a GPU, the IVF k-means runs on a GPU flat index (faiss-gpu is not installed here: stand-in)."""
+    moved = []
+
+    def to_gpus(index):
+        moved.append(index)
+        return index  # the CPU index stands in for its GPU copy
+
+    monkeypatch.setattr(faiss, "get_num_gpus", lambda: 1)
+    monkeypatch.setattr(faiss, "index_cpu_to_all_gpus", to_gpus)
+    path = train_index(database, INDEX_CONFIG, topic_embed, WordTokenizer(), str(tmp_path))
+    assert [(type(index).__name__, index.d, index.ntotal) for index in moved] == [("IndexFlatL2", 32, 16)]
+    assert faiss.read_index(path).is_trained
