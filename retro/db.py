@@ -127,7 +127,7 @@ def build_chunk_database(
             )
             save_block(block_path(directory, start, end), block)
             logger.info(
-                "retro db: %s documents [%d, %d): %d chunks (block %d/%d still to build)",
+                "retro db: %s documents [%d, %d): %d chunks (block %d of the %d to build)",
                 dataset.path_prefix,
                 start,
                 end,

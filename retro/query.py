@@ -86,6 +86,11 @@ def query_neighbours(
         )
     chunks_per_sample = seq_length // chunk_length
     num_chunks = len(dataset) * chunks_per_sample
+    if any(d.dataset_path is None for d in gpt_datasets):
+        raise ValueError(
+            "Retro neighbours need the GPT datasets of a --data-path blend (the chunk database's corpus), "
+            "not --mock-data"
+        )
     db_dataset_idx = {id(d): db.dataset_idx(d.dataset_path) for d in gpt_datasets}
     chunk_keys = db.document_keys()
     check_settings(
@@ -109,9 +114,8 @@ def query_neighbours(
             for chunk_id in range(max(start, first_chunk), min(end, first_chunk + chunks_per_sample)):
                 offset = (chunk_id - first_chunk) * chunk_length
                 chunk = tokens[offset : offset + chunk_length]
-                texts.append(
-                    gpt_tokenizer.detokenize(chunk[chunk >= 0].tolist())
-                )  # no padding of a short sample
+                chunk = chunk[chunk >= 0]  # a short last sample is padded with -1
+                texts.append(gpt_tokenizer.detokenize(chunk.tolist()))
                 banned.append(keys)
         _, found = index.search(embed_texts(embed, texts), config.retro_query_num_neighbors_query)
         neighbours = exclude_own_documents(found, chunk_keys, banned, config.retro_query_num_neighbors_save)
