@@ -350,3 +350,80 @@ def test_run_text_generation_server_serves_a_checkpoint(tmp_path):
 
 
 GREEDY4 = GenerationParams(tokens_to_generate=4, top_k=1)
+
+
+def serve(monkeypatch, argv: list[str]) -> TestClient:
+    """run_text_generation_server.main(argv) up to the app it would hand uvicorn, as a test client."""
+    from megatron_train.tools import run_text_generation_server
+
+    served = {}
+    monkeypatch.setattr(run_text_generation_server.uvicorn, "run", lambda app, **_: served.update(app=app))
+    run_text_generation_server.main(argv)
+    return TestClient(served["app"])
+
+
+def test_server_takes_a_megatron_training_scripts_flags(tmp_path, monkeypatch):
+    load = save_tiny_checkpoint(str(tmp_path / "ckpt"))
+    megatron_flags = [
+        "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "64",
+        "--max-position-embeddings", "64", "--tensor-model-parallel-size", "2", "--micro-batch-size", "4",
+        "--lr", "1e-4", "--train-iters", "10", "--bf16", "--use-checkpoint-args", "--tokenizer-type",
+        "NullTokenizer", "--vocab-size", "100", "--temperature", "1.0", "--top_k", "1",
+    ]  # fmt: skip
+    client = serve(monkeypatch, ["--load", load, "--port", "5000", *megatron_flags])
+    status, body = put(client, {"prompts": ["5 6 7"], "tokens_to_generate": 4, "top_k": 1})
+    model, _ = load_model_for_inference(load)
+    expected = generate(model, build_tokenizer("NullTokenizer", vocab_size=100), ["5 6 7"], GREEDY4)
+    assert status == 200 and body["tokens"] == expected.tokens
+
+
+def save_checkpoint_padded_to_eight(directory: str) -> str:
+    """A checkpoint of a NullTokenizer(100) model (101 tokens) padded to 104, a multiple of 8: only a
+    tokenizer of 97 to 104 tokens fits it."""
+    from megatron_train.arguments import MegatronConfig
+    from megatron_train.checkpointing import TrainingProgress, save_checkpoint
+    from megatron_train.data.config import DataConfig
+    from megatron_train.models.gpt import GPTModel
+    from megatron_train.training.config import CheckpointConfig, TokenizerConfig
+
+    model = GPTModel(build_tiny_gpt().config, vocab_size=104)
+    tokenizer = TokenizerConfig(
+        tokenizer_type="NullTokenizer", vocab_size=100, make_vocab_size_divisible_by=8
+    )
+    config = MegatronConfig(
+        model=model.config,
+        data=DataConfig(),
+        checkpoint=CheckpointConfig(save=directory),
+        tokenizer=tokenizer,
+    )
+    save_checkpoint(1, model, None, None, TrainingProgress(), config, padded_vocab_size=104)
+    return directory
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        # ids past the embedding: an IndexError 500 on the first request, before
+        (["--vocab-size", "200"], "the tokenizer has 201 tokens but checkpoint"),
+        # a smaller vocabulary than the model's: garbage text, before
+        (["--vocab-size", "90"], "was trained with a vocabulary of 97 to 104 tokens (padded to 104)"),
+        (["--num-layers", "3"], "--num-layers (given: num_layers=3) does not match checkpoint"),
+        (["--disable-bias-linear"], "--disable-bias-linear (given: add_bias_linear=False) does not match"),
+    ],
+)
+def test_server_refuses_at_start_up_what_does_not_fit_the_checkpoint(
+    tmp_path, monkeypatch, capsys, flags, message
+):
+    load = save_checkpoint_padded_to_eight(str(tmp_path / "ckpt"))
+    with pytest.raises(SystemExit) as exit_info:
+        serve(monkeypatch, ["--load", load, *flags])
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err
+    assert message in error and os.path.join(load, "iter_0000001") in error
+
+
+def test_server_takes_a_tokenizer_of_the_checkpoints_vocabulary(tmp_path, monkeypatch):
+    load = save_checkpoint_padded_to_eight(str(tmp_path / "ckpt"))
+    client = serve(monkeypatch, ["--load", load, "--vocab-size", "99"])  # 100 tokens: 97 to 104 fit
+    status, body = put(client, {"prompts": ["5 6 7"], "tokens_to_generate": 2, "top_k": 1})
+    assert status == 200 and len(body["tokens"][0]) == 5
