@@ -78,7 +78,8 @@ class MegatronLMEval(_HarnessLM):
                 + (f"; unknown: {', '.join(unknown)}" if unknown else "")
             )
         options = {name: MODEL_ARGS[name](value) for name, value in arg_dict.items()}
-        batch_size = (additional_config or {}).get("batch_size") or options.pop("batch_size", 8)
+        batch_size = options.pop("batch_size", 8)
+        batch_size = (additional_config or {}).get("batch_size") or batch_size  # lm-eval's --batch_size wins
         max_length = options.pop("max_length", None)
         model, tokenizer, _ = load_for_inference(argparse.Namespace(**options), device=get_device())
         return cls(model, tokenizer, batch_size=int(batch_size), max_length=max_length)
