@@ -33,9 +33,13 @@ _MODEL_FLAGS = {f.name: flag_name(f) for f in dataclasses.fields(TransformerConf
 
 def build_inference_parser(description: str) -> argparse.ArgumentParser:
     """Megatron's whole command line with only `--load` required; the tool adds its own flags to it."""
-    parser = build_parser()
-    parser.description = description
-    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser = argparse.ArgumentParser(
+        description=description,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        parents=[build_parser()],
+        conflict_handler="resolve",  # a tool's own flag replaces a training flag of the same name
+        allow_abbrev=False,
+    )
     for action in parser._actions:
         action.required = action.dest == "load"
     parser.add_argument(
