@@ -91,6 +91,18 @@ def _argument_kwargs(f: dataclasses.Field, annotation: Any) -> dict[str, Any]:
     return kwargs
 
 
+def add_config_arguments(group: argparse._ActionsContainer, cls: type, seen: set[str] | None = None) -> None:
+    """One flag per field of the config dataclass `cls`, skipping (and extending) `seen`; a flag given is
+    set in the namespace under the field's name, one not given is absent."""
+    seen = set() if seen is None else seen
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if f.name in seen:
+            continue
+        seen.add(f.name)
+        group.add_argument(flag_name(f), **_argument_kwargs(f, hints[f.name]))
+
+
 def build_parser() -> argparse.ArgumentParser:
     """One argument group per config section; shared fields are added once."""
     parser = argparse.ArgumentParser(
@@ -98,13 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     seen: set[str] = set()
     for section, cls in SECTIONS.items():
-        group = parser.add_argument_group(section, cls.__doc__)
-        hints = typing.get_type_hints(cls)
-        for f in dataclasses.fields(cls):
-            if f.name in seen:
-                continue
-            seen.add(f.name)
-            group.add_argument(flag_name(f), **_argument_kwargs(f, hints[f.name]))
+        add_config_arguments(parser.add_argument_group(section, cls.__doc__), cls, seen)
     return parser
 
 

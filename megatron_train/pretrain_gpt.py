@@ -17,26 +17,8 @@ from megatron_train.data.builder import build_train_valid_test_datasets
 from megatron_train.device import get_device
 from megatron_train.models.gpt import GPTModel, model_provider
 from megatron_train.parallel.schedules import LossFunc
-from megatron_train.tokenizer import MegatronTokenizer, build_tokenizer, vocab_size_with_padding
-from megatron_train.training.config import TokenizerConfig
+from megatron_train.tokenizer import MegatronTokenizer, tokenizer_from_config, vocab_size_with_padding
 from megatron_train.training.loop import LOSS_KEY, get_batch, pretrain
-
-
-def tokenizer_from_config(config: TokenizerConfig) -> MegatronTokenizer:
-    """The run's tokenizer; a bare `--vocab-size N` means Megatron's NullTokenizer (handy with --mock-data)."""
-    tokenizer_type = config.tokenizer_type or ("NullTokenizer" if config.vocab_size else None)
-    if tokenizer_type is None:
-        raise SystemExit(
-            "set --tokenizer-type (with its --vocab-file/--merge-file/--tokenizer-model) or --vocab-size"
-        )
-    return build_tokenizer(
-        tokenizer_type,
-        vocab_file=config.vocab_file,
-        merge_file=config.merge_file,
-        tokenizer_model=config.tokenizer_model,
-        vocab_size=config.vocab_size,
-        vocab_extra_ids=config.vocab_extra_ids,
-    )
 
 
 def gpt_model_provider(
@@ -85,7 +67,10 @@ def datasets_provider(
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s] %(levelname)s %(name)s: %(message)s")
     config = parse_args(argv)
-    tokenizer = tokenizer_from_config(config.tokenizer)
+    try:
+        tokenizer = tokenizer_from_config(config.tokenizer)
+    except ValueError as error:
+        raise SystemExit(f"pretrain_gpt: {error}") from None
     padded_vocab_size = vocab_size_with_padding(
         tokenizer.vocab_size,
         config.tokenizer.make_vocab_size_divisible_by,

@@ -11,6 +11,7 @@ scratch space until training finishes, so a rerun or retry after a crash resumes
 from __future__ import annotations
 
 import copy
+import ctypes
 import dataclasses
 import logging
 import os
@@ -51,6 +52,7 @@ from storage.atomic import is_temporary
 from storage.fingerprint import hash_file
 
 log = logging.getLogger("megatron_flow.stage.pretrain")  # every line of the training job; flows forward it
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
 _ITERATION_FOLDER = re.compile(r"iter_(\d+)$")  # the name checkpoint_dir gives a saved iteration
 
 
@@ -152,6 +154,14 @@ def stop(proc: subprocess.Popen, grace_seconds: float = 30.0) -> None:
         proc.wait()
 
 
+def _terminate_with_parent() -> None:
+    """In the child, before exec: ask Linux for SIGTERM when the parent dies (PR_SET_PDEATHSIG; elsewhere a
+    no-op). It fires when the thread that started the child ends, which `launch` outlives: it reads the child's
+    output until the child exits."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
 def launch(command: list[str], on_line: Callable[[str], None] | None = None) -> None:
     """Run the training job, streaming each output line to the `stages.pretrain` logger (and `on_line`)."""
     tail: deque[str] = deque(maxlen=40)
@@ -159,8 +169,16 @@ def launch(command: list[str], on_line: Callable[[str], None] | None = None) -> 
     # ~10x fewer page faults (benchmarks/train_step.py). Ignored on GPUs.
     env = {"THP_MEM_ALLOC_ENABLE": "1", **os.environ, "PYTHONUNBUFFERED": "1"}
     # A session of its own: on an interruption the whole job (torchrun and its workers) is killed together.
+    # And SIGTERM when this process dies (even by SIGKILL): torchrun then stops its workers, so no training job
+    # outlives the flow that started it.
     proc = subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        start_new_session=True,
+        preexec_fn=_terminate_with_parent,
     )
     try:
         for line in proc.stdout:

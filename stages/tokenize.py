@@ -44,6 +44,7 @@ from fsspec.implementations.local import LocalFileSystem
 from tqdm import tqdm
 
 from megatron_train.tokenizer import TOKENIZER_TYPES
+from megatron_train.tokenizer.flags import add_tokenizer_args
 from stages.base import Inputs, Stage
 from stages.shards import MapShards, process_pool, read_committed_json, run_shards, write_json
 from stages.tokenize_inputs import WorkUnit, plan_units, resolve_inputs
@@ -214,13 +215,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     group.add_argument(
         "--fail-on-empty", action="store_true", help="an input with no documents is an error, not a warning"
     )
-    group = parser.add_argument_group("tokenizer")
-    group.add_argument("--tokenizer-type", required=True, choices=TOKENIZER_TYPES)
-    group.add_argument("--vocab-file", default=defaults.vocab_file)
-    group.add_argument("--merge-file", default=defaults.merge_file)
-    group.add_argument("--tokenizer-model", default=defaults.tokenizer_model)
-    group.add_argument("--vocab-size", type=int, default=defaults.vocab_size)
-    group.add_argument("--vocab-extra-ids", type=int, default=defaults.vocab_extra_ids)
+    add_tokenizer_args(parser)  # the one definition every entry point shares
     group.add_argument(
         "--append-eod", action="store_true", help="append an <eod> token to the end of a document"
     )
@@ -246,7 +241,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=defaults.log_interval,
         help="documents between progress log lines",
     )
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if getattr(args, "tokenizer_type", None) is None:  # required, as in Megatron's preprocess_data.py
+        parser.error(
+            f"the following arguments are required: --tokenizer-type (one of {', '.join(TOKENIZER_TYPES)})"
+        )
+    return args
 
 
 def params_from_args(args: argparse.Namespace) -> TokenizeParams:

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -319,16 +322,102 @@ def test_tasks_main_on_a_real_checkpoint(tmp_path, indexed_prefix, capsys):
     assert metrics["num_tokens"] == 54
 
 
+MEGATRON_FLAGS = [  # what a Megatron training script passes: model shape, parallelism, training-only flags
+    "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--max-position-embeddings", "64",
+    "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "1", "--lr", "1e-4",
+    "--train-iters", "10", "--global-batch-size", "8", "--use-checkpoint-args", "--tokenizer-type",
+    "NullTokenizer", "--vocab-size", "100",
+]  # fmt: skip
+
+
+def test_tasks_main_takes_megatron_flags(tmp_path, indexed_prefix):
+    from megatron_train.checkpointing import load_model_for_inference
+    from megatron_train.tasks import main as tasks_main
+
+    load = save_tiny_checkpoint(str(tmp_path / "ckpt"))
+    argv = ["--task", "VALID_PPL", "--valid-data", indexed_prefix, "--load", load, "--seq-length", "16"]
+    metrics = tasks_main.main([*argv, *MEGATRON_FLAGS, "--micro-batch-size", "2"])
+    model, _ = load_model_for_inference(load)
+    expected = validation_perplexity(model, indexed_prefix, 16, micro_batch_size=2)
+    assert metrics["avg_loss"] == pytest.approx(expected.avg_loss, rel=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--hidden-size", "64"], "--hidden-size (given: hidden_size=64) does not match checkpoint"),
+        (["--swiglu"], "--swiglu (given: swiglu=True) does not match checkpoint"),
+        (["--vocab-size", "300"], "the tokenizer has 301 tokens but checkpoint"),
+    ],
+)
+def test_tasks_main_refuses_flags_the_checkpoint_contradicts(
+    tmp_path, indexed_prefix, capsys, flags, message
+):
+    from megatron_train.tasks import main as tasks_main
+
+    load = save_tiny_checkpoint(str(tmp_path / "ckpt"))
+    with pytest.raises(SystemExit) as exit_info:
+        tasks_main.main(["--task", "VALID_PPL", "--valid-data", indexed_prefix, "--load", load, *flags])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
 def test_a_checkpoint_without_tokenizer_needs_the_flags():
-    from megatron_train.inference.checkpoint import TOKENIZER_FLAGS, tokenizer_for
+    from megatron_train.inference.checkpoint import tokenizer_for
     from megatron_train.training.config import TokenizerConfig
 
     config = SimpleNamespace(tokenizer=TokenizerConfig())
-    flags = SimpleNamespace(**dict.fromkeys(TOKENIZER_FLAGS))
+    flags = SimpleNamespace()  # no tokenizer flag given
     with pytest.raises(ValueError, match="CKPT: the checkpoint records no tokenizer; pass --tokenizer-type"):
         tokenizer_for(config, flags, "CKPT")
     flags.tokenizer_type, flags.vocab_size = "NullTokenizer", 50
     assert tokenizer_for(config, flags, "CKPT").eod == 50
+
+
+def test_harness_model_args_load_a_checkpoint_and_its_tokenizer(tmp_path):
+    load = save_tiny_checkpoint(str(tmp_path / "ckpt"))
+    harness = MegatronLMEval.create_from_arg_string(f"load={load},batch_size=3,vocab_size=99")
+    assert harness.batch_size == 3 and harness.tokenizer.vocab_size == 100
+    assert MegatronLMEval.create_from_arg_obj({"load": load}, {"batch_size": 2}).tokenizer.vocab_size == 101
+    with pytest.raises(ValueError, match="unknown: pretrained"):
+        MegatronLMEval.create_from_arg_obj({"load": load, "pretrained": "gpt2"})
+
+
+def test_lm_eval_command_runs_a_local_task(tmp_path):
+    """lm-eval's real command line (through our wrapper) on a task file and data of our own: its accuracy is
+    the one the adapter's log-likelihoods give."""
+    from megatron_train.checkpointing import load_model_for_inference
+    from megatron_train.tokenizer import build_tokenizer
+
+    pytest.importorskip("lm_eval")
+    load = save_tiny_checkpoint(str(tmp_path / "ckpt"))
+    model, _ = load_model_for_inference(load)
+    harness = MegatronLMEval(model, build_tokenizer("NullTokenizer", vocab_size=100))
+    docs = [("1 2 3", ["4", "9", "50"]), ("7 7", ["7", "1"]), ("10 20 30", ["40", "3"]), ("5 4", ["6", "8"])]
+    rows = []
+    for index, (context, choices) in enumerate(docs):
+        scores = harness.loglikelihood([SimpleNamespace(args=(context, " " + c)) for c in choices])
+        best = max(range(len(choices)), key=lambda i: scores[i][0])
+        label = best if index < 2 else (best + 1) % len(choices)  # two right, two wrong: accuracy 0.5
+        rows.append(json.dumps({"context": context, "choices": choices, "label": label}))
+    (tmp_path / "data.jsonl").write_text("\n".join(rows) + "\n")
+    (tmp_path / "tasks").mkdir()
+    (tmp_path / "tasks" / "tiny.yaml").write_text(
+        "task: megatron_flow_tiny\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
+        f"    test: {tmp_path / 'data.jsonl'}\ntest_split: test\noutput_type: multiple_choice\n"
+        'doc_to_text: "{{context}}"\ndoc_to_choice: "{{choices}}"\ndoc_to_target: "{{label}}"\n'
+        "metric_list:\n  - metric: acc\n"
+    )
+    command = [sys.executable, "-m", "megatron_train.tasks.lm_eval", "--model", "megatron-flow"]
+    command += ["--model_args", f"load={load}", "--tasks", "megatron_flow_tiny", "--device", "cpu"]
+    command += ["--include_path", str(tmp_path / "tasks"), "--output_path", str(tmp_path / "out")]
+    offline = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, **offline, "HF_DATASETS_CACHE": str(tmp_path / "cache")}
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    (results_file,) = (tmp_path / "out").rglob("results_*.json")
+    results = json.loads(results_file.read_text())["results"]["megatron_flow_tiny"]
+    assert results["acc,none"] == 0.5 and results["sample_len"] == 4
 
 
 def test_harness_registry_finds_the_adapter():

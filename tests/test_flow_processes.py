@@ -109,3 +109,30 @@ def test_sigkill_of_a_flow_leaves_no_server_or_worker_running(small_corpus, tmp_
     for pid in survivors:
         os.kill(pid, signal.SIGKILL)
     assert survivors == [], json.dumps(commands)
+
+
+LAUNCHER = """
+import sys
+from stages.pretrain import launch
+launch([sys.executable, "-c", "import os, time; print(os.getpid(), flush=True); time.sleep(120)"],
+       on_line=lambda line: print(line, flush=True))
+"""
+
+
+def test_sigkill_of_the_stage_stops_its_training_job(tmp_path):
+    """The pretrain stage's job (torchrun in a session of its own) gets SIGTERM when the stage's process dies."""
+    parent = subprocess.Popen(
+        [sys.executable, "-c", LAUNCHER], cwd=ROOT, stdout=subprocess.PIPE, text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )  # fmt: skip
+    job = int(parent.stdout.readline())
+    os.kill(parent.pid, signal.SIGKILL)
+    parent.wait()
+    deadline = time.time() + 10
+    while time.time() < deadline and os.path.exists(f"/proc/{job}"):
+        with open(f"/proc/{job}/stat") as stat:
+            if stat.read().split(")")[1].split()[0] == "Z":  # exited, waiting to be reaped by init
+                break
+        time.sleep(0.1)
+    else:
+        assert not os.path.exists(f"/proc/{job}"), "the training job outlived its stage"

@@ -4,6 +4,7 @@ the interactive client."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -125,6 +126,17 @@ API_ERRORS = [
         "Length of prompt + tokens_to_generate longer than allowed",
     ),
     (json.dumps({"prompts": ["x" * 2100]}).encode(), "limit is 2000"),
+    # each of these answered 500 before: an id no tensor holds, logits / temperature overflowing to inf,
+    # a string UTF-8 cannot encode, a seed torch cannot take
+    ({**OK, "stop_token": 10**30}, "stop_token must be an integer token id from 0 to 78"),
+    ({**OK, "stop_token": 79}, "stop_token must be an integer token id from 0 to 78"),
+    (
+        {**OK, "temperature": 1e-45},
+        "temperature must be a positive number less than or equal to 100.0 and at",
+    ),
+    ({"prompts": ["ab", "a\ud800b"]}, "prompts[1] is not valid Unicode"),
+    ({**OK, "stop_strings": ["\udc00"]}, "stop_strings must be a list of non-empty strings"),
+    ({**OK, "random_seed": 10**30}, "random_seed must be a non-negative integer below 2**63"),
 ]
 
 
@@ -136,8 +148,42 @@ def test_api_bad_requests_answer_400_and_the_server_keeps_serving(client, body, 
     assert put(client, OK)[0] == 200
 
 
+def test_the_smallest_temperature_samples(client):
+    status, body = put(client, {**OK, "temperature": 1e-4, "random_seed": 1})
+    assert status == 200 and body["text"][0].startswith("ab")
+    assert complete(client, {"prompt": "ab", "max_tokens": 2, "temperature": 1e-4})[0] == 200
+
+
+@pytest.fixture(scope="module")
+def roomy_client(model, tokenizer):
+    """A server that reads megabyte bodies, so its parser and logs meet them."""
+    limits = ServerLimits(max_batch_size=4, max_tokens_to_generate=32, max_tokens_to_oom=200)
+    return TestClient(create_app(model, tokenizer, limits))
+
+
+def test_deeply_nested_json_answers_400(roomy_client):
+    deep = b"[" * 100_000 + b"]" * 100_000
+    for path in ("/api", "/v1/completions"):
+        response = roomy_client.request("PUT" if path == "/api" else "POST", path, content=deep)
+        assert response.status_code == 400
+        assert "request body is nested too deeply to parse" in response.text
+
+
+def test_logs_a_bounded_summary_of_a_megabyte_request(roomy_client, caplog):
+    prompts = ["y" * 250_000] * 4
+    with caplog.at_level(logging.INFO, logger="megatron_train.inference.server"):
+        status, answer = put(roomy_client, {"prompts": prompts, "tokens_to_generate": 2})
+        huge_value = {**OK, "temperature": "z" * 900_000}
+        assert put(roomy_client, huge_value)[0] == 400
+    assert status == 400 and answer["message"].startswith("Too many tokens.")
+    (record,) = caplog.records
+    assert "4 prompt(s) of 1000000 characters" in record.getMessage()
+    assert "tokens_to_generate=2" in record.getMessage()
+    assert max(len(r.getMessage()) for r in caplog.records) < 400
+
+
 def complete(client, body) -> tuple[int, dict]:
-    response = client.post("/v1/completions", json=body)
+    response = client.post("/v1/completions", content=json.dumps(body).encode())
     return response.status_code, response.json()
 
 
@@ -205,6 +251,10 @@ COMPLETION_ERRORS = [
     ({"prompt": "ab", "logprobs": 6}, "logprobs must be 0 to 5"),
     ({"prompt": "ab", "stop": ["a", "b", "c", "d", "e"]}, "up to 4"),
     ({"prompt": "ab", "seed": -1}, "seed must be an integer"),
+    ({"prompt": "ab", "temperature": 1e-300}, "temperature must be between 0 and 2"),
+    ({"prompt": ["a\ud800"]}, "prompt[0] is not valid Unicode"),
+    ({"prompt": "ab", "stop": "\ud800"}, "stop must be a non-empty string"),
+    ({"prompt": "ab", "seed": 10**30}, "seed must be an integer >= 0 and below 2**63"),
 ]
 
 
@@ -300,3 +350,80 @@ def test_run_text_generation_server_serves_a_checkpoint(tmp_path):
 
 
 GREEDY4 = GenerationParams(tokens_to_generate=4, top_k=1)
+
+
+def serve(monkeypatch, argv: list[str]) -> TestClient:
+    """run_text_generation_server.main(argv) up to the app it would hand uvicorn, as a test client."""
+    from megatron_train.tools import run_text_generation_server
+
+    served = {}
+    monkeypatch.setattr(run_text_generation_server.uvicorn, "run", lambda app, **_: served.update(app=app))
+    run_text_generation_server.main(argv)
+    return TestClient(served["app"])
+
+
+def test_server_takes_a_megatron_training_scripts_flags(tmp_path, monkeypatch):
+    load = save_tiny_checkpoint(str(tmp_path / "ckpt"))
+    megatron_flags = [
+        "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "64",
+        "--max-position-embeddings", "64", "--tensor-model-parallel-size", "2", "--micro-batch-size", "4",
+        "--lr", "1e-4", "--train-iters", "10", "--bf16", "--use-checkpoint-args", "--tokenizer-type",
+        "NullTokenizer", "--vocab-size", "100", "--temperature", "1.0", "--top_k", "1",
+    ]  # fmt: skip
+    client = serve(monkeypatch, ["--load", load, "--port", "5000", *megatron_flags])
+    status, body = put(client, {"prompts": ["5 6 7"], "tokens_to_generate": 4, "top_k": 1})
+    model, _ = load_model_for_inference(load)
+    expected = generate(model, build_tokenizer("NullTokenizer", vocab_size=100), ["5 6 7"], GREEDY4)
+    assert status == 200 and body["tokens"] == expected.tokens
+
+
+def save_checkpoint_padded_to_eight(directory: str) -> str:
+    """A checkpoint of a NullTokenizer(100) model (101 tokens) padded to 104, a multiple of 8: only a
+    tokenizer of 97 to 104 tokens fits it."""
+    from megatron_train.arguments import MegatronConfig
+    from megatron_train.checkpointing import TrainingProgress, save_checkpoint
+    from megatron_train.data.config import DataConfig
+    from megatron_train.models.gpt import GPTModel
+    from megatron_train.training.config import CheckpointConfig, TokenizerConfig
+
+    model = GPTModel(build_tiny_gpt().config, vocab_size=104)
+    tokenizer = TokenizerConfig(
+        tokenizer_type="NullTokenizer", vocab_size=100, make_vocab_size_divisible_by=8
+    )
+    config = MegatronConfig(
+        model=model.config,
+        data=DataConfig(),
+        checkpoint=CheckpointConfig(save=directory),
+        tokenizer=tokenizer,
+    )
+    save_checkpoint(1, model, None, None, TrainingProgress(), config, padded_vocab_size=104)
+    return directory
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        # ids past the embedding: an IndexError 500 on the first request, before
+        (["--vocab-size", "200"], "the tokenizer has 201 tokens but checkpoint"),
+        # a smaller vocabulary than the model's: garbage text, before
+        (["--vocab-size", "90"], "was trained with a vocabulary of 97 to 104 tokens (padded to 104)"),
+        (["--num-layers", "3"], "--num-layers (given: num_layers=3) does not match checkpoint"),
+        (["--disable-bias-linear"], "--disable-bias-linear (given: add_bias_linear=False) does not match"),
+    ],
+)
+def test_server_refuses_at_start_up_what_does_not_fit_the_checkpoint(
+    tmp_path, monkeypatch, capsys, flags, message
+):
+    load = save_checkpoint_padded_to_eight(str(tmp_path / "ckpt"))
+    with pytest.raises(SystemExit) as exit_info:
+        serve(monkeypatch, ["--load", load, *flags])
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err
+    assert message in error and os.path.join(load, "iter_0000001") in error
+
+
+def test_server_takes_a_tokenizer_of_the_checkpoints_vocabulary(tmp_path, monkeypatch):
+    load = save_checkpoint_padded_to_eight(str(tmp_path / "ckpt"))
+    client = serve(monkeypatch, ["--load", load, "--vocab-size", "99"])  # 100 tokens: 97 to 104 fit
+    status, body = put(client, {"prompts": ["5 6 7"], "tokens_to_generate": 2, "top_k": 1})
+    assert status == 200 and len(body["tokens"][0]) == 5

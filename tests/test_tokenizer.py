@@ -1,5 +1,6 @@
 """megatron_train/tokenizer: ids exactly as Megatron's tokenizers give them, special ids, padding, errors."""
 
+import argparse
 import json
 import lzma
 import pickle
@@ -497,3 +498,38 @@ def test_huggingface_folder_errors(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "transformers", None)
     with pytest.raises(ImportError, match="needs the transformers package: pip install transformers"):
         build_tokenizer("HuggingFaceTokenizer", tokenizer_model=str(tmp_path))
+
+
+def _option_strings(parser: argparse.ArgumentParser, group_title: str) -> set[str]:
+    (group,) = [g for g in parser._action_groups if g.title == group_title]
+    return {option for action in group._group_actions for option in action.option_strings}
+
+
+def test_every_entry_point_parses_the_one_tokenizer_flag_definition():
+    from megatron_train.arguments import build_parser
+    from megatron_train.tasks.main import build_parser as tasks_parser
+    from megatron_train.tokenizer.flags import add_tokenizer_args
+    from megatron_train.tools.run_text_generation_server import build_parser as server_parser
+
+    alone = argparse.ArgumentParser()
+    add_tokenizer_args(alone)
+    flags = _option_strings(alone, "tokenizer")
+    assert {"--tokenizer-type", "--vocab-file", "--merge-file", "--tokenizer-model", "--vocab-size"} <= flags
+    for parser in (build_parser(), server_parser(), tasks_parser()):
+        assert _option_strings(parser, "tokenizer") == flags
+
+
+def test_tokenizer_from_args_builds_what_the_flags_name(trained_bpe):
+    from megatron_train.tokenizer.flags import add_tokenizer_args, tokenizer_from_args
+
+    parser = argparse.ArgumentParser()
+    add_tokenizer_args(parser)
+    files = ["--vocab-file", trained_bpe["vocab_file"], "--merge-file", trained_bpe["merge_file"]]
+    built = tokenizer_from_args(parser.parse_args(["--tokenizer-type", "GPT2BPETokenizer", *files]))
+    expected = build_tokenizer(
+        "GPT2BPETokenizer", vocab_file=trained_bpe["vocab_file"], merge_file=trained_bpe["merge_file"]
+    )
+    assert built.tokenize("And God saw") == expected.tokenize("And God saw") and built.vocab_size == 600
+    assert tokenizer_from_args(parser.parse_args(["--vocab-size", "7"])).vocab_size == 8  # NullTokenizer
+    with pytest.raises(ValueError, match="no tokenizer: set --tokenizer-type"):
+        tokenizer_from_args(parser.parse_args([]))

@@ -41,7 +41,7 @@ from megatron_train.checkpointing.files import (
     resolve_iteration_dir,
 )
 from megatron_train.checkpointing.inference import load_model_for_inference
-from megatron_train.checkpointing.load import check_compatible, load_checkpoint
+from megatron_train.checkpointing.load import MODEL_ARGS_TO_CHECK, check_compatible, load_checkpoint
 from megatron_train.checkpointing.names import sharding_record
 from megatron_train.checkpointing.progress import TrainingProgress
 from megatron_train.checkpointing.save import save_checkpoint, write_metadata_and_marker, write_shard
@@ -50,6 +50,7 @@ from megatron_train.checkpointing.saved import SavedCheckpoint, saved_true_vocab
 __all__ = [
     "FORMAT_VERSION",
     "METADATA_FILENAME",
+    "MODEL_ARGS_TO_CHECK",
     "TRACKER_FILENAME",
     "CheckpointError",
     "SavedCheckpoint",

@@ -1,9 +1,10 @@
 """Run EleutherAI's lm-evaluation-harness on our model: the three request types of `lm_eval.api.model.LM`.
 
 lm-eval is optional (`pip install megatron-flow[dev]` or `pip install lm-eval`): with it installed the adapter
-subclasses its `LM` and is registered as model type "megatron-flow"
-(`lm_eval --model megatron-flow --model_args load=CKPT --tasks lambada_openai`); without it the class keeps
-the same methods, taking any request objects whose `.args` are the request's arguments.
+subclasses its `LM` and registers as model type "megatron-flow" when this module is imported, which lm-eval's
+own `lm_eval` command never does; `python -m megatron_train.tasks.lm_eval` is that command with the adapter
+registered. Without lm-eval the class keeps the same methods, taking any request objects whose `.args` are the
+request's arguments.
 """
 
 from __future__ import annotations
@@ -29,6 +30,20 @@ except ImportError:  # the harness is optional: keep the same interface without 
         return lambda cls: cls
 
 
+# `--model_args` keys and their types: the checkpoint, then Megatron's tokenizer flags, then batching.
+MODEL_ARGS: dict[str, type] = {
+    "load": str,
+    "ckpt_step": int,
+    "tokenizer_type": str,
+    "vocab_file": str,
+    "merge_file": str,
+    "tokenizer_model": str,
+    "vocab_size": int,
+    "batch_size": int,
+    "max_length": int,
+}
+
+
 @register_model("megatron-flow")
 class MegatronLMEval(_HarnessLM):
     """Scores and generates with a GPTModel and its tokenizer, batching requests by `batch_size`."""
@@ -47,22 +62,33 @@ class MegatronLMEval(_HarnessLM):
         self.max_length = max_length or max_sequence_length(model)
 
     @classmethod
+    def create_from_arg_obj(
+        cls, arg_dict: dict[str, Any], additional_config: dict | None = None
+    ) -> MegatronLMEval:
+        """lm-eval's constructor from `--model_args load=CKPT ...`: the keys of `MODEL_ARGS`; the tokenizer
+        keys replace the tokenizer the checkpoint recorded, as the tokenizer flags of the other tools do."""
+        from megatron_train.device import get_device
+        from megatron_train.inference.checkpoint import load_for_inference
+
+        unknown = sorted(set(arg_dict) - set(MODEL_ARGS))
+        if unknown or "load" not in arg_dict:
+            raise ValueError(
+                "--model_args for megatron-flow take load=CHECKPOINT_DIR (required) and "
+                + ", ".join(name for name in MODEL_ARGS if name != "load")
+                + (f"; unknown: {', '.join(unknown)}" if unknown else "")
+            )
+        options = {name: MODEL_ARGS[name](value) for name, value in arg_dict.items()}
+        batch_size = options.pop("batch_size", 8)
+        batch_size = (additional_config or {}).get("batch_size") or batch_size  # lm-eval's --batch_size wins
+        max_length = options.pop("max_length", None)
+        model, tokenizer, _ = load_for_inference(argparse.Namespace(**options), device=get_device())
+        return cls(model, tokenizer, batch_size=int(batch_size), max_length=max_length)
+
+    @classmethod
     def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None) -> MegatronLMEval:
         """lm-eval's constructor from `--model_args load=CKPT,batch_size=8`."""
-        from megatron_train.device import get_device
-        from megatron_train.inference.checkpoint import TOKENIZER_FLAGS, load_for_inference
-
         options = dict(item.split("=", 1) for item in arg_string.split(",") if item)
-        if "load" not in options:
-            raise ValueError("--model_args needs load=CHECKPOINT_DIR for the megatron-flow model")
-        args = argparse.Namespace(
-            load=options["load"],
-            iteration=int(options["iteration"]) if "iteration" in options else None,
-            **{name: options.get(name) for name in TOKENIZER_FLAGS},
-        )
-        model, tokenizer, _ = load_for_inference(args, device=get_device())
-        batch_size = (additional_config or {}).get("batch_size") or options.get("batch_size", 8)
-        return cls(model, tokenizer, batch_size=int(batch_size))
+        return cls.create_from_arg_obj(options, additional_config)
 
     def _encode_pair(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
         """Context and continuation ids, split as lm-eval does: trailing spaces of the context move to the

@@ -1,46 +1,106 @@
-"""Load a trained checkpoint and the tokenizer it was trained with, for generation and evaluation tools."""
+"""Load a trained checkpoint and its tokenizer for the generation and evaluation tools, with Megatron's flags.
+
+Megatron's tools (run_text_generation_server.py, tasks/main.py) parse the whole training command line plus
+their own flags, so a user's training script runs them with its flags unchanged; ours do the same
+(docs/architecture.md). The checkpoint decides the model, as Megatron's `--use-checkpoint-args` does: a model
+shape flag given with `--load` must equal the saved value, flags that only concern training are accepted and
+unused. Tokenizer flags replace the tokenizer the checkpoint recorded, and the tokenizer must fit the
+checkpoint's vocabulary before anything is served or scored.
+"""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import torch
 
-from megatron_train.tokenizer import MegatronTokenizer, build_tokenizer
+from megatron_train.arguments import MegatronConfig, build_parser, config_from_dict, flag_name
+from megatron_train.checkpointing import (
+    MODEL_ARGS_TO_CHECK,
+    CheckpointError,
+    load_model_for_inference,
+    read_metadata,
+    resolve_iteration_dir,
+    saved_true_vocab_range,
+)
+from megatron_train.models.config import TransformerConfig
+from megatron_train.tokenizer import MegatronTokenizer, tokenizer_from_config
+from megatron_train.tokenizer.flags import tokenizer_config_from_args
 
-TOKENIZER_FLAGS = ("tokenizer_type", "vocab_file", "merge_file", "tokenizer_model", "vocab_size")
-
-
-def add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
-    """--load, --iteration and Megatron's tokenizer flags (which override what the checkpoint recorded)."""
-    parser.add_argument("--load", required=True, help="Checkpoint directory (a training run's --save).")
-    parser.add_argument("--iteration", type=int, default=None, help="Iteration to load; default: the latest.")
-    group = parser.add_argument_group("tokenizer (default: the one recorded in the checkpoint)")
-    group.add_argument("--tokenizer-type", default=None)
-    group.add_argument("--vocab-file", default=None)
-    group.add_argument("--merge-file", default=None)
-    group.add_argument("--tokenizer-model", default=None)
-    group.add_argument("--vocab-size", type=int, default=None)
-
-
-def load_for_inference(args: argparse.Namespace, device: torch.device | str | None = None):
-    """(model in eval mode, tokenizer, MegatronConfig) from the flags of `add_checkpoint_args`."""
-    from megatron_train.checkpointing import load_model_for_inference
-
-    model, config = load_model_for_inference(args.load, iteration=args.iteration, device=device)
-    return model.eval(), tokenizer_for(config, args, args.load), config
+_MODEL_FLAGS = {f.name: flag_name(f) for f in dataclasses.fields(TransformerConfig)}
 
 
-def tokenizer_for(config, args: argparse.Namespace, source: str) -> MegatronTokenizer:
-    """The checkpoint's tokenizer, with any tokenizer flag given on the command line taking precedence."""
-    settings = {name: getattr(config.tokenizer, name, None) for name in TOKENIZER_FLAGS}
-    settings.update(
-        {name: getattr(args, name) for name in TOKENIZER_FLAGS if getattr(args, name) is not None}
+def build_inference_parser(description: str) -> argparse.ArgumentParser:
+    """Megatron's whole command line with only `--load` required; the tool adds its own flags to it."""
+    parser = argparse.ArgumentParser(
+        description=description,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        parents=[build_parser()],
+        conflict_handler="resolve",  # a tool's own flag replaces a training flag of the same name
+        allow_abbrev=False,
     )
-    tokenizer_type = settings.pop("tokenizer_type")
-    if tokenizer_type is None:
+    for action in parser._actions:
+        action.required = action.dest == "load"
+    parser.add_argument(
+        "--use-checkpoint-args",
+        action="store_true",
+        help="Accepted for Megatron's scripts: the model settings always come from the checkpoint.",
+    )
+    return parser
+
+
+def check_model_flags(args: argparse.Namespace, saved: MegatronConfig, where: str) -> None:
+    """Refuse a model shape flag given on the command line that differs from the checkpoint's saved value."""
+    for name in MODEL_ARGS_TO_CHECK:
+        given, recorded = getattr(args, name, None), getattr(saved.model, name)
+        if given is not None and given != recorded:
+            flag = _MODEL_FLAGS[name]
+            raise ValueError(
+                f"{flag} (given: {name}={given}) does not match checkpoint {where}, saved with "
+                f"{name}={recorded}: drop {flag} (the checkpoint decides the model) or load a matching checkpoint"
+            )
+
+
+def tokenizer_for(saved: MegatronConfig, args: argparse.Namespace, where: str) -> MegatronTokenizer:
+    """The checkpoint's tokenizer, with any tokenizer flag given on the command line taking precedence."""
+    config = tokenizer_config_from_args(args, base=saved.tokenizer)
+    if config.tokenizer_type is None and config.vocab_size is None:
         raise ValueError(
-            f"{source}: the checkpoint records no tokenizer; pass --tokenizer-type (and --vocab-file / "
+            f"{where}: the checkpoint records no tokenizer; pass --tokenizer-type (and --vocab-file / "
             "--merge-file or --tokenizer-model) on the command line"
         )
-    return build_tokenizer(tokenizer_type, **settings)
+    return tokenizer_from_config(config)
+
+
+def check_tokenizer_fits(tokenizer: MegatronTokenizer, metadata: dict, where: str) -> None:
+    """The tokenizer's vocabulary must be one the checkpoint's padded embedding was made for: a smaller one
+    decodes the model's ids to the wrong text, a larger one has ids past the embedding."""
+    low, high = saved_true_vocab_range(metadata)
+    if not low < tokenizer.vocab_size <= high:
+        raise ValueError(
+            f"the tokenizer has {tokenizer.vocab_size} tokens but checkpoint {where} was trained with a "
+            f"vocabulary of {low + 1} to {high} tokens (padded to {metadata['padded_vocab_size']}): pass the "
+            "tokenizer flags it was trained with (--tokenizer-type, --vocab-file, --merge-file, "
+            "--tokenizer-model, --vocab-size), or none to use the one it recorded"
+        )
+
+
+def load_for_inference(
+    args: argparse.Namespace, device: torch.device | str | None = None
+) -> tuple[torch.nn.Module, MegatronTokenizer, MegatronConfig]:
+    """(model in eval mode, tokenizer, saved MegatronConfig) from the flags of `build_inference_parser`;
+    the flags and the tokenizer are checked against the checkpoint before its weights are read."""
+    iteration = getattr(args, "ckpt_step", None)
+    iteration_dir = resolve_iteration_dir(args.load, iteration)
+    if iteration_dir is None:
+        raise CheckpointError(
+            f"nothing saved in {args.load}: no latest marker; pass --ckpt-step or another --load"
+        )
+    metadata = read_metadata(iteration_dir)
+    saved = config_from_dict(metadata["args"])
+    check_model_flags(args, saved, iteration_dir)
+    tokenizer = tokenizer_for(saved, args, iteration_dir)
+    check_tokenizer_fits(tokenizer, metadata, iteration_dir)
+    model, config = load_model_for_inference(args.load, iteration=iteration, device=device)
+    return model.eval(), tokenizer, config

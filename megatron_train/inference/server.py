@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import reprlib
 import threading
 import time
 import uuid
@@ -37,6 +38,13 @@ class ServerLimits:
     max_request_bytes: int = 1 << 20
 
 
+MIN_TEMPERATURE = 1e-4  # below this, logits / temperature overflows float32 to inf and sampling fails
+MAX_SEED = 2**63 - 1  # torch.Generator.manual_seed takes a signed 64-bit seed
+# Values quoted back in messages and logs are cut to a few dozen characters and levels of nesting.
+_PREVIEW = reprlib.Repr()
+_PREVIEW.maxlevel, _PREVIEW.maxstring, _PREVIEW.maxother, _PREVIEW.maxlong = 3, 60, 60, 40
+
+
 class RequestError(ValueError):
     """A request the server refuses: answered with 400 and this message."""
 
@@ -53,12 +61,25 @@ def _is_bool(value: Any) -> bool:
     return isinstance(value, bool)
 
 
+def _is_unicode(text: str) -> bool:
+    """False for strings JSON can carry but UTF-8 cannot (a lone surrogate such as "\\ud800")."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _is_text(value: Any) -> bool:
+    return isinstance(value, str) and bool(value) and _is_unicode(value)
+
+
 def _field(body: dict, name: str, default: Any, valid: Callable[[Any], bool], message: str) -> Any:
     """body[name] if present and valid, the default if absent; otherwise a RequestError with `message`."""
     if name not in body:
         return default
     if not valid(body[name]):
-        raise RequestError(f"{message} (got {body[name]!r})")
+        raise RequestError(f"{message} (got {_PREVIEW.repr(body[name])})")
     return body[name]
 
 
@@ -69,11 +90,17 @@ def _check_prompts(prompts: Any, name: str, limits: ServerLimits) -> list[str]:
         raise RequestError(f"{name} is empty")
     if len(prompts) > limits.max_batch_size:
         raise RequestError(f"Maximum number of prompts is {limits.max_batch_size}")
+    for index, prompt in enumerate(prompts):
+        if not _is_unicode(prompt):
+            raise RequestError(f"{name}[{index}] is not valid Unicode: it holds a lone surrogate")
     return prompts
 
 
-def parse_megatron_request(body: dict, limits: ServerLimits) -> tuple[list[str], GenerationParams, bool]:
-    """Megatron's PUT /api request -> (prompts, params, no_log), with Megatron's checks and error strings."""
+def parse_megatron_request(
+    body: dict, limits: ServerLimits, vocab_size: int
+) -> tuple[list[str], GenerationParams, bool]:
+    """Megatron's PUT /api request -> (prompts, params, no_log), with Megatron's checks and error strings;
+    `vocab_size` (the tokenizer's) bounds stop_token."""
     if "prompts" not in body:
         raise RequestError("prompts argument required")
     if "max_len" in body:
@@ -98,8 +125,8 @@ def parse_megatron_request(body: dict, limits: ServerLimits) -> tuple[list[str],
         body,
         "temperature",
         1.0,
-        lambda v: _is_number(v) and 0.0 < v <= 100.0,
-        "temperature must be a positive number less than or equal to 100.0",
+        lambda v: _is_number(v) and MIN_TEMPERATURE <= v <= 100.0,
+        f"temperature must be a positive number less than or equal to 100.0 and at least {MIN_TEMPERATURE}",
     )
     top_k = _field(
         body,
@@ -124,15 +151,25 @@ def parse_megatron_request(body: dict, limits: ServerLimits) -> tuple[list[str],
     if any(not prompt for prompt in prompts) and not flags["add_BOS"]:
         raise RequestError("Empty prompts require add_BOS=true")
     random_seed = _field(
-        body, "random_seed", -1, lambda v: _is_int(v) and v >= 0, "random_seed must be a non-negative integer"
+        body,
+        "random_seed",
+        -1,
+        lambda v: _is_int(v) and 0 <= v <= MAX_SEED,
+        "random_seed must be a non-negative integer below 2**63",
     )
-    stop_token = _field(body, "stop_token", None, _is_int, "stop_token must be an integer")
+    stop_token = _field(
+        body,
+        "stop_token",
+        None,
+        lambda v: _is_int(v) and 0 <= v < vocab_size,
+        f"stop_token must be an integer token id from 0 to {vocab_size - 1}",
+    )
     stop_strings = _field(
         body,
         "stop_strings",
         [],
-        lambda v: isinstance(v, list) and all(isinstance(s, str) and s for s in v),
-        "stop_strings must be a list of non-empty strings",
+        lambda v: isinstance(v, list) and all(_is_text(s) for s in v),
+        "stop_strings must be a list of non-empty strings of valid Unicode",
     )
     params = GenerationParams(
         tokens_to_generate=tokens_to_generate,
@@ -172,8 +209,8 @@ def parse_completion_request(body: dict, limits: ServerLimits) -> tuple[list[str
         body,
         "temperature",
         1.0,
-        lambda v: _is_number(v) and 0.0 <= v <= 2.0,
-        "temperature must be between 0 and 2",
+        lambda v: _is_number(v) and (v == 0.0 or MIN_TEMPERATURE <= v <= 2.0),
+        f"temperature must be between 0 and 2 (0 is greedy; a positive one is at least {MIN_TEMPERATURE})",
     )
     top_p = _field(body, "top_p", 1.0, lambda v: _is_number(v) and 0.0 < v <= 1.0, "top_p must be in (0, 1]")
     top_k = _field(body, "top_k", 0, lambda v: _is_int(v) and v >= 0, "top_k must be a non-negative integer")
@@ -182,18 +219,20 @@ def parse_completion_request(body: dict, limits: ServerLimits) -> tuple[list[str
     )
     echo = _field(body, "echo", False, _is_bool, "echo must be a boolean value")
     seed = _field(
-        body, "seed", None, lambda v: v is None or (_is_int(v) and v >= 0), "seed must be an integer >= 0"
+        body,
+        "seed",
+        None,
+        lambda v: v is None or (_is_int(v) and 0 <= v <= MAX_SEED),
+        "seed must be an integer >= 0 and below 2**63",
     )
     stop = _field(
         body,
         "stop",
         None,
         lambda v: (
-            v is None
-            or (isinstance(v, str) and v)
-            or (isinstance(v, list) and len(v) <= 4 and all(isinstance(s, str) and s for s in v))
+            v is None or _is_text(v) or (isinstance(v, list) and len(v) <= 4 and all(_is_text(s) for s in v))
         ),
-        "stop must be a non-empty string or a list of up to 4 non-empty strings",
+        "stop must be a non-empty string or a list of up to 4 non-empty strings (valid Unicode)",
     )
     if max_tokens == 0 and not echo:
         raise RequestError("max_tokens=0 needs echo=true (it scores the prompt)")
@@ -208,6 +247,20 @@ def parse_completion_request(body: dict, limits: ServerLimits) -> tuple[list[str
         random_seed=-1 if seed is None else seed,
     )
     return prompts, params, echo
+
+
+def request_summary(prompts: list[str], params: GenerationParams) -> str:
+    """A log line of bounded length, whatever the request's size: counts, the start of the first prompt and
+    the sampling settings."""
+    return (
+        f"{len(prompts)} prompt(s) of {sum(len(prompt) for prompt in prompts)} characters, the first "
+        f"{_PREVIEW.repr(prompts[0])}; tokens_to_generate={params.tokens_to_generate} "
+        f"temperature={params.temperature} top_k={params.top_k} top_p={params.top_p}"
+    )
+
+
+def _client(request: Request) -> str:
+    return request.client.host if request.client else "?"
 
 
 def completion_choices(output: GenerationOutput, prompts: list[str], echo: bool) -> list[dict]:
@@ -281,6 +334,8 @@ async def read_json_body(request: Request, limit: int) -> dict:
         data = json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise RequestError(f"request body is not valid JSON: {error}") from None
+    except RecursionError:
+        raise RequestError("request body is nested too deeply to parse") from None
     if not isinstance(data, dict):
         raise RequestError("request body must be a JSON object")
     return data
@@ -304,11 +359,9 @@ def create_app(
     async def megatron_generate(request: Request):
         try:
             body = await read_json_body(request, limits.max_request_bytes)
-            prompts, params, no_log = parse_megatron_request(body, limits)
+            prompts, params, no_log = parse_megatron_request(body, limits, tokenizer.vocab_size)
             if not no_log:
-                logger.info(
-                    "request from %s: %s", request.client.host if request.client else "?", json.dumps(body)
-                )
+                logger.info("request from %s: %s", _client(request), request_summary(prompts, params))
             output = await run_in_threadpool(service.generate, prompts, params)
         except ValueError as error:
             return JSONResponse({"message": str(error)}, status_code=400)
@@ -324,6 +377,7 @@ def create_app(
         try:
             body = await read_json_body(request, limits.max_request_bytes)
             prompts, params, echo = parse_completion_request(body, limits)
+            logger.info("completion request from %s: %s", _client(request), request_summary(prompts, params))
             output = await run_in_threadpool(service.generate, prompts, params)
         except ValueError as error:
             error_body = {"message": str(error), "type": "invalid_request_error", "param": None, "code": None}

@@ -5,7 +5,10 @@
     python -m megatron_train.tasks.main --task LAMBADA --strict-lambada --valid-data lambada_test.jsonl --load CKPT
     python -m megatron_train.tasks.main --task VALID_PPL --valid-data DATA_text_document --load CKPT
 
-Prints Megatron's result line between dashed rules; `--results-json PATH` also writes the numbers.
+Takes Megatron's whole argument set, as its tasks/main.py does: model flags are checked against the checkpoint,
+tokenizer flags replace the tokenizer it recorded, training-only flags are accepted and unused; `--seq-length`
+is the evaluation window (default: the model's) and `--micro-batch-size` the batch (default 8). Prints
+Megatron's result line between dashed rules; `--results-json PATH` also writes the numbers.
 """
 
 from __future__ import annotations
@@ -15,40 +18,44 @@ import dataclasses
 import json
 import logging
 
+from megatron_train.checkpointing import CheckpointError
 from megatron_train.device import get_device
 from megatron_train.evaluation.lambada import evaluate_lambada
 from megatron_train.evaluation.perplexity import validation_perplexity
 from megatron_train.evaluation.wikitext import evaluate_wikitext
-from megatron_train.inference.checkpoint import add_checkpoint_args, load_for_inference
+from megatron_train.inference.checkpoint import build_inference_parser, load_for_inference
+from storage.atomic import atomic_write_text
 
 TASKS = ("WIKITEXT103", "LAMBADA", "VALID_PPL")
+DEFAULT_MICRO_BATCH_SIZE = 8
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--task", required=True, choices=TASKS)
-    parser.add_argument(
+    parser = build_inference_parser(__doc__)
+    group = parser.add_argument_group("tasks")
+    group.add_argument("--task", required=True, choices=TASKS)
+    group.add_argument(
         "--valid-data",
         nargs="+",
         required=True,
         help="wiki.test.tokens (WIKITEXT103), a JSONL file (LAMBADA) or a .bin/.idx prefix (VALID_PPL).",
     )
-    add_checkpoint_args(parser)
-    parser.add_argument("--seq-length", type=int, default=None, help="Window length; default: the model's.")
-    parser.add_argument(
+    group.add_argument(
         "--overlapping-eval",
         type=int,
         default=None,
         help="Sliding window stride: after the first window only its last N tokens are scored.",
     )
-    parser.add_argument("--strict-lambada", action="store_true", help="Score the whole last word (LAMBADA).")
-    parser.add_argument("--micro-batch-size", type=int, default=8)
-    parser.add_argument(
+    group.add_argument("--strict-lambada", action="store_true", help="Score the whole last word (LAMBADA).")
+    group.add_argument(
         "--max-eval-tokens", type=int, default=None, help="Evaluate at most N tokens (VALID_PPL)."
     )
-    parser.add_argument("--results-json", default=None, help="Also write the metrics to this JSON file.")
+    group.add_argument("--results-json", default=None, help="Also write the metrics to this JSON file.")
+    # Megatron's tasks/main.py takes these for its finetuning tasks; the zero-shot tasks here do not train.
+    unused = parser.add_argument_group("accepted for Megatron's scripts (zero-shot tasks do not finetune)")
+    unused.add_argument("--epochs", type=int, default=None)
+    unused.add_argument("--keep-last", action="store_true")
+    unused.add_argument("--train-data", nargs="+", default=None)
     return parser
 
 
@@ -57,24 +64,25 @@ def run_task(args: argparse.Namespace, model, tokenizer, config):
     if len(args.valid_data) != 1:
         raise ValueError(f"--valid-data takes one path for {args.task}, got {len(args.valid_data)}")
     path = args.valid_data[0]
-    seq_length = args.seq_length or config.model.seq_length
+    seq_length = getattr(args, "seq_length", None) or config.model.seq_length
+    batch_size = getattr(args, "micro_batch_size", DEFAULT_MICRO_BATCH_SIZE)
     if args.task == "WIKITEXT103":
-        return evaluate_wikitext(
-            model, tokenizer, path, seq_length, args.overlapping_eval, args.micro_batch_size
-        )
+        return evaluate_wikitext(model, tokenizer, path, seq_length, args.overlapping_eval, batch_size)
     if args.task == "LAMBADA":
-        return evaluate_lambada(
-            model, tokenizer, path, seq_length, args.strict_lambada, args.micro_batch_size
-        )
+        return evaluate_lambada(model, tokenizer, path, seq_length, args.strict_lambada, batch_size)
     return validation_perplexity(
-        model, path, seq_length, args.overlapping_eval, args.micro_batch_size, args.max_eval_tokens
+        model, path, seq_length, args.overlapping_eval, batch_size, args.max_eval_tokens
     )
 
 
 def main(argv: list[str] | None = None) -> dict:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    model, tokenizer, config = load_for_inference(args, device=get_device())
+    try:
+        model, tokenizer, config = load_for_inference(args, device=get_device())
+    except (ValueError, CheckpointError) as error:
+        parser.error(str(error))
     result = run_task(args, model, tokenizer, config)
     line = result.megatron_line(args.task)
     print("-" * (len(line) + 1))
@@ -89,8 +97,7 @@ def main(argv: list[str] | None = None) -> dict:
     if hasattr(result, "accuracy"):
         metrics["accuracy"] = result.accuracy
     if args.results_json:
-        with open(args.results_json, "w", encoding="utf-8") as handle:
-            json.dump(metrics, handle, indent=2)
+        atomic_write_text(args.results_json, json.dumps(metrics, indent=2))
     return metrics
 
 

@@ -12,6 +12,7 @@ from megatron_train.tokenizer.sentencepiece_model import (
     Llama2Tokenizer,
     SentencePieceTokenizer,
 )
+from megatron_train.training.config import TokenizerConfig
 
 TOKENIZER_TYPES: tuple[str, ...] = (
     "GPT2BPETokenizer",
@@ -73,6 +74,25 @@ def build_tokenizer(
     if tokenizer_type == "GPTSentencePieceTokenizer":
         return GPTSentencePieceTokenizer(model_file)
     return Llama2Tokenizer(model_file)
+
+
+def tokenizer_from_config(config: TokenizerConfig) -> MegatronTokenizer:
+    """The tokenizer of Megatron's tokenizer flags, for every entry point; a bare `--vocab-size N` means
+    Megatron's NullTokenizer (handy with --mock-data)."""
+    tokenizer_type = config.tokenizer_type or ("NullTokenizer" if config.vocab_size else None)
+    if tokenizer_type is None:
+        raise ValueError(
+            "no tokenizer: set --tokenizer-type (with its --vocab-file/--merge-file/--tokenizer-model) or "
+            "--vocab-size"
+        )
+    return build_tokenizer(
+        tokenizer_type,
+        vocab_file=config.vocab_file,
+        merge_file=config.merge_file,
+        tokenizer_model=config.tokenizer_model,
+        vocab_size=config.vocab_size,
+        vocab_extra_ids=config.vocab_extra_ids,
+    )
 
 
 def vocab_size_with_padding(

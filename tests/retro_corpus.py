@@ -1,0 +1,88 @@
+"""A small GPT corpus for the Retro tests: word-level GPT tokens over the WordPiece test stems.
+
+`WordTokenizer` is a GPT-style tokenizer whose ids are whole words (" ba", " keto", ...) plus a newline
+and an EOD: its text re-tokenizes cleanly with the test BERT vocabulary (`tests.wordpiece_corpus`), and
+a chunk of newlines only re-tokenizes to nothing (an invalid chunk). Documents are drawn from topics
+(each a subset of the words), so `topic_embed` gives clustered vectors for the index tests.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from megatron_train.tokenizer import MegatronTokenizer
+from storage.indexed_dataset import IndexedDatasetBuilder, data_file_path, index_file_path
+from tests.wordpiece_corpus import STEMS
+
+EOD, NEWLINE = 0, 1
+WORDS = [" <eod>", "\n", *(f" {stem}" for stem in STEMS)]
+NUM_TOPICS = 8
+
+
+class WordTokenizer(MegatronTokenizer):
+    """GPT-side tokenizer of the test corpus: one id per word."""
+
+    @property
+    def vocab_size(self) -> int:
+        return len(WORDS)
+
+    @property
+    def vocab(self) -> dict[str, int]:
+        return {word: i for i, word in enumerate(WORDS)}
+
+    @property
+    def inv_vocab(self) -> dict[int, str]:
+        return dict(enumerate(WORDS))
+
+    def tokenize(self, text: str) -> list[int]:
+        vocab = self.vocab
+        return [
+            NEWLINE if word == "\n" else vocab[f" {word}"]
+            for word in text.replace("\n", " \n ").split(" ")
+            if word
+        ]
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        return "".join(WORDS[i] for i in ids)
+
+    @property
+    def eod(self) -> int:
+        return EOD
+
+
+def topic_documents(
+    num_documents: int, seed: int = 0, min_length: int = 20, max_length: int = 200
+) -> list[np.ndarray]:
+    """Documents of words from one of NUM_TOPICS topics each, ending with EOD."""
+    rng = np.random.default_rng(seed)
+    word_ids = np.arange(2, len(WORDS))
+    topics = [rng.choice(word_ids, size=12, replace=False) for _ in range(NUM_TOPICS)]
+    documents = []
+    for _ in range(num_documents):
+        words = rng.choice(topics[rng.integers(NUM_TOPICS)], size=rng.integers(min_length, max_length))
+        documents.append(np.append(words, EOD))
+    return documents
+
+
+def write_corpus(prefix: str, documents: Sequence[Sequence[int]]) -> str:
+    """`<prefix>.bin/.idx` with one sequence per document (as the tokenize stage writes GPT data)."""
+    builder = IndexedDatasetBuilder(data_file_path(prefix), dtype=np.uint16)
+    for tokens in documents:
+        builder.add_item(np.asarray(tokens, dtype=np.int64))
+        builder.end_document()
+    builder.finalize(index_file_path(prefix))
+    return prefix
+
+
+def topic_embed(texts: list[str]) -> np.ndarray:
+    """Deterministic embedding: each word's fixed random vector, averaged over the text (float32 [n, 32])."""
+    table = np.random.default_rng(1234).standard_normal((len(WORDS), 32)).astype(np.float32)
+    vocab = {word.strip(): i for i, word in enumerate(WORDS)}
+    vectors = np.zeros((len(texts), 32), dtype=np.float32)
+    for row, text in enumerate(texts):
+        ids = [vocab[word] for word in text.split()]
+        if ids:
+            vectors[row] = table[ids].mean(axis=0)
+    return vectors
