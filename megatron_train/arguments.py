@@ -266,7 +266,8 @@ def validate_step_batch_size_schedule(config: MegatronConfig) -> None:
     if training.global_batch_size not in (None, final):
         raise ValueError(
             f"--global-batch-size {training.global_batch_size} differs from the last batch size {final} of "
-            f"--step-batch-size-schedule {training.step_batch_size_schedule!r}; drop --global-batch-size"
+            f"--step-batch-size-schedule {' '.join(training.step_batch_size_schedule)!r}; drop "
+            "--global-batch-size"
         )
     training.global_batch_size = final
 

@@ -24,8 +24,13 @@ from megatron_train.training.per_token_loss import NUM_TOKENS_KEY
 
 
 def tokenizer_from_config(config: TokenizerConfig) -> MegatronTokenizer:
-    """The run's tokenizer; a bare `--vocab-size N` means Megatron's NullTokenizer (handy with --mock-data)."""
-    tokenizer_type = config.tokenizer_type or ("NullTokenizer" if config.vocab_size else None)
+    """The run's tokenizer; without --tokenizer-type, `--vocab-file` + `--merge-file` mean GPT2BPETokenizer (as
+    Megatron's GPT-3 example relies on) and a bare `--vocab-size N` NullTokenizer (handy with --mock-data)."""
+    tokenizer_type = config.tokenizer_type
+    if tokenizer_type is None and config.vocab_file and config.merge_file:
+        tokenizer_type = "GPT2BPETokenizer"
+    elif tokenizer_type is None and config.vocab_size:
+        tokenizer_type = "NullTokenizer"
     if tokenizer_type is None:
         raise SystemExit(
             "set --tokenizer-type (with its --vocab-file/--merge-file/--tokenizer-model) or --vocab-size"

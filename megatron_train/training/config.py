@@ -65,11 +65,12 @@ class TrainingConfig:
     distributed_timeout_minutes: int = field(
         default=10, metadata=_help("Timeout of collectives and process-group creation.")
     )
-    step_batch_size_schedule: str | None = field(
+    step_batch_size_schedule: list[str] | None = field(
         default=None,
         metadata=_help(
-            "Step-wise global batch size, 'THRESHOLD:BS THRESHOLD:BS ...' with thresholds in tokens "
-            "(K/M/B/T suffixes), e.g. '0:16 2.4B:320'; the first threshold is 0."
+            "Step-wise global batch size, THRESHOLD:BS THRESHOLD:BS ... with thresholds in tokens "
+            "(K/M/B/T suffixes), e.g. 0:16 2.4B:320; the first threshold is 0. One quoted string or "
+            "several words (Megatron's GPT-3 example passes it unquoted)."
         ),
     )
     calculate_per_token_loss: bool = field(

@@ -18,10 +18,11 @@ def _schedule_number(text: str, entry: str, schedule: str) -> int:
         ) from None
 
 
-def parse_step_batch_size_schedule(schedule: str, seq_length: int | None) -> list[tuple[int, int]]:
-    """Megatron's `StepBatchsizeNumMicroBatchesCalculator._parse_schedule`: "0:16 2.4B:320 ..." as sorted
-    (threshold in samples, batch size) pairs; thresholds are tokens, divided by `seq_length` (samples when None).
-    """
+def parse_step_batch_size_schedule(words: list[str], seq_length: int | None) -> list[tuple[int, int]]:
+    """Megatron's `StepBatchsizeNumMicroBatchesCalculator._parse_schedule`: ["0:16 2.4B:320", ...] (one string
+    or one entry per word) as sorted (threshold in samples, batch size) pairs; thresholds are tokens, divided
+    by `seq_length` (samples when None)."""
+    schedule = " ".join(words)
     pairs = []
     for entry in schedule.replace(",", " ").split():
         if ":" not in entry:
