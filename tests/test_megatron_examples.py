@@ -72,7 +72,9 @@ def override(argv: list[str], values: dict[str, str]) -> list[str]:
 
 @pytest.fixture
 def gpt3_argv(tmp_path) -> list[str]:
-    return example_argv(GPT3, tmp_path, "ckpt", "tb", "gpt2-vocab.json", "gpt2-merges.txt", "data_text_document")
+    return example_argv(
+        GPT3, tmp_path, "ckpt", "tb", "gpt2-vocab.json", "gpt2-merges.txt", "data_text_document"
+    )
 
 
 @pytest.fixture
@@ -90,7 +92,14 @@ def test_parser_takes_every_flag_of_both_examples(gpt3_argv, llama3_argv) -> Non
 
     gpt3 = parse_args(gpt3_argv, world_size=128)
     assert (gpt3.parallel.tensor_model_parallel_size, gpt3.parallel.pipeline_model_parallel_size) == (8, 16)
-    assert gpt3.training.step_batch_size_schedule == "0:16 2.4B:320 4.8B:624 7.2B:928 9.6B:1232 12B:1536".split()
+    assert gpt3.training.step_batch_size_schedule == [
+        "0:16",
+        "2.4B:320",
+        "4.8B:624",
+        "7.2B:928",
+        "9.6B:1232",
+        "12B:1536",
+    ]
     assert (gpt3.training.global_batch_size, gpt3.training.fp16, gpt3.compat.attention_backend) == (
         1536,
         True,
@@ -104,7 +113,10 @@ def test_parser_takes_every_flag_of_both_examples(gpt3_argv, llama3_argv) -> Non
     assert training.overlap_param_gather and llama3.parallel.use_distributed_optimizer
     assert (training.empty_unused_memory_level, llama3.optimizer.decoupled_lr) == (1, 5.0e-4)
     assert model.apply_layernorm_1p and model.normalization == "RMSNorm"
-    assert llama3.logging.profile and (llama3.logging.profile_step_start, llama3.logging.profile_step_end) == (4, 6)
+    assert llama3.logging.profile and (
+        llama3.logging.profile_step_start,
+        llama3.logging.profile_step_end,
+    ) == (4, 6)
     assert (llama3.tokenizer.tiktoken_pattern, llama3.compat.ckpt_format, llama3.data.split) == (
         "v2",
         "torch_dist",
@@ -113,8 +125,7 @@ def test_parser_takes_every_flag_of_both_examples(gpt3_argv, llama3_argv) -> Non
 
 
 @pytest.mark.skipif(
-    __import__("torch").cuda.is_available()
-    and __import__("torch").cuda.get_device_capability() >= (8, 9),
+    __import__("torch").cuda.is_available() and __import__("torch").cuda.get_device_capability() >= (8, 9),
     reason="this machine has an FP8 GPU",
 )
 def test_fp8_flags_are_refused_naming_the_flag(llama3_argv, capsys) -> None:
