@@ -42,6 +42,8 @@ def tokenizer_from_config(config: TokenizerConfig) -> MegatronTokenizer:
         tokenizer_model=config.tokenizer_model,
         vocab_size=config.vocab_size,
         vocab_extra_ids=config.vocab_extra_ids,
+        tiktoken_pattern=config.tiktoken_pattern,
+        tiktoken_num_special_tokens=config.tiktoken_num_special_tokens,
     )
 
 

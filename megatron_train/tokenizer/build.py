@@ -12,6 +12,7 @@ from megatron_train.tokenizer.sentencepiece_model import (
     Llama2Tokenizer,
     SentencePieceTokenizer,
 )
+from megatron_train.tokenizer.tiktoken_bpe import TikTokenizer
 
 TOKENIZER_TYPES: tuple[str, ...] = (
     "GPT2BPETokenizer",
@@ -22,6 +23,7 @@ TOKENIZER_TYPES: tuple[str, ...] = (
     "GPTSentencePieceTokenizer",
     "Llama2Tokenizer",
     "NullTokenizer",
+    "TikTokenizer",
 )
 # The types that take `--vocab-extra-ids` (T5 sentinels); the others have no room for them.
 _EXTRA_IDS_TYPES = ("BertWordPieceLowerCase", "BertWordPieceCase", "SentencePieceTokenizer")
@@ -35,9 +37,11 @@ def build_tokenizer(
     tokenizer_model: str | None = None,
     vocab_size: int | None = None,
     vocab_extra_ids: int = 0,
+    tiktoken_pattern: str | None = None,
+    tiktoken_num_special_tokens: int = 1000,
 ) -> MegatronTokenizer:
     """The tokenizer Megatron builds for `--tokenizer-type` and its flags (--vocab-file, --merge-file,
-    --tokenizer-model, --vocab-size, --vocab-extra-ids)."""
+    --tokenizer-model, --vocab-size, --vocab-extra-ids, --tiktoken-pattern, --tiktoken-num-special-tokens)."""
     if tokenizer_type not in TOKENIZER_TYPES:
         raise ValueError(
             f"unknown --tokenizer-type {tokenizer_type!r}; choose one of: {', '.join(TOKENIZER_TYPES)}"
@@ -68,6 +72,8 @@ def build_tokenizer(
             raise ValueError("NullTokenizer needs --vocab-size")
         return NullTokenizer(vocab_size)
     model_file = require_file(tokenizer_model, "--tokenizer-model", tokenizer_type)
+    if tokenizer_type == "TikTokenizer":
+        return TikTokenizer(model_file, tiktoken_pattern, vocab_size, tiktoken_num_special_tokens)
     if tokenizer_type == "SentencePieceTokenizer":
         return SentencePieceTokenizer(model_file, vocab_extra_ids=vocab_extra_ids)
     if tokenizer_type == "GPTSentencePieceTokenizer":
