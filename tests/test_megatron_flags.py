@@ -7,6 +7,8 @@ from __future__ import annotations
 import contextlib
 import gc
 import glob
+import sys
+import types
 
 import pytest
 import torch
@@ -20,11 +22,13 @@ from megatron_train.models.norms import LayerNorm1P, RMSNorm, build_norm
 from megatron_train.optimizer import get_param_groups
 from megatron_train.parallel import state
 from megatron_train.training.config import OptimizerConfig
+from megatron_train.training.logging import MetricsWriter
 from megatron_train.training.loop import average_loss
 from megatron_train.training.lr_scheduler import build_opt_param_scheduler
 from megatron_train.training.microbatches import MicroBatchCalculator, parse_step_batch_size_schedule
 from megatron_train.training.per_token_loss import NUM_TOKENS_KEY, scale_grads_to_per_token_loss
 from megatron_train.training.step_hooks import StepHooks
+from megatron_train.training.wandb_writer import build_wandb_writer
 from tests.distributed import run_distributed
 from tests.test_training import pretrain_worker, tiny_args, train_losses
 
@@ -263,3 +267,37 @@ def test_empty_unused_memory_level_is_a_logged_no_op_on_cpu(tmp_path, caplog) ->
     hooks = _hooks(tmp_path, "--empty-unused-memory-level", "2")
     hooks.after_forward_backward()
     assert not hooks.empties_cache and "no CUDA device" in caplog.text
+
+
+class _FakeRun:
+    def __init__(self, **kwargs) -> None:
+        self.init, self.logged, self.finished = kwargs, [], False
+
+    def log(self, values: dict, step: int) -> None:
+        self.logged.append((step, values))
+
+    def finish(self) -> None:
+        self.finished = True
+
+
+def test_wandb_project_logs_every_record_to_a_run(tmp_path, monkeypatch, caplog) -> None:
+    args = tiny_args(
+        str(tmp_path), "--train-iters", "2", "--wandb-project", "proj", "--wandb-exp-name", "run1"
+    )
+    config = parse_args(args)
+    monkeypatch.setitem(sys.modules, "wandb", None)  # not installed: the flag is accepted and says so
+    assert build_wandb_writer(config) is None and "needs the wandb package" in caplog.text
+    monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(init=_FakeRun))
+    writer = MetricsWriter(None, None, wandb=build_wandb_writer(config))
+    run = writer.wandb.run
+    assert (run.init["project"], run.init["name"], run.init["dir"]) == (
+        "proj",
+        "run1",
+        str(tmp_path / "wandb"),
+    )
+    assert run.init["config"]["training"]["train_iters"] == 2
+    writer.write({"iteration": 1, "lm loss": 4.5, "learning rate": 1e-3, "grad norm": None})
+    writer.write({"iteration": 1, "split": "valid", "end_of_training": False, "lm loss": 4.4})
+    writer.close()
+    assert run.logged == [(1, {"lm loss": 4.5, "learning rate": 1e-3}), (1, {"valid/lm loss": 4.4})]
+    assert run.finished

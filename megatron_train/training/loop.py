@@ -50,6 +50,7 @@ from megatron_train.training.setup import (
 )
 from megatron_train.training.signals import DistributedSignalHandler
 from megatron_train.training.step_hooks import StepHooks
+from megatron_train.training.wandb_writer import build_wandb_writer
 
 LOSS_KEY = "lm loss"  # the entry of loss_func's reduced dict that the loop averages, logs and evaluates
 
@@ -380,7 +381,12 @@ def pretrain(
         if metrics_file is None and config.checkpoint.save:
             metrics_file = os.path.join(config.checkpoint.save, "metrics.jsonl")
         if _is_logging_rank():
-            writer = MetricsWriter(config.logging.tensorboard_dir, metrics_file, setup.loaded.iteration)
+            writer = MetricsWriter(
+                config.logging.tensorboard_dir,
+                metrics_file,
+                setup.loaded.iteration,
+                wandb=build_wandb_writer(config),
+            )
         trainer = Trainer(config, setup, forward_step_func, padded_vocab_size, writer)
         exited_early = False
         if not config.training.skip_train and train_iters is not None:
