@@ -154,7 +154,8 @@ def parse_args(argv: list[str] | None = None, world_size: int | None = None) -> 
     if int(os.environ.get("RANK", "0")) == 0:
         for name, note in ACCEPTED_FLAG_NOTES.items():
             if name in values:
-                logger.info("%s %s: %s", _flag_of(name), values[name], note)
+                value = "" if isinstance(values[name], bool) else f" {values[name]}"
+                logger.info("%s%s: %s", _flag_of(name), value, note)
     return config
 
 
@@ -300,6 +301,9 @@ def validate_pipeline_parallel(config: MegatronConfig, data_parallel_size: int) 
     if training.rampup_batch_size is not None:  # every global batch size of the ramp runs the schedule
         start, increment, _ = training.rampup_batch_size
         batch_sizes.update(range(start, training.global_batch_size, increment))
+    if training.step_batch_size_schedule is not None:  # so does every batch size of the schedule
+        schedule = parse_step_batch_size_schedule(training.step_batch_size_schedule, config.model.seq_length)
+        batch_sizes.update(size for _, size in schedule)
     for batch_size in sorted(batch_sizes):
         num_micro_batches = batch_size // micro_batch_times_dp
         if num_micro_batches % pp:

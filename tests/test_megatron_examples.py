@@ -136,19 +136,24 @@ def test_fp8_flags_are_refused_naming_the_flag(llama3_argv, capsys) -> None:
     assert "drop the --fp8-format --fp8-amax-history-len --fp8-amax-compute-algo --fp8-param-gather" in error
 
 
-def test_accepted_only_flags_log_what_they_mean_here(gpt3_argv, llama3_argv, caplog) -> None:
+def test_accepted_only_flags_log_what_they_mean_here(llama3_argv, caplog) -> None:
     caplog.set_level("INFO", logger="megatron_train.arguments")
     parse_args(without(llama3_argv, *FP8_FLAGS), world_size=8)
+    kernels = ["--transformer-impl", "local", "--distributed-backend", "gloo", "--no-masked-softmax-fusion"]
+    parse_args([*without(llama3_argv, *FP8_FLAGS), *kernels], world_size=8)
     notes = {record.getMessage().split(":")[0] for record in caplog.records}
     assert {
-        "--use-mcore-models True",
+        "--use-mcore-models",
         "--attention-backend fused",
-        "--cross-entropy-loss-fusion True",
-        "--no-create-attention-mask-in-dataloader False",
-        "--no-mmap-bin-files False",
+        "--cross-entropy-loss-fusion",
+        "--no-create-attention-mask-in-dataloader",
+        "--no-mmap-bin-files",
         "--ckpt-format torch_dist",
         "--context-parallel-size 1",
-        "--log-throughput True",
+        "--log-throughput",
+        "--transformer-impl local",
+        "--distributed-backend gloo",
+        "--no-masked-softmax-fusion",
     } <= notes
 
 

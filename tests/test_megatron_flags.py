@@ -189,6 +189,16 @@ def test_step_batch_size_schedule_follows_megatrons_format(tmp_path) -> None:
         )  # ends at 8, not --global-batch-size 4
     config = parse_args([*args, "--step-batch-size-schedule", "0:2", "64:4"])
     assert config.training.global_batch_size == 4
+    interleaved = [
+        *args,
+        "--pipeline-model-parallel-size",
+        "2",
+        "--num-layers-per-virtual-pipeline-stage",
+        "1",
+    ]
+    parse_args(interleaved, world_size=2)  # 2 micro-batches of 2: a multiple of the 2 stages
+    with pytest.raises(SystemExit):  # the first batch of 2 is 1 micro-batch
+        parse_args([*interleaved, "--step-batch-size-schedule", "0:2", "64:4"], world_size=2)
 
 
 def test_refusals_name_the_flag(tmp_path, capsys) -> None:
