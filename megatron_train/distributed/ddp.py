@@ -38,9 +38,8 @@ class DDPConfig:
     overlap_grad_reduce: bool = False
     bucket_size: int | None = None  # elements; None: max(40M, 1M * DP) as in Megatron
     use_distributed_optimizer: bool = False  # shard buckets over DP: reduce-scatter grads, all-gather params
-    overlap_param_gather: bool = (
-        False  # distributed optimizer: finish the param all-gather at the next forward
-    )
+    # Distributed optimizer: leave the param all-gather in flight until the next forward needs the params.
+    overlap_param_gather: bool = False
 
 
 class Bucket:

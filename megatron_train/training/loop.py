@@ -10,7 +10,7 @@ import contextlib
 import math
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -291,7 +291,8 @@ class Trainer:
         train_start = time.time()
         handler = DistributedSignalHandler() if training.exit_signal_handler else None
         self.hooks.start_training()
-        with handler if handler is not None else contextlib.nullcontext(), _finally(self.hooks.end_training):
+        with handler if handler is not None else contextlib.nullcontext(), contextlib.ExitStack() as cleanup:
+            cleanup.callback(self.hooks.end_training)
             while self.progress.iteration < self.setup.train_iters:
                 self.hooks.before_step(self.progress.iteration)
                 self.setup.calculator.update(self.progress.consumed_train_samples)
@@ -331,14 +332,6 @@ class Trainer:
                         print(f"exiting program at iteration {self.progress.iteration}: {reason}", flush=True)
                     return True
         return False
-
-
-@contextlib.contextmanager
-def _finally(cleanup: Callable[[], None]) -> Iterator[None]:
-    try:
-        yield
-    finally:
-        cleanup()
 
 
 def _every(iteration: int, interval: int | None) -> bool:
