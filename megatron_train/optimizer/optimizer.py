@@ -86,9 +86,8 @@ class MegatronOptimizer:
             if main is not None and main is not model:
                 copy_parallel_attributes(model, main)
         main_of = {id(model): main for model, main in zip(self.model_params, self.main_params, strict=True)}
-        # a subclass's rank may hold no part of a group: kept empty
         groups = get_param_groups(named_params, config.decoupled_lr, config.decoupled_min_lr)
-        for group in groups:
+        for group in groups:  # a subclass's rank may hold no part of a group: kept empty
             group["params"] = [main_of[id(p)] for p in group["params"] if main_of[id(p)] is not None]
         self.optimizer = _build_torch_optimizer(groups, config)
         self.grad_scaler = _build_grad_scaler(config, params_dtype)
