@@ -19,6 +19,7 @@ from megatron_train.models.gpt import GPTModel, model_provider
 from megatron_train.parallel.schedules import LossFunc
 from megatron_train.tokenizer import MegatronTokenizer, tokenizer_from_config, vocab_size_with_padding
 from megatron_train.training.loop import LOSS_KEY, get_batch, pretrain
+from megatron_train.training.per_token_loss import NUM_TOKENS_KEY
 
 
 def gpt_model_provider(
@@ -35,20 +36,26 @@ def gpt_model_provider(
 
 
 def loss_func(
-    loss_mask: torch.Tensor, output_tensor: torch.Tensor
+    loss_mask: torch.Tensor, output_tensor: torch.Tensor, per_token_loss: bool = False
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Mean next-token loss over the micro-batch's unmasked tokens (Megatron's GPT loss_func)."""
+    """Mean next-token loss over the micro-batch's unmasked tokens (Megatron's GPT loss_func); with
+    `per_token_loss` (--calculate-per-token-loss) the loss sum and the token count, for the loop to divide."""
     loss_mask = loss_mask.float()
-    loss = (output_tensor.float() * loss_mask).sum() / loss_mask.sum().clamp(min=1.0)
+    loss_sum = (output_tensor.float() * loss_mask).sum()
+    if per_token_loss:
+        return loss_sum, {LOSS_KEY: loss_sum.detach(), NUM_TOKENS_KEY: loss_mask.sum()}
+    loss = loss_sum / loss_mask.sum().clamp(min=1.0)
     return loss, {LOSS_KEY: loss.detach()}
 
 
-def forward_step(data_iterator: Iterator, model: torch.nn.Module) -> tuple[torch.Tensor, LossFunc]:
+def forward_step(
+    data_iterator: Iterator, model: torch.nn.Module, per_token_loss: bool = False
+) -> tuple[torch.Tensor, LossFunc]:
     """Megatron's GPT forward step: per-token losses [b, s] on the last pipeline stage (hidden states
     [s, b, h] elsewhere, the input coming from the previous stage), and the loss function for them."""
     batch = get_batch(data_iterator, get_device())
     output_tensor = model(batch["tokens"], batch["position_ids"], labels=batch["labels"])
-    return output_tensor, functools.partial(loss_func, batch["loss_mask"])
+    return output_tensor, functools.partial(loss_func, batch["loss_mask"], per_token_loss=per_token_loss)
 
 
 def datasets_provider(
@@ -80,7 +87,7 @@ def main(argv: list[str] | None = None) -> None:
         config,
         gpt_model_provider,
         functools.partial(datasets_provider, config, tokenizer),
-        forward_step,
+        functools.partial(forward_step, per_token_loss=config.training.calculate_per_token_loss),
         padded_vocab_size,
     )
 

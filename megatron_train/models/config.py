@@ -52,6 +52,10 @@ class TransformerConfig:
         default="LayerNorm", metadata={"help": "Norm layer: LayerNorm or RMSNorm."}
     )
     norm_epsilon: float = field(default=1e-5, metadata={"help": "Epsilon of the norm layers."})
+    apply_layernorm_1p: bool = field(
+        default=False,
+        metadata={"help": "Store norm weights zero-centred (weight - 1); the forward scales by 1 + weight."},
+    )
     swiglu: bool = field(default=False, metadata={"help": "Use the gated SwiGLU MLP instead of GELU."})
     openai_gelu: bool = field(
         default=False, metadata={"help": "Use OpenAI's tanh approximation of GELU (GPT-2's 'gelu_new')."}

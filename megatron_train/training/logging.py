@@ -12,11 +12,14 @@ import math
 import os
 import resource
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from storage.atomic import atomic_write_text
+
+if TYPE_CHECKING:
+    from megatron_train.training.wandb_writer import WandbWriter
 
 
 def peak_memory_mb() -> float:
@@ -60,15 +63,21 @@ def format_evaluation_line(prefix: str, loss: float) -> str:
 
 
 class MetricsWriter:
-    """TensorBoard (when `tensorboard_dir`) and JSONL (when `metrics_file`) sinks; used on one rank only.
+    """TensorBoard (when `tensorboard_dir`), JSONL (when `metrics_file`) and W&B (when `wandb`) sinks; used on one
+    rank only.
 
     On a resumed run, records after `start_iteration` (written by the killed run past its last checkpoint)
     are dropped so the file describes exactly one history.
     """
 
     def __init__(
-        self, tensorboard_dir: str | None, metrics_file: str | None, start_iteration: int = 0
+        self,
+        tensorboard_dir: str | None,
+        metrics_file: str | None,
+        start_iteration: int = 0,
+        wandb: WandbWriter | None = None,
     ) -> None:
+        self.wandb = wandb
         self.tensorboard = None
         if tensorboard_dir:
             from torch.utils.tensorboard import SummaryWriter
@@ -90,12 +99,16 @@ class MetricsWriter:
             for key, value in record.items():
                 if isinstance(value, int | float) and key not in ("iteration", "time") and value is not None:
                     self.tensorboard.add_scalar(prefix + key, value, record["iteration"])
+        if self.wandb is not None:
+            self.wandb.write(record)
 
     def close(self) -> None:
         if self.metrics is not None:
             self.metrics.close()
         if self.tensorboard is not None:
             self.tensorboard.close()
+        if self.wandb is not None:
+            self.wandb.close()
 
 
 def _truncate_after(path: str, start_iteration: int) -> None:

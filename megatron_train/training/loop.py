@@ -33,6 +33,11 @@ from megatron_train.training.logging import (
     format_training_line,
     peak_memory_mb,
 )
+from megatron_train.training.per_token_loss import (
+    NUM_TOKENS_KEY,
+    loss_and_token_sums,
+    scale_grads_to_per_token_loss,
+)
 from megatron_train.training.setup import (
     DatasetsProvider,
     ModelProvider,
@@ -44,6 +49,8 @@ from megatron_train.training.setup import (
     setup_model_and_optimizer,
 )
 from megatron_train.training.signals import DistributedSignalHandler
+from megatron_train.training.step_hooks import StepHooks
+from megatron_train.training.wandb_writer import build_wandb_writer
 
 LOSS_KEY = "lm loss"  # the entry of loss_func's reduced dict that the loop averages, logs and evaluates
 
@@ -62,9 +69,13 @@ def average_across_data_parallel(value: torch.Tensor) -> torch.Tensor:
 
 def average_loss(reduced: list[dict[str, torch.Tensor]]) -> float | None:
     """The mean of `LOSS_KEY` over micro-batches and data-parallel ranks on the last pipeline stage (where the
-    schedule computed it; Megatron logs from there); None on the other stages."""
+    schedule computed it; Megatron logs from there); None on the other stages. With --calculate-per-token-loss
+    (entries carry token counts) it is the sum of losses over the sum of tokens."""
     if not state.is_pipeline_last_stage(ignore_virtual=True):
         return None
+    if NUM_TOKENS_KEY in reduced[0]:
+        sums = average_across_data_parallel(loss_and_token_sums(reduced, LOSS_KEY))
+        return (sums[0] / sums[1].clamp(min=1.0)).item()
     loss = torch.stack([entry[LOSS_KEY].float() for entry in reduced]).mean()
     return average_across_data_parallel(loss).item()
 
@@ -79,6 +90,7 @@ def train_step(
     data_iterators: list[Iterator],
     setup: TrainingSetup,
     config: MegatronConfig,
+    hooks: StepHooks | None = None,
 ) -> tuple[float | None, bool, float | None]:
     """One global batch through the pipeline schedule, then Megatron's grad finalisation and optimizer step.
 
@@ -100,11 +112,15 @@ def train_step(
         sequence_parallel=config.parallel.sequence_parallel,
         grad_scale_func=lambda loss: loss * loss_scale,
     )
+    if hooks is not None:
+        hooks.after_forward_backward()
     for chunk, unwrapped in zip(setup.model, setup.unwrapped_model, strict=True):
         chunk.finish_grad_sync()
         if config.parallel.sequence_parallel:
             allreduce_sequence_parallel_grads(unwrapped)
     allreduce_embedding_grads(setup.model)
+    if config.training.calculate_per_token_loss:
+        scale_grads_to_per_token_loss(setup.model, reduced, setup.calculator.num_micro_batches)
     update_successful, grad_norm = optimizer.step()
     if update_successful:
         setup.scheduler.step(increment=setup.calculator.current_global_batch_size)
@@ -175,9 +191,12 @@ class Trainer:
         self.peak_flops = peak_flops_per_device(config.logging.peak_flops)
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
         self.last_saved_iteration: int | None = None
+        self.hooks = StepHooks(config)
 
     def save(self) -> None:
         if self.config.checkpoint.save and self.last_saved_iteration != self.progress.iteration:
+            for chunk in self.setup.model:  # --overlap-param-gather: params may still be in flight
+                chunk.finish_param_sync()
             save_checkpoint(
                 self.progress.iteration,
                 checkpoint_model(self.setup.unwrapped_model),
@@ -220,6 +239,7 @@ class Trainer:
         self, data_iterators: list[Iterator], split: str, prefix: str | None = None
     ) -> float | None:
         training = self.config.training
+        self.hooks.around_evaluation()
         loss = evaluate(
             self.forward_step_func,
             data_iterators,
@@ -228,6 +248,7 @@ class Trainer:
             self.setup.calculator.num_micro_batches,
             self.config,
         )
+        self.hooks.around_evaluation()
         if split == "valid":
             self.progress.consumed_valid_samples += (
                 training.eval_iters * self.setup.calculator.current_global_batch_size
@@ -269,13 +290,17 @@ class Trainer:
         interval = IntervalStats(start=time.perf_counter())
         train_start = time.time()
         handler = DistributedSignalHandler() if training.exit_signal_handler else None
-        with handler if handler is not None else contextlib.nullcontext():
+        self.hooks.start_training()
+        with handler if handler is not None else contextlib.nullcontext(), contextlib.ExitStack() as cleanup:
+            cleanup.callback(self.hooks.end_training)
             while self.progress.iteration < self.setup.train_iters:
+                self.hooks.before_step(self.progress.iteration)
                 self.setup.calculator.update(self.progress.consumed_train_samples)
                 loss, skipped, grad_norm = train_step(
-                    self.forward_step_func, train_iterators, self.setup, self.config
+                    self.forward_step_func, train_iterators, self.setup, self.config, self.hooks
                 )
                 self.progress.iteration += 1
+                self.hooks.after_step(self.progress.iteration)
                 batch = self.setup.calculator.current_global_batch_size
                 self.progress.consumed_train_samples += batch
                 interval.iterations += 1
@@ -349,7 +374,12 @@ def pretrain(
         if metrics_file is None and config.checkpoint.save:
             metrics_file = os.path.join(config.checkpoint.save, "metrics.jsonl")
         if _is_logging_rank():
-            writer = MetricsWriter(config.logging.tensorboard_dir, metrics_file, setup.loaded.iteration)
+            writer = MetricsWriter(
+                config.logging.tensorboard_dir,
+                metrics_file,
+                setup.loaded.iteration,
+                wandb=build_wandb_writer(config),
+            )
         trainer = Trainer(config, setup, forward_step_func, padded_vocab_size, writer)
         exited_early = False
         if not config.training.skip_train and train_iters is not None:

@@ -24,7 +24,7 @@ from megatron_train.optimizer import MegatronOptimizer, get_megatron_optimizer
 from megatron_train.parallel import model_parallel_seed, state
 from megatron_train.parallel.schedules import sync_embedding_weights
 from megatron_train.training.lr_scheduler import OptimizerParamScheduler, build_opt_param_scheduler
-from megatron_train.training.microbatches import MicroBatchCalculator
+from megatron_train.training.microbatches import MicroBatchCalculator, parse_step_batch_size_schedule
 
 # model_provider(config, padded_vocab_size, pre_process, post_process): one pipeline stage (or virtual stage);
 # pre_process: it holds the embedding, post_process: the final norm and output layer (Megatron's hook).
@@ -111,6 +111,9 @@ def setup_model_and_optimizer(
         training.micro_batch_size,
         state.get_data_parallel_world_size(),
         training.rampup_batch_size,
+        parse_step_batch_size_schedule(training.step_batch_size_schedule, config.model.seq_length)
+        if training.step_batch_size_schedule
+        else None,
     )
     train_iters = training.train_iters
     if train_iters is None:
@@ -128,6 +131,7 @@ def setup_model_and_optimizer(
         overlap_grad_reduce=training.overlap_grad_reduce,
         bucket_size=training.ddp_bucket_size,
         use_distributed_optimizer=config.parallel.use_distributed_optimizer,
+        overlap_param_gather=training.overlap_param_gather,
     )
     dp_group = state.get_data_parallel_group() if state.model_parallel_is_initialized() else None
     model = [wrap_data_parallel(chunk, training.ddp_impl, ddp_config, dp_group) for chunk in unwrapped]
