@@ -200,6 +200,7 @@ CASES = {
     "tp2-pp2-sp": Case(4, "gpt", "gpt", [*PP2, "--tensor-model-parallel-size", "2", "--sequence-parallel"]),
     "pp2-dp2": Case(4, "gpt", "gpt", PP2),
     "pp2-virtual-dp2": Case(4, "gpt", "gpt", [*PP2, *VIRTUAL]),
+    "pp4-virtual-one-chunk": Case(4, "gpt", "gpt", [*PP4, *VIRTUAL]),  # interleaved, one chunk per rank
     "llama-pp4": Case(4, "llama", "llama", PP4),
 }
 

@@ -12,7 +12,6 @@ import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -69,11 +68,6 @@ def average_loss(reduced: list[dict[str, torch.Tensor]]) -> float | None:
     return average_across_data_parallel(loss).item()
 
 
-def _per_chunk(items: list) -> Any:
-    """The schedules take one model and iterator, or lists of them when there are several model chunks."""
-    return items if len(items) > 1 else items[0]
-
-
 def train_step(
     forward_step_func: ForwardStepFunc,
     data_iterators: list[Iterator],
@@ -92,8 +86,8 @@ def train_step(
     loss_scale = optimizer.get_loss_scale()
     reduced = get_forward_backward_func()(
         forward_step_func,
-        _per_chunk(data_iterators),
-        _per_chunk(setup.model),
+        data_iterators,
+        setup.model,
         setup.calculator.num_micro_batches,
         config.model.seq_length,
         config.training.micro_batch_size,
@@ -129,8 +123,8 @@ def evaluate(
     for _ in range(eval_iters):
         reduced += schedule(
             forward_step_func,
-            _per_chunk(data_iterators),
-            _per_chunk(model),
+            data_iterators,
+            model,
             num_micro,
             config.model.seq_length,
             config.training.micro_batch_size,
