@@ -39,6 +39,23 @@ def tokenizer_from_config(config: TokenizerConfig) -> MegatronTokenizer:
     )
 
 
+def padded_vocab_size_for(config: MegatronConfig, tokenizer: MegatronTokenizer) -> int:
+    """Record the tokenizer's vocabulary size as the model's true one (its padding rows are masked out of the
+    loss) and return the padded size (--make-vocab-size-divisible-by x TP) the model is built with."""
+    if config.model.true_vocab_size is None:
+        config.model.true_vocab_size = tokenizer.vocab_size
+    elif config.model.true_vocab_size != tokenizer.vocab_size:
+        raise SystemExit(
+            f"--true-vocab-size {config.model.true_vocab_size} differs from the tokenizer's vocabulary size "
+            f"{tokenizer.vocab_size}; drop the flag or use the matching tokenizer"
+        )
+    return vocab_size_with_padding(
+        tokenizer.vocab_size,
+        config.tokenizer.make_vocab_size_divisible_by,
+        config.parallel.tensor_model_parallel_size,
+    )
+
+
 def gpt_model_provider(
     config: MegatronConfig, padded_vocab_size: int, pre_process: bool = True, post_process: bool = True
 ) -> GPTModel:
@@ -49,6 +66,7 @@ def gpt_model_provider(
         pre_process,
         post_process,
         sequence_parallel=config.parallel.sequence_parallel,
+        init_seed=config.training.seed if config.training.use_cpu_initialization else None,
     )
 
 
@@ -86,17 +104,12 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s] %(levelname)s %(name)s: %(message)s")
     config = parse_args(argv)
     tokenizer = tokenizer_from_config(config.tokenizer)
-    padded_vocab_size = vocab_size_with_padding(
-        tokenizer.vocab_size,
-        config.tokenizer.make_vocab_size_divisible_by,
-        config.parallel.tensor_model_parallel_size,
-    )
     pretrain(
         config,
         gpt_model_provider,
         functools.partial(datasets_provider, config, tokenizer),
         forward_step,
-        padded_vocab_size,
+        padded_vocab_size_for(config, tokenizer),
     )
 
 

@@ -28,9 +28,9 @@ from megatron_train.pretrain_gpt import (
     datasets_provider,
     forward_step,
     gpt_model_provider,
+    padded_vocab_size_for,
     tokenizer_from_config,
 )
-from megatron_train.tokenizer import vocab_size_with_padding
 from megatron_train.training.loop import pretrain
 from tests.distributed import run_distributed
 from tests.test_training import pretrain_worker, read_marker, read_metrics, tiny_args, write_corpus
@@ -105,11 +105,7 @@ def pretrain_from_weights(
     for run, model in runs:
         config = parse_args(run, world_size)
         tokenizer = tokenizer_from_config(config.tokenizer)
-        padded_vocab_size = vocab_size_with_padding(
-            tokenizer.vocab_size,
-            config.tokenizer.make_vocab_size_divisible_by,
-            config.parallel.tensor_model_parallel_size,
-        )
+        padded_vocab_size = padded_vocab_size_for(config, tokenizer)
         built: list[tuple[GPTModel, int]] = []
         pretrain(
             config,

@@ -83,23 +83,11 @@ def build_model_chunks(
         if virtual_size is not None:
             state.set_virtual_pipeline_model_parallel_rank(virtual_rank)
         pre_process, post_process = state.is_pipeline_first_stage(), state.is_pipeline_last_stage()
-        chunk = model_provider(config, padded_vocab_size, pre_process, post_process).to(device)
-        if post_process and not pre_process:
-            mark_tied_output_copy(chunk)
-        chunks.append(chunk)
+        chunks.append(model_provider(config, padded_vocab_size, pre_process, post_process).to(device))
     if virtual_size is not None:
         state.set_virtual_pipeline_model_parallel_rank(0)
     sync_embedding_weights(chunks)
     return chunks
-
-
-def mark_tied_output_copy(chunk: torch.nn.Module) -> None:
-    """Mark the last stage's copy of the tied word embedding `shared` (as Megatron-Core does), so the grad
-    norm counts that weight once, on the first stage."""
-    tied = getattr(chunk, "shared_embedding_or_output_weight", None)
-    weight = tied() if callable(tied) else None
-    if weight is not None:
-        weight.shared = True
 
 
 def setup_model_and_optimizer(
