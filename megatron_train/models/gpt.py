@@ -114,6 +114,9 @@ class GPTModel(nn.Module):
         self.embedding = (
             LanguageModelEmbedding(config, vocab_size, sequence_parallel, init_seed) if pre_process else None
         )
+        if self.share_embeddings_and_output_weights and pre_process and not post_process:
+            # The first stage's copy of the tied word embedding (parallel.tied_embeddings).
+            self.embedding.word_embeddings.weight.shared_embedding = True
         self.rotary_pos_emb = None
         if config.position_embedding_type == "rope":
             self.rotary_pos_emb = RotaryEmbedding(

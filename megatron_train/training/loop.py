@@ -19,12 +19,9 @@ import torch.distributed as dist
 from megatron_train.arguments import MegatronConfig
 from megatron_train.checkpointing import TrainingProgress, save_checkpoint
 from megatron_train.device import get_device
-from megatron_train.parallel import allreduce_sequence_parallel_grads, state
-from megatron_train.parallel.schedules import (
-    ForwardStepFunc,
-    allreduce_embedding_grads,
-    get_forward_backward_func,
-)
+from megatron_train.distributed import finalize_model_grads
+from megatron_train.parallel import state
+from megatron_train.parallel.schedules import ForwardStepFunc, get_forward_backward_func
 from megatron_train.training.flops import num_floating_point_operations, peak_flops_per_device
 from megatron_train.training.logging import (
     MetricsWriter,
@@ -94,11 +91,7 @@ def train_step(
         sequence_parallel=config.parallel.sequence_parallel,
         grad_scale_func=lambda loss: loss * loss_scale,
     )
-    for chunk, unwrapped in zip(setup.model, setup.unwrapped_model, strict=True):
-        chunk.finish_grad_sync()
-        if config.parallel.sequence_parallel:
-            allreduce_sequence_parallel_grads(unwrapped)
-    allreduce_embedding_grads(setup.model)
+    finalize_model_grads(setup.model)
     update_successful, grad_norm = optimizer.step()
     if update_successful:
         setup.scheduler.step(increment=setup.calculator.current_global_batch_size)

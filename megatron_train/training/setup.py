@@ -22,7 +22,7 @@ from megatron_train.device import get_backend, set_device_for_local_rank
 from megatron_train.distributed import DDPConfig, wrap_data_parallel
 from megatron_train.optimizer import MegatronOptimizer, get_megatron_optimizer
 from megatron_train.parallel import model_parallel_seed, state
-from megatron_train.parallel.schedules import sync_embedding_weights
+from megatron_train.parallel.tied_embeddings import sync_embedding_weights
 from megatron_train.training.lr_scheduler import OptimizerParamScheduler, build_opt_param_scheduler
 from megatron_train.training.microbatches import MicroBatchCalculator
 
