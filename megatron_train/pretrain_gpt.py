@@ -19,7 +19,7 @@ from megatron_train.models.gpt import GPTModel, model_provider
 from megatron_train.parallel.schedules import LossFunc
 from megatron_train.tokenizer import MegatronTokenizer, build_tokenizer, vocab_size_with_padding
 from megatron_train.training.config import TokenizerConfig
-from megatron_train.training.loop import LOSS_KEY, get_batch, pretrain
+from megatron_train.training.loop import get_batch, pretrain
 
 
 def tokenizer_from_config(config: TokenizerConfig) -> MegatronTokenizer:
@@ -76,7 +76,7 @@ def loss_func(
     """Mean next-token loss over the micro-batch's unmasked tokens (Megatron's GPT loss_func)."""
     loss_mask = loss_mask.float()
     loss = (output_tensor.float() * loss_mask).sum() / loss_mask.sum().clamp(min=1.0)
-    return loss, {LOSS_KEY: loss.detach()}
+    return loss, {"lm loss": loss.detach()}
 
 
 def forward_step(data_iterator: Iterator, model: torch.nn.Module) -> tuple[torch.Tensor, LossFunc]:
