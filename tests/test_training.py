@@ -107,7 +107,8 @@ def test_microbatch_calculator_and_rampup() -> None:
 
 def test_arguments_are_megatron_flags(tmp_path) -> None:
     config = parse_args(tiny_args(str(tmp_path), "--fp16", "--disable-bias-linear", "--train-iters", "5"), 2)
-    assert config.model.fp16 and config.training.fp16 and not config.model.add_bias_linear
+    assert config.model.fp16 and not config.model.add_bias_linear
+    assert not hasattr(config.training, "fp16")  # precision lives in the model config only
     assert (config.training.global_batch_size, config.optimizer.lr_decay_style) == (4, "cosine")
     assert parse_args(config_to_argv(config), 2) == config
     stored = config_to_dict(config)

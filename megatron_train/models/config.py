@@ -107,8 +107,10 @@ class TransformerConfig:
     recompute_activations: bool = field(
         default=False, metadata={"help": "Shorthand for --recompute-granularity selective."}
     )
-    fp16: bool = field(default=False, metadata={"help": "Keep model parameters in float16."})
-    bf16: bool = field(default=False, metadata={"help": "Keep model parameters in bfloat16."})
+    fp16: bool = field(
+        default=False, metadata={"help": "fp16 model, fp32 main params, dynamic loss scaling."}
+    )
+    bf16: bool = field(default=False, metadata={"help": "bf16 model with fp32 main params and grads."})
 
     def __post_init__(self) -> None:
         if self.recompute_activations:

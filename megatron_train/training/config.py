@@ -46,8 +46,6 @@ class TrainingConfig:
             "its slice: every TP/PP/DP layout starts from the same model."
         ),
     )
-    fp16: bool = field(default=False, metadata=_help("fp16 model, fp32 main params, dynamic loss scaling."))
-    bf16: bool = field(default=False, metadata=_help("bf16 model with fp32 main params and grads."))
     accumulate_allreduce_grads_in_fp32: bool = field(
         default=False, metadata=_help("Accumulate and all-reduce grads in fp32 (always on with --bf16).")
     )
