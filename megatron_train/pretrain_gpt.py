@@ -57,9 +57,13 @@ def padded_vocab_size_for(config: MegatronConfig, tokenizer: MegatronTokenizer) 
 
 
 def gpt_model_provider(
-    config: MegatronConfig, padded_vocab_size: int, pre_process: bool = True, post_process: bool = True
+    config: MegatronConfig,
+    padded_vocab_size: int,
+    pre_process: bool = True,
+    post_process: bool = True,
+    vp_stage: int = 0,
 ) -> GPTModel:
-    """This rank's pipeline stage (or virtual stage) of the GPT model."""
+    """This rank's pipeline stage (or its model chunk `vp_stage`) of the GPT model."""
     return model_provider(
         config.model,
         padded_vocab_size,
@@ -67,6 +71,7 @@ def gpt_model_provider(
         post_process,
         sequence_parallel=config.parallel.sequence_parallel,
         init_seed=config.training.seed if config.training.use_cpu_initialization else None,
+        vp_stage=vp_stage,
     )
 
 

@@ -413,14 +413,13 @@ def run_gpt_case(
         pp_rank, num_chunks = state.get_pipeline_model_parallel_rank(), vp or 1
         stages = []
         for chunk in range(num_chunks):
-            if vp:
-                state.set_virtual_pipeline_model_parallel_rank(chunk)
             stage = GPTModel(
                 gpt_config(),
                 GPT_VOCAB,
                 pre_process=pp_rank == 0 and chunk == 0,
                 post_process=pp_rank == pp - 1 and chunk == num_chunks - 1,
                 sequence_parallel=sequence_parallel,
+                vp_stage=chunk,
             )
             with torch.no_grad():
                 for name, param in stage.named_parameters():

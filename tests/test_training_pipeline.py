@@ -78,10 +78,11 @@ def model_from_weights(
     padded_vocab_size: int,
     pre_process: bool,
     post_process: bool,
+    vp_stage: int,
 ) -> GPTModel:
     """A model provider: this stage of the single-process model `initial` (its TP shard of its layers; the
     tied output copy is left for the pipeline to sync); records (stage, TP rank) in `built`."""
-    stage = gpt_model_provider(config, padded_vocab_size, pre_process, post_process)
+    stage = gpt_model_provider(config, padded_vocab_size, pre_process, post_process, vp_stage)
     tp_size, tp_rank = state.get_tensor_model_parallel_world_size(), state.get_tensor_model_parallel_rank()
     global_names = _global_names(stage)
     with torch.no_grad():

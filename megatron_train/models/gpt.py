@@ -91,7 +91,8 @@ class GPTModel(nn.Module):
     whose padding rows the loss and the returned logits leave out (-inf), so every TP size (every padding) gives
     the same losses and probabilities. `pre_process` / `post_process` say whether this pipeline stage holds the
     embedding / the final norm and output layer; a stage without the embedding takes its input from
-    `set_input_tensor`. `sequence_parallel` is `--sequence-parallel`. `init_seed` (--use-cpu-initialization)
+    `set_input_tensor`. `sequence_parallel` is `--sequence-parallel`; `vp_stage` the model chunk this is of
+    the rank's stage under the interleaved schedule (it picks the layers). `init_seed` (--use-cpu-initialization)
     draws each part's weights from its own stream of that seed, the same full weights under every layout.
     """
 
@@ -104,6 +105,7 @@ class GPTModel(nn.Module):
         *,
         sequence_parallel: bool = False,
         init_seed: int | None = None,
+        vp_stage: int = 0,
     ) -> None:
         super().__init__()
         self.config = config
@@ -122,7 +124,7 @@ class GPTModel(nn.Module):
             self.rotary_pos_emb = RotaryEmbedding(
                 config.kv_channels, config.rotary_percent, config.rotary_base
             )
-        self.decoder = TransformerBlock(config, sequence_parallel, post_process, init_seed)
+        self.decoder = TransformerBlock(config, sequence_parallel, post_process, init_seed, vp_stage)
         self.output_layer = None
         if post_process:
             with initialization_stream(init_seed, OUTPUT_LAYER_INIT_STREAM):
@@ -212,6 +214,7 @@ def model_provider(
     *,
     sequence_parallel: bool = False,
     init_seed: int | None = None,
+    vp_stage: int = 0,
 ) -> GPTModel:
     """Build the GPT model for this rank (Megatron's `model_provider` hook for the training loop)."""
     return GPTModel(
@@ -221,4 +224,5 @@ def model_provider(
         post_process,
         sequence_parallel=sequence_parallel,
         init_seed=init_seed,
+        vp_stage=vp_stage,
     )

@@ -256,7 +256,8 @@ class TransformerLayer(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    """This pipeline stage's layers, the final norm on the last stage, and full-layer recompute."""
+    """This pipeline stage's layers (those of model chunk `vp_stage` when interleaved), the final norm on the
+    last stage, and full-layer recompute."""
 
     def __init__(
         self,
@@ -264,6 +265,7 @@ class TransformerBlock(nn.Module):
         sequence_parallel: bool,
         post_process: bool,
         init_seed: int | None = None,
+        vp_stage: int = 0,
     ) -> None:
         super().__init__()
         self.config = config
@@ -272,7 +274,7 @@ class TransformerBlock(nn.Module):
             config.num_layers,
             state.get_pipeline_model_parallel_rank(),
             state.get_pipeline_model_parallel_world_size(),
-            state.get_virtual_pipeline_model_parallel_rank(),
+            vp_stage,
             state.get_virtual_pipeline_model_parallel_world_size(),
         )
         layers = []

@@ -236,7 +236,6 @@ def forward_backward_pipelining_with_interleaving(
 
     def forward(k: int) -> torch.Tensor:
         chunk = chunk_id(k, forward=True)
-        state.set_virtual_pipeline_model_parallel_rank(chunk)
         if is_first_chunk(chunk) and len(input_tensors[chunk]) == len(output_tensors[chunk]):
             input_tensors[chunk].append(None)
         output_tensor = _forward_step(
@@ -256,7 +255,6 @@ def forward_backward_pipelining_with_interleaving(
 
     def backward(k: int) -> torch.Tensor | None:
         chunk = chunk_id(k, forward=False)
-        state.set_virtual_pipeline_model_parallel_rank(chunk)
         if is_last_chunk(chunk) and not output_tensor_grads[chunk]:
             output_tensor_grads[chunk].append(None)
         grad_sync.before_backward(chunk)
@@ -268,7 +266,6 @@ def forward_backward_pipelining_with_interleaving(
         )
 
     with _DeferredGradSync(chunks, num_microbatches, enabled=not forward_only) as grad_sync:
-        state.set_virtual_pipeline_model_parallel_rank(0)
         input_tensors[0].append(comm.recv_forward())
         for k in range(num_warmup):
             output_tensor = forward(k)

@@ -58,7 +58,7 @@ def average_losses(reduced: list[dict[str, torch.Tensor]]) -> dict[str, float] |
     """Every entry of loss_func's dicts (`lm loss`, BERT's `sop loss`, MoE's aux losses) averaged over the
     micro-batches and data-parallel ranks, on the last pipeline stage (where the schedule computed them;
     Megatron logs from there); None on the other stages."""
-    if not state.is_pipeline_last_stage(ignore_virtual=True):
+    if not state.is_pipeline_last_stage():
         return None
     keys = list(reduced[0])
     means = torch.stack([torch.stack([entry[key].float() for entry in reduced]).mean() for key in keys])

@@ -26,9 +26,10 @@ from megatron_train.parallel.tied_embeddings import sync_embedding_weights
 from megatron_train.training.lr_scheduler import OptimizerParamScheduler, build_opt_param_scheduler
 from megatron_train.training.microbatches import MicroBatchCalculator
 
-# model_provider(config, padded_vocab_size, pre_process, post_process): one pipeline stage (or virtual stage);
-# pre_process: it holds the embedding, post_process: the final norm and output layer (Megatron's hook).
-ModelProvider = Callable[[MegatronConfig, int, bool, bool], torch.nn.Module]
+# model_provider(config, padded_vocab_size, pre_process, post_process, vp_stage): one pipeline stage (or virtual
+# stage vp_stage of it); pre_process: it holds the embedding, post_process: the final norm and output layer
+# (Megatron-Core's hook).
+ModelProvider = Callable[[MegatronConfig, int, bool, bool, int], torch.nn.Module]
 DatasetsProvider = Callable[[tuple[int, int, int]], tuple[Any, Any, Any]]
 
 
@@ -77,15 +78,15 @@ def build_model_chunks(
     config: MegatronConfig, model_provider: ModelProvider, padded_vocab_size: int, device: torch.device
 ) -> list[torch.nn.Module]:
     """This rank's pipeline stage, one chunk per virtual stage, tied embedding copies made equal."""
-    virtual_size = state.get_virtual_pipeline_model_parallel_world_size()
     chunks = []
-    for virtual_rank in range(virtual_size or 1):
-        if virtual_size is not None:
-            state.set_virtual_pipeline_model_parallel_rank(virtual_rank)
-        pre_process, post_process = state.is_pipeline_first_stage(), state.is_pipeline_last_stage()
-        chunks.append(model_provider(config, padded_vocab_size, pre_process, post_process).to(device))
-    if virtual_size is not None:
-        state.set_virtual_pipeline_model_parallel_rank(0)
+    for vp_stage in range(state.get_virtual_pipeline_model_parallel_world_size() or 1):
+        pre_process, post_process = (
+            state.is_pipeline_first_stage(vp_stage),
+            state.is_pipeline_last_stage(vp_stage),
+        )
+        chunks.append(
+            model_provider(config, padded_vocab_size, pre_process, post_process, vp_stage).to(device)
+        )
     sync_embedding_weights(chunks)
     return chunks
 
