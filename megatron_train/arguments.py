@@ -2,7 +2,7 @@
 
 Every dataclass field becomes the flag Megatron users know (`num_layers` -> `--num-layers`; a field's
 `metadata["flag"]` overrides the name; a bool that defaults to True gets `--no-<name>`). A field present in
-several sections (e.g. `fp16` in the model and training configs) is one flag that sets all of them.
+several sections is one flag that sets all of them.
 """
 
 from __future__ import annotations
@@ -189,12 +189,9 @@ def validate_config(config: MegatronConfig, world_size: int) -> None:
     """Megatron's cross-argument rules (validate_args); fills derived defaults in place."""
     training, opt, parallel = config.training, config.optimizer, config.parallel
     dp = parallel.data_parallel_size(world_size)
-    if training.fp16 and training.bf16:
-        raise ValueError("--fp16 and --bf16 exclude each other")
-    config.model.fp16, config.model.bf16 = training.fp16, training.bf16
-    if training.grad_reduce_in_bf16 and not training.bf16:
+    if training.grad_reduce_in_bf16 and not config.model.bf16:
         raise ValueError("--grad-reduce-in-bf16 reduces bf16 grads: it needs --bf16")
-    if training.bf16 and not training.grad_reduce_in_bf16:
+    if config.model.bf16 and not training.grad_reduce_in_bf16:
         training.accumulate_allreduce_grads_in_fp32 = True  # as Megatron: bf16 grads are reduced in fp32
     validate_step_batch_size_schedule(config)
     if training.global_batch_size is None:
@@ -283,12 +280,8 @@ def validate_pipeline_parallel(config: MegatronConfig, data_parallel_size: int) 
     """Megatron's pipeline rules: every stage (and virtual stage) holds as many layers as the others, and the
     interleaved schedule runs micro-batches in groups of --pipeline-model-parallel-size."""
     parallel, training = config.parallel, config.training
-    pp, num_layers = parallel.pipeline_model_parallel_size, config.model.num_layers
-    if num_layers % pp:
-        raise ValueError(
-            f"--num-layers {num_layers} is not divisible by --pipeline-model-parallel-size {pp}; every "
-            "pipeline stage holds the same number of layers"
-        )
+    pp = parallel.pipeline_model_parallel_size
+    parallel.check_num_layers(config.model.num_layers)
     if pp > 1 and training.ddp_impl != "local":
         raise ValueError(
             "--pipeline-model-parallel-size > 1 needs --ddp-impl local: torch's DDP decides at forward time "
@@ -301,7 +294,6 @@ def validate_pipeline_parallel(config: MegatronConfig, data_parallel_size: int) 
             "--num-layers-per-virtual-pipeline-stage splits pipeline stages into virtual stages: it needs "
             "--pipeline-model-parallel-size > 1"
         )
-    parallel.virtual_pipeline_model_parallel_size(num_layers)  # raises when the layers do not split evenly
     micro_batch_times_dp = training.micro_batch_size * data_parallel_size
     batch_sizes = {training.global_batch_size}
     if training.rampup_batch_size is not None:  # every global batch size of the ramp runs the schedule

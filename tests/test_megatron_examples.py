@@ -100,7 +100,7 @@ def test_parser_takes_every_flag_of_both_examples(gpt3_argv, llama3_argv) -> Non
         "9.6B:1232",
         "12B:1536",
     ]
-    assert (gpt3.training.global_batch_size, gpt3.training.fp16, gpt3.compat.attention_backend) == (
+    assert (gpt3.training.global_batch_size, gpt3.model.fp16, gpt3.compat.attention_backend) == (
         1536,
         True,
         "auto",

@@ -23,7 +23,7 @@ from megatron_train.optimizer import get_param_groups
 from megatron_train.parallel import state
 from megatron_train.training.config import OptimizerConfig
 from megatron_train.training.logging import MetricsWriter
-from megatron_train.training.loop import average_loss
+from megatron_train.training.loop import average_losses
 from megatron_train.training.lr_scheduler import build_opt_param_scheduler
 from megatron_train.training.microbatches import MicroBatchCalculator, parse_step_batch_size_schedule
 from megatron_train.training.per_token_loss import NUM_TOKENS_KEY, scale_grads_to_per_token_loss
@@ -108,7 +108,7 @@ def _per_token_worker(rank: int, world_size: int) -> tuple[torch.Tensor, torch.T
             reduced.append({"lm loss": loss_sum.detach(), NUM_TOKENS_KEY: masks[rank, micro].sum()})
         ddp.finish_grad_sync()
         scale_grads_to_per_token_loss([ddp], reduced, num_micro_batches=2)
-        logged = average_loss(reduced)
+        logged = average_losses(reduced)["lm loss"]
         everything = (reference(inputs).squeeze(-1) * masks).sum() / masks.sum()  # Megatron's definition
         everything.backward()
         return model.weight.main_grad.clone(), reference.weight.grad.clone(), logged, everything.item()

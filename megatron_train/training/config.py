@@ -39,8 +39,13 @@ class TrainingConfig:
     seed: int = field(
         default=1234, metadata=_help("Seed of python, numpy, torch and the model-parallel RNG.")
     )
-    fp16: bool = field(default=False, metadata=_help("fp16 model, fp32 main params, dynamic loss scaling."))
-    bf16: bool = field(default=False, metadata=_help("bf16 model with fp32 main params and grads."))
+    use_cpu_initialization: bool = field(
+        default=False,
+        metadata=_help(
+            "Draw each weight in full on the CPU from its own stream of --seed (one per layer), each rank keeping "
+            "its slice: every TP/PP/DP layout starts from the same model."
+        ),
+    )
     accumulate_allreduce_grads_in_fp32: bool = field(
         default=False, metadata=_help("Accumulate and all-reduce grads in fp32 (always on with --bf16).")
     )

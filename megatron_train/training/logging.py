@@ -12,6 +12,7 @@ import math
 import os
 import resource
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -29,8 +30,11 @@ def peak_memory_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
-def format_training_line(stats: dict[str, Any], train_iters: int) -> str:
-    """One Megatron `training_log` line from the interval's averaged stats."""
+def format_training_line(
+    stats: dict[str, Any], train_iters: int, loss_keys: Sequence[str] = ("lm loss",)
+) -> str:
+    """One Megatron `training_log` line from the interval's averaged stats; `loss_keys` are the entries of the
+    model's loss dict (`lm loss`, `sop loss`, ...), printed in order after the global batch size."""
     mfu = stats.get("MFU")
     parts = [
         f" iteration {stats['iteration']:8d}/{train_iters:8d} |",
@@ -40,8 +44,7 @@ def format_training_line(stats: dict[str, Any], train_iters: int) -> str:
         f" learning rate: {stats['learning rate']:.6E} |",
         f" global batch size: {stats['global batch size']:5d} |",
     ]
-    if stats.get("lm loss") is not None:
-        parts.append(f" lm loss: {stats['lm loss']:.6E} |")
+    parts += [f" {key}: {stats[key]:.6E} |" for key in loss_keys if stats.get(key) is not None]
     parts.append(f" loss scale: {stats['loss scale']:.1f} |")
     if stats.get("grad norm") is not None:
         parts.append(f" grad norm: {stats['grad norm']:.3f} |")
@@ -55,11 +58,15 @@ def format_training_line(stats: dict[str, Any], train_iters: int) -> str:
     return "".join(parts)
 
 
-def format_evaluation_line(prefix: str, loss: float) -> str:
-    """Megatron's evaluation box line, e.g. ` validation loss at iteration 100 | lm loss value: ... |`; `prefix` is
-    `iteration N` during training, `the end of training for val data` / `... test data` at the end."""
-    ppl = math.exp(min(20.0, loss))
-    return f" validation loss at {prefix} | lm loss value: {loss:.6E} | lm loss PPL: {ppl:.6E} |"
+def format_evaluation_line(prefix: str, losses: dict[str, float]) -> str:
+    """Megatron's evaluation box line, e.g. ` validation loss at iteration 100 | lm loss value: ... | lm loss PPL:
+    ... |`, a value and a PPL per loss; `prefix` is `iteration N` during training, `the end of training for val
+    data` / `... test data` at the end."""
+    values = "".join(
+        f" {key} value: {loss:.6E} | {key} PPL: {math.exp(min(20.0, loss)):.6E} |"
+        for key, loss in losses.items()
+    )
+    return f" validation loss at {prefix} |{values}"
 
 
 class MetricsWriter:

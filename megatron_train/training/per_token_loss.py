@@ -26,7 +26,7 @@ def global_num_tokens(reduced: list[dict[str, Any]]) -> torch.Tensor:
     """Unmasked tokens of the step over all micro-batches and DP ranks, on every pipeline stage (the loss, and
     so the count, exists on the last stage only: it is broadcast from there)."""
     count = torch.zeros((), dtype=torch.float64, device=get_device())
-    if state.is_pipeline_last_stage(ignore_virtual=True):
+    if state.is_pipeline_last_stage():
         count += sum(float(entry[NUM_TOKENS_KEY]) for entry in reduced)
     if not dist.is_initialized():
         return count
@@ -50,10 +50,3 @@ def scale_grads_to_per_token_loss(
             grad = param.grad if grad is None else grad
             if grad is not None:
                 grad.mul_(factor)
-
-
-def loss_and_token_sums(reduced: list[dict[str, Any]], loss_key: str) -> torch.Tensor:
-    """[sum of `loss_key` losses, sum of tokens] of this rank's micro-batches; reduce over DP, then divide."""
-    total = torch.stack([entry[loss_key].double() for entry in reduced]).sum()
-    tokens = sum(float(entry[NUM_TOKENS_KEY]) for entry in reduced)
-    return torch.stack([total, torch.tensor(tokens, dtype=torch.float64, device=total.device)])
