@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict
 
 from flows.corpus import CorpusConfig, corpus_flow
 from flows.server import prefect_api
-from flows.tasks import make_task_runner, run_stage_task
+from flows.tasks import make_task_runner, stage_ref
 from stages.pretrain import params_from_argv
 
 # A GPT small enough to train in a few minutes on 2 CPU cores, large enough for the validation loss to fall.
@@ -51,7 +51,7 @@ def pretrain_flow(config: PretrainFlowConfig = PretrainFlowConfig()) -> dict[str
     refs = corpus_flow(config.corpus)
     params = params_from_argv(config.megatron_args, config.nproc_per_node, config.save_interval)
     inputs = [refs["tokenize"], *([refs["train_tokenizer"]] if "train_tokenizer" in refs else [])]
-    refs["pretrain"] = run_stage_task("pretrain", dataclasses.asdict(params), inputs, config.corpus.store)
+    refs["pretrain"] = stage_ref("pretrain", dataclasses.asdict(params), inputs, config.corpus.store)
     get_run_logger().info("trained run: %s", refs["pretrain"]["url"])
     return refs
 

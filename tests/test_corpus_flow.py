@@ -6,6 +6,7 @@ import glob
 import json
 import lzma
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -120,17 +121,40 @@ def test_flow_counts_caching_and_partial_rerun(prefect_api_url, corpus, tmp_path
     assert tokenize["tokens"] == int(dataset.sequence_lengths.sum()) > 10_000
     assert _manifest(refs, "train_tokenizer")["counts"]["vocab_size"] <= 8192
 
-    # Nothing changed: every stage is a cache hit and no file is rewritten.
+    # Nothing changed: every stage is a cache hit, Prefect shows Cached on this first rerun already, and no
+    # file is rewritten.
     before = {p: p.stat().st_mtime_ns for p in store.rglob("*") if p.is_file()}
-    again = corpus_flow(_config(store, corpus))
+    state = corpus_flow(_config(store, corpus), return_state=True)
+    again = state.result()
     assert all(r["cache_hit"] for r in again.values())
+    assert _task_states(state) == dict.fromkeys(refs, "Cached")
     assert {p: p.stat().st_mtime_ns for p in store.rglob("*") if p.is_file()} == before
+
+    # An artifact deleted from the store is rebuilt (the Prefect record is stale), with the same key and bytes.
+    tokens = _token_files(refs)
+    shutil.rmtree(refs["tokenize"]["url"])
+    state = corpus_flow(_config(store, corpus), return_state=True)
+    rebuilt = state.result()
+    assert not rebuilt["tokenize"]["cache_hit"] and rebuilt["tokenize"]["key"] == refs["tokenize"]["key"]
+    assert _token_files(rebuilt) == tokens
+    assert _task_states(state) == {**dict.fromkeys(refs, "Cached"), "tokenize": "Completed"}
 
     # One clean parameter changed: download is a hit, everything after it reruns.
     changed = corpus_flow(_config(store, corpus, clean=CleanParams(min_words=20)))
     assert changed["download"]["cache_hit"] and changed["download"]["key"] == refs["download"]["key"]
     for stage in ("clean", "dedup", "train_tokenizer", "tokenize"):
         assert not changed[stage]["cache_hit"] and changed[stage]["key"] != refs[stage]["key"], stage
+
+
+def _task_states(flow_state) -> dict[str, str]:
+    """The state names of a flow run's stage task runs, read back through the Prefect API."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    flow_run = FlowRunFilter(id=FlowRunFilterId(any_=[flow_state.state_details.flow_run_id]))
+    with get_client(sync_client=True) as client:
+        runs = client.read_task_runs(flow_run_filter=flow_run)
+    return {run.name: run.state.name for run in runs if run.task_key.startswith("run_stage_task")}
 
 
 def test_malformed_record_without_skip_names_file_and_line(prefect_api_url, corpus, tmp_path):
@@ -151,7 +175,7 @@ def _cli_source_args(corpus: Path) -> list[str]:
     ]  # fmt: skip
 
 
-def test_cli_runs_on_process_pool_and_matches_flow(prefect_api_url, corpus, tmp_path, capsys):
+def test_cli_runs_on_process_pool_and_matches_flow(prefect_api_url, corpus, tmp_path, capsys, monkeypatch):
     reference = corpus_flow(_config(tmp_path / "a", corpus))
     argv = ["--store", str(tmp_path / "b"), *_cli_source_args(corpus), "--task-runner", "processes"]
     assert main(argv) == 0
@@ -159,6 +183,17 @@ def test_cli_runs_on_process_pool_and_matches_flow(prefect_api_url, corpus, tmp_
     refs = {s: ArtifactStore(str(tmp_path / "b")).find(s, reference[s]["key"]) for s in reference}
     assert all(refs.values()), "the CLI produced other keys than the flow for the same settings"
     assert _token_files({"tokenize": refs["tokenize"].to_dict()}) == _token_files(reference)
+
+    # Nothing left to do: decided from the store, without starting or contacting a Prefect server.
+    monkeypatch.setattr("flows.corpus.prefect_api", _no_server)
+    monkeypatch.setattr("flows.corpus.run_corpus", _no_server)
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "cache hits: 5/5 stages" in out and f"tokens: {refs['tokenize'].url}" in out
+
+
+def _no_server(*args, **kwargs):
+    raise AssertionError("an all-cached corpus started a Prefect server or flow run")
 
 
 def test_sigkill_during_tokenize_then_rerun_is_byte_identical(prefect_api_url, corpus, tmp_path):
