@@ -21,6 +21,8 @@ from prefect import flow, get_run_logger
 from pydantic import BaseModel, ConfigDict
 
 from flows.cli import parse_config
+from flows.events import announce_tokenized
+from flows.publish import publish_stages
 from flows.server import prefect_api
 from flows.summary import summarize, summary_table
 from flows.tasks import TaskRunnerKind, committed_ref, make_task_runner, stage_ref
@@ -115,6 +117,8 @@ def corpus_flow(config: CorpusConfig = CorpusConfig()) -> dict[str, Any]:
     """Raw text to Megatron `.bin`/`.idx` token data; returns each stage's artifact reference."""
     refs = corpus_stages(config, lambda stage, params, inputs: stage_ref(stage, params, inputs, config.store))
     get_run_logger().info("corpus summary\n%s", summary_table(summarize(refs, config.store)))
+    publish_stages("corpus", refs, config.store)
+    announce_tokenized(refs["tokenize"])
     return refs
 
 

@@ -15,6 +15,7 @@ from prefect import flow, get_run_logger
 from pydantic import BaseModel, ConfigDict
 
 from flows.pretrain import PretrainFlowConfig, add_pretrain_flags, pretrain_config, pretrain_flow, split_argv
+from flows.publish import publish_report, publish_stages
 from flows.server import prefect_api
 from flows.tasks import make_task_runner, stage_ref
 from stages.evaluate import EvaluateParams
@@ -35,6 +36,8 @@ def eval_flow(config: EvalFlowConfig = EvalFlowConfig()) -> dict[str, Any]:
     store = config.pretrain.corpus.store
     refs["evaluate"] = stage_ref("evaluate", dataclasses.asdict(config.evaluate), inputs, store)
     get_run_logger().info("report: %s/report.md", refs["evaluate"]["url"])
+    publish_stages("eval", refs, store)
+    publish_report(refs["evaluate"], store)
     return refs
 
 

@@ -22,6 +22,7 @@ from stages.quality_filters import first_failing_rule
 from stages.tokenize import TokenizeParams
 from storage.artifacts import ArtifactStore
 from storage.indexed_dataset import IndexedDataset
+from tests.prefect_runs import artifacts, task_states
 
 ROOT = Path(__file__).resolve().parents[1]
 N_BASE, EXACT, NEAR = 30, [0, 5, 9], [2, 12, 20]
@@ -88,10 +89,13 @@ def _token_files(refs: dict) -> dict[str, bytes]:
     return {Path(p).name: Path(p).read_bytes() for p in sorted(glob.glob(f"{url}/tokens_*"))}
 
 
-def test_flow_counts_caching_and_partial_rerun(prefect_api_url, corpus, tmp_path):
+def test_flow_counts_caching_and_partial_rerun(prefect_api_url, corpus, tmp_path, monkeypatch):
+    emitted: list[dict] = []  # the Prefect events the flow emits (new token data triggers the pipeline)
+    monkeypatch.setattr("flows.events.emit_event", lambda **event: emitted.append(event))
     store = tmp_path / "store"
     refs = corpus_flow(_config(store, corpus))
     assert not any(r["cache_hit"] for r in refs.values())
+    assert [event["payload"]["key"] for event in emitted] == [refs["tokenize"]["key"]]
 
     download = _manifest(refs, "download")["counts"]
     assert download["docs"] == N_BASE + 3 + 3 + 3 and download["skipped_bad_records"] == 1
@@ -127,8 +131,16 @@ def test_flow_counts_caching_and_partial_rerun(prefect_api_url, corpus, tmp_path
     state = corpus_flow(_config(store, corpus), return_state=True)
     again = state.result()
     assert all(r["cache_hit"] for r in again.values())
-    assert _task_states(state) == dict.fromkeys(refs, "Cached")
+    assert task_states(state) == dict.fromkeys(refs, "Cached")
+    published = artifacts(state)
+    kind, table = published["corpus-summary"]
+    assert kind == "table" and [row["stage"] for row in table] == list(refs)
+    assert all(row["cache_hit"] == "hit" for row in table) and table[-1]["tokens"] == tokenize["tokens"]
+    for stage, ref in refs.items():
+        kind, link = published[f"{stage.replace('_', '-')}-artifact"]  # Prefect keeps links as markdown
+        assert kind == "markdown" and link == f"[{ref['url']}]({Path(ref['url']).as_uri()})", stage
     assert {p: p.stat().st_mtime_ns for p in store.rglob("*") if p.is_file()} == before
+    assert len(emitted) == 1  # unchanged data announces nothing
 
     # An artifact deleted from the store is rebuilt (the Prefect record is stale), with the same key and bytes.
     tokens = _token_files(refs)
@@ -137,24 +149,18 @@ def test_flow_counts_caching_and_partial_rerun(prefect_api_url, corpus, tmp_path
     rebuilt = state.result()
     assert not rebuilt["tokenize"]["cache_hit"] and rebuilt["tokenize"]["key"] == refs["tokenize"]["key"]
     assert _token_files(rebuilt) == tokens
-    assert _task_states(state) == {**dict.fromkeys(refs, "Cached"), "tokenize": "Completed"}
+    assert task_states(state) == {**dict.fromkeys(refs, "Cached"), "tokenize": "Completed"}
 
     # One clean parameter changed: download is a hit, everything after it reruns.
     changed = corpus_flow(_config(store, corpus, clean=CleanParams(min_words=20)))
     assert changed["download"]["cache_hit"] and changed["download"]["key"] == refs["download"]["key"]
     for stage in ("clean", "dedup", "train_tokenizer", "tokenize"):
         assert not changed[stage]["cache_hit"] and changed[stage]["key"] != refs[stage]["key"], stage
-
-
-def _task_states(flow_state) -> dict[str, str]:
-    """The state names of a flow run's stage task runs, read back through the Prefect API."""
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
-
-    flow_run = FlowRunFilter(id=FlowRunFilterId(any_=[flow_state.state_details.flow_run_id]))
-    with get_client(sync_client=True) as client:
-        runs = client.read_task_runs(flow_run_filter=flow_run)
-    return {run.name: run.state.name for run in runs if run.task_key.startswith("run_stage_task")}
+    # The rebuilt artifact is announced again (the pipeline it triggers finds its stages cached), then the new one.
+    assert [event["payload"]["key"] for event in emitted[1:]] == [
+        refs["tokenize"]["key"],
+        changed["tokenize"]["key"],
+    ]
 
 
 def test_malformed_record_without_skip_names_file_and_line(prefect_api_url, corpus, tmp_path):
@@ -250,21 +256,6 @@ def test_cli_flags_cover_every_stage_parameter():
     assert config.tokenize.append_eod  # the flow's own default survives an override of a sibling field
     with pytest.raises(SystemExit):
         parse_config(CorpusConfig, ["--clean.no-such-flag", "1"], "test")
-
-
-def test_prefect_yaml_deployment_loads_with_its_schedule():
-    import yaml
-    from prefect.flows import load_flow_from_entrypoint
-
-    spec = yaml.safe_load((ROOT / "prefect.yaml").read_text())
-    (deployment,) = spec["deployments"]
-    flow = load_flow_from_entrypoint(str(ROOT / deployment["entrypoint"]))
-    assert flow.name == "corpus"
-    CorpusConfig.model_validate(deployment["parameters"]["config"])
-    runner = flow.to_deployment(
-        name=deployment["name"], cron=deployment["schedules"][0]["cron"], parameters=deployment["parameters"]
-    )
-    assert runner.schedules[0].schedule.cron == "0 3 * * *"
 
 
 def test_bert_tokenizer_type_trains_wordpiece(prefect_api_url, corpus, tmp_path):
