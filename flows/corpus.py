@@ -7,7 +7,9 @@
 Every stage's task uses the stage's fingerprint as Prefect cache key and passes artifact references, never
 data; a rerun with nothing changed is all cache hits, a changed parameter reruns what depends on it, and a
 killed run resumes from the committed shards. Without a vocabulary (`--tokenize.vocab-file`), a GPT-2-style
-byte-level BPE is trained on the deduplicated corpus first.
+byte-level BPE is trained on the deduplicated corpus first. The command line decides from the store whether
+anything is to do before it starts a Prefect server; the flow publishes its summary and artifact links to the
+Prefect UI and announces new token data with a Prefect event (`flows.events`).
 """
 
 from __future__ import annotations

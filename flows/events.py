@@ -1,5 +1,4 @@
-"""The Prefect event a corpus refresh emits when it produced new token data (docs/architecture.md,
-"Prefect-native operation").
+"""The Prefect event a corpus refresh emits when it produced new token data (docs/architecture.md).
 
 The pipeline deployment in `prefect.yaml` has a trigger on `TOKENIZED_EVENT`, so a scheduled refresh retrains and
 re-evaluates only when the data changed: a refresh whose tokenize stage was a cache hit emits nothing.

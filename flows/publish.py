@@ -1,5 +1,5 @@
 """What a flow shows in the Prefect UI: the stage summary as a table artifact, each stage's artifact as a link,
-and the evaluation report as a markdown artifact (docs/architecture.md, "Prefect-native operation").
+and the evaluation report as a markdown artifact (docs/architecture.md).
 
 Artifact keys are stable (`corpus-summary`, `tokenize-artifact`, `evaluation-report`...), so the UI keeps each
 one's history across runs and shows the latest first.

@@ -101,3 +101,14 @@ def test_pipeline_refuses_to_train_on_other_data_than_the_event_announced(monkey
     assert trained == []
     assert pipeline.pipeline_flow.fn(EvalFlowConfig(), tokenize_key="ours") == {"evaluate": {}}
     assert len(trained) == 1
+
+
+def test_processes_per_node_come_from_the_config_else_the_work_pool_job_variable(monkeypatch):
+    from flows.pretrain import PretrainFlowConfig, parse
+
+    monkeypatch.delenv("NPROC_PER_NODE", raising=False)
+    assert PretrainFlowConfig().processes_per_node() == 2
+    monkeypatch.setenv("NPROC_PER_NODE", "8")  # what the pool's `env` job variable sets on the worker
+    assert PretrainFlowConfig().processes_per_node() == 8
+    assert PretrainFlowConfig(nproc_per_node=1).processes_per_node() == 1
+    assert parse(["--nproc-per-node", "4"]).processes_per_node() == 4 and parse([]).processes_per_node() == 8
