@@ -33,6 +33,7 @@ from stages.dedup import DedupParams
 from stages.download import DownloadParams
 from stages.tokenize import TokenizeParams
 from stages.train_tokenizer import TrainTokenizerParams
+from storage.artifacts import ArtifactStore
 
 # Tokenizer types whose files the flow can train when none are given.
 _TRAINABLE = {
@@ -63,8 +64,6 @@ def _needs_training(params: TokenizeParams) -> bool:
 
 
 def _tokenizer_files(tokenizer_ref: dict[str, Any], kind: str, store_url: str) -> dict[str, str]:
-    from storage.artifacts import ArtifactStore
-
     ref = ArtifactStore(store_url).ref(tokenizer_ref)
     if kind == "bpe":
         return {"vocab_file": ref.local_path("vocab.json"), "merge_file": ref.local_path("merges.txt")}
@@ -102,8 +101,10 @@ def committed_corpus(config: CorpusConfig) -> dict[str, dict[str, Any]] | None:
     """Every stage's committed artifact (all cache hits), or None when some stage has work to do; decided from
     the store alone, so a command line with nothing to do needs no Prefect server."""
 
+    store = ArtifactStore(config.store)
+
     def find(stage: str, params: dict[str, Any], inputs: list) -> dict[str, Any]:
-        found = committed_ref(stage, params, inputs, config.store)[1]
+        found = committed_ref(stage, params, inputs, store)[1]
         if found is None:
             raise _NotCommitted(stage)
         return found

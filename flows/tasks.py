@@ -23,6 +23,7 @@ from prefect.task_runners import ProcessPoolTaskRunner, TaskRunner, ThreadPoolTa
 from flows.server import exit_with_parent
 from stages.registry import stage_named
 from storage.artifacts import ArtifactRef, ArtifactStore
+from storage.fingerprint import hash_bytes
 
 STAGE_LOGGER = "megatron_flow.stage"
 TaskRunnerKind = Literal["threads", "processes", "dask", "ray"]
@@ -129,34 +130,25 @@ def _inputs(store: ArtifactStore, inputs: Sequence[dict | str]) -> list[Artifact
 
 
 def committed_ref(
-    stage: str,
-    params: dict[str, Any],
-    inputs: Sequence[dict | str],
-    store_url: str,
-    storage_options: dict[str, Any] | None = None,
+    stage: str, params: dict[str, Any], inputs: Sequence[dict | str], store: ArtifactStore
 ) -> tuple[str, dict[str, Any] | None]:
-    """(the stage's key for these params and inputs, its committed artifact as a cache-hit ref or None),
-    decided from the store alone: nothing runs, no Prefect server is needed."""
+    """(the stage's key for these params and inputs, its committed artifact in `store` as a cache-hit ref or
+    None), decided from the store alone: nothing runs, no Prefect server is needed."""
     runner = stage_named(stage)
-    store = ArtifactStore(store_url, **(storage_options or {}))
     key = runner.key(runner.params_from_dict(params), _inputs(store, inputs))
     found = store.find(runner.name, key)
     return key, None if found is None else dataclasses.replace(found, cache_hit=True).to_dict()
 
 
 def _stage_cache_key(context: TaskRunContext, parameters: dict[str, Any]) -> str:
-    """Prefect's cache key: the stage's own fingerprint, known before the stage runs, so the first run's result
-    is recorded under the key a rerun looks up and the rerun is Cached. While the artifact is not committed
-    (never built, or deleted from the store), a Prefect record under that key is stale: it is expired here, so
-    the task runs and rebuilds instead of returning a reference to nothing."""
-    key, found = committed_ref(
-        parameters["stage"],
-        parameters["params"],
-        parameters["inputs"],
-        parameters["store_url"],
-        parameters.get("storage_options"),
-    )
-    cache_key = f"{parameters['stage']}-{key}"
+    """Prefect's cache key: the stage's own fingerprint in this store, known before the stage runs, so the first
+    run's result is recorded under the key a rerun looks up and the rerun is Cached. The store is part of it: the
+    same stage in another store is another artifact (another URL). While the artifact is not committed (never
+    built, or deleted from the store), a Prefect record under that key is stale: it is expired here, so the task
+    runs and rebuilds instead of returning a reference to nothing."""
+    store = ArtifactStore(parameters["store_url"], **(parameters.get("storage_options") or {}))
+    key, found = committed_ref(parameters["stage"], parameters["params"], parameters["inputs"], store)
+    cache_key = f"{parameters['stage']}-{key}-{hash_bytes(store.url.encode())[:16]}"
     if found is None and context.result_store.exists(cache_key):
         context.result_store.write(None, key=cache_key, expiration=datetime.now(timezone.utc))
     return cache_key

@@ -190,6 +190,11 @@ def test_cli_runs_on_process_pool_and_matches_flow(prefect_api_url, corpus, tmp_
     assert all(refs.values()), "the CLI produced other keys than the flow for the same settings"
     assert _token_files({"tokenize": refs["tokenize"].to_dict()}) == _token_files(reference)
 
+    # Prefect's record of a stage is per store: the flow on store a still answers with a's artifacts.
+    again = corpus_flow(_config(tmp_path / "a", corpus))
+    assert all(r["cache_hit"] for r in again.values())
+    assert {stage: ref["url"] for stage, ref in again.items()} == {s: r["url"] for s, r in reference.items()}
+
     # Nothing left to do: decided from the store, without starting or contacting a Prefect server.
     monkeypatch.setattr("flows.corpus.prefect_api", _no_server)
     monkeypatch.setattr("flows.corpus.run_corpus", _no_server)
