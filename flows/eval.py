@@ -15,8 +15,9 @@ from prefect import flow, get_run_logger
 from pydantic import BaseModel, ConfigDict
 
 from flows.pretrain import PretrainFlowConfig, add_pretrain_flags, pretrain_config, pretrain_flow, split_argv
+from flows.publish import publish_report, publish_stages
 from flows.server import prefect_api
-from flows.tasks import make_task_runner, run_stage_task
+from flows.tasks import make_task_runner, stage_ref
 from stages.evaluate import EvaluateParams
 
 
@@ -33,8 +34,10 @@ def eval_flow(config: EvalFlowConfig = EvalFlowConfig()) -> dict[str, Any]:
     refs = pretrain_flow(config.pretrain)
     inputs = [refs["pretrain"], refs["tokenize"]]
     store = config.pretrain.corpus.store
-    refs["evaluate"] = run_stage_task("evaluate", dataclasses.asdict(config.evaluate), inputs, store)
+    refs["evaluate"] = stage_ref("evaluate", dataclasses.asdict(config.evaluate), inputs, store)
     get_run_logger().info("report: %s/report.md", refs["evaluate"]["url"])
+    publish_stages("eval", refs, store)
+    publish_report(refs["evaluate"], store)
     return refs
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 from typing import Any
 
@@ -19,9 +20,13 @@ from prefect import flow, get_run_logger
 from pydantic import BaseModel, ConfigDict
 
 from flows.corpus import CorpusConfig, corpus_flow
+from flows.publish import publish_stages
 from flows.server import prefect_api
-from flows.tasks import make_task_runner, run_stage_task
+from flows.tasks import make_task_runner, stage_ref
 from stages.pretrain import params_from_argv
+
+NPROC_PER_NODE_ENV = "NPROC_PER_NODE"
+DEFAULT_NPROC_PER_NODE = 2
 
 # A GPT small enough to train in a few minutes on 2 CPU cores, large enough for the validation loss to fall.
 SMALL_GPT_ARGS: tuple[str, ...] = (
@@ -41,18 +46,25 @@ class PretrainFlowConfig(BaseModel):
 
     corpus: CorpusConfig = CorpusConfig()
     megatron_args: tuple[str, ...] = SMALL_GPT_ARGS
-    nproc_per_node: int = 2
+    nproc_per_node: int | None = None  # None: the worker's $NPROC_PER_NODE (a work-pool job variable), else 2
     save_interval: int = 50
+
+    def processes_per_node(self) -> int:
+        """How many training processes `torchrun` starts on this machine."""
+        if self.nproc_per_node is not None:
+            return self.nproc_per_node
+        return int(os.environ.get(NPROC_PER_NODE_ENV, DEFAULT_NPROC_PER_NODE))
 
 
 @flow(name="pretrain")
 def pretrain_flow(config: PretrainFlowConfig = PretrainFlowConfig()) -> dict[str, Any]:
     """Corpus (cached) -> pretrain; returns every stage's artifact reference."""
     refs = corpus_flow(config.corpus)
-    params = params_from_argv(config.megatron_args, config.nproc_per_node, config.save_interval)
+    params = params_from_argv(config.megatron_args, config.processes_per_node(), config.save_interval)
     inputs = [refs["tokenize"], *([refs["train_tokenizer"]] if "train_tokenizer" in refs else [])]
-    refs["pretrain"] = run_stage_task("pretrain", dataclasses.asdict(params), inputs, config.corpus.store)
+    refs["pretrain"] = stage_ref("pretrain", dataclasses.asdict(params), inputs, config.corpus.store)
     get_run_logger().info("trained run: %s", refs["pretrain"]["url"])
+    publish_stages("pretrain", refs, config.corpus.store)
     return refs
 
 
@@ -66,7 +78,12 @@ def split_argv(argv: list[str] | None) -> tuple[list[str], list[str]]:
 
 def add_pretrain_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--store", default=CorpusConfig().store, help="artifact store URL")
-    parser.add_argument("--nproc-per-node", type=int, default=PretrainFlowConfig().nproc_per_node)
+    parser.add_argument(
+        "--nproc-per-node",
+        type=int,
+        default=None,
+        help=f"training processes (default: ${NPROC_PER_NODE_ENV}, else {DEFAULT_NPROC_PER_NODE})",
+    )
     parser.epilog = (
         "Megatron flags after `--` override the small GPT defaults (flows/pretrain.py: SMALL_GPT_ARGS)."
     )

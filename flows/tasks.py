@@ -1,6 +1,6 @@
 """Prefect tasks around stages: the stage's fingerprint as cache key, artifact refs as results, retries.
 
-A stage (`stages.base.Stage`, looked up by name in `stages.registry.STAGES`) has typed params, a `key` and a
+A stage (`stages.base.Stage`, looked up by name with `stages.registry.stage_named`) has typed params, a `key` and a
 `run`. The per-shard work of the stages that map shards (`Stage.maps_shards`) is handed to ``map_shards``: here
 a function that maps a Prefect task over the shards on the flow's task runner (threads or processes on one
 machine, a Dask or Ray cluster through prefect-dask / prefect-ray on many), so every shard is a task run.
@@ -9,8 +9,10 @@ machine, a Dask or Ray cluster through prefect-dask / prefect-ray on many), so e
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from collections.abc import Callable, Iterator, Sequence
+from datetime import datetime, timezone
 from typing import Any, Literal
 
 from prefect import get_run_logger, task, unmapped
@@ -19,8 +21,9 @@ from prefect.futures import as_completed
 from prefect.task_runners import ProcessPoolTaskRunner, TaskRunner, ThreadPoolTaskRunner
 
 from flows.server import exit_with_parent
-from stages.base import Stage
+from stages.registry import stage_named
 from storage.artifacts import ArtifactRef, ArtifactStore
+from storage.fingerprint import hash_bytes
 
 STAGE_LOGGER = "megatron_flow.stage"
 TaskRunnerKind = Literal["threads", "processes", "dask", "ray"]
@@ -96,16 +99,6 @@ def prefect_map_shards(
     return [future.result() for future in futures]
 
 
-def stage_named(name: str) -> Stage:
-    """The stage called `name`. The registry imports every stage (torch too), so it is imported here, on first
-    use, and not by the shard worker processes that load this module only for `run_shard`."""
-    from stages.registry import STAGES
-
-    if name not in STAGES:
-        raise ValueError(f"unknown stage {name!r}; stages: {', '.join(STAGES)}")
-    return STAGES[name]
-
-
 class _ToRunLogger(logging.Handler):
     """Forwards the stages' log records (tokenize summaries, training lines...) to the Prefect run's log."""
 
@@ -136,12 +129,29 @@ def _inputs(store: ArtifactStore, inputs: Sequence[dict | str]) -> list[Artifact
     return [store.ref(i) if isinstance(i, dict) else i for i in inputs]
 
 
-def _stage_cache_key(context: TaskRunContext, parameters: dict[str, Any]) -> str | None:
-    """Prefect's cache key: the stage's own fingerprint, but only while the artifact is really committed."""
-    stage = stage_named(parameters["stage"])
+def committed_ref(
+    stage: str, params: dict[str, Any], inputs: Sequence[dict | str], store: ArtifactStore
+) -> tuple[str, dict[str, Any] | None]:
+    """(the stage's key for these params and inputs, its committed artifact in `store` as a cache-hit ref or
+    None), decided from the store alone: nothing runs, no Prefect server is needed."""
+    runner = stage_named(stage)
+    key = runner.key(runner.params_from_dict(params), _inputs(store, inputs))
+    found = store.find(runner.name, key)
+    return key, None if found is None else dataclasses.replace(found, cache_hit=True).to_dict()
+
+
+def _stage_cache_key(context: TaskRunContext, parameters: dict[str, Any]) -> str:
+    """Prefect's cache key: the stage's own fingerprint in this store, known before the stage runs, so the first
+    run's result is recorded under the key a rerun looks up and the rerun is Cached. The store is part of it: the
+    same stage in another store is another artifact (another URL). While the artifact is not committed (never
+    built, or deleted from the store), a Prefect record under that key is stale: it is expired here, so the task
+    runs and rebuilds instead of returning a reference to nothing."""
     store = ArtifactStore(parameters["store_url"], **(parameters.get("storage_options") or {}))
-    key = stage.key(stage.params_from_dict(parameters["params"]), _inputs(store, parameters["inputs"]))
-    return f"{stage.name}-{key}" if store.find(stage.name, key) else None
+    key, found = committed_ref(parameters["stage"], parameters["params"], parameters["inputs"], store)
+    cache_key = f"{parameters['stage']}-{key}-{hash_bytes(store.url.encode())[:16]}"
+    if found is None and context.result_store.exists(cache_key):
+        context.result_store.write(None, key=cache_key, expiration=datetime.now(timezone.utc))
+    return cache_key
 
 
 @task(
@@ -171,3 +181,11 @@ def run_stage_task(
         else:
             ref = runner.run(typed, refs, store)
     return ref.to_dict()
+
+
+def stage_ref(stage: str, params: dict[str, Any], inputs: list[dict | str], store_url: str) -> dict[str, Any]:
+    """`run_stage_task`'s artifact reference, with `cache_hit` true when nothing was built: the stage found its
+    artifact, or Prefect returned the recorded result (Cached state), which holds the first run's `cache_hit`."""
+    state = run_stage_task(stage, params, inputs, store_url, return_state=True)
+    ref = state.result()
+    return {**ref, "cache_hit": ref["cache_hit"] or state.name == "Cached"}

@@ -2,29 +2,35 @@
 
 Every dataclass field becomes the flag Megatron users know (`num_layers` -> `--num-layers`; a field's
 `metadata["flag"]` overrides the name; a bool that defaults to True gets `--no-<name>`). A field present in
-several sections (e.g. `fp16` in the model and training configs) is one flag that sets all of them.
+several sections is one flag that sets all of them.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
+import logging
 import os
 import types
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import torch
+
 from megatron_train.data.config import DataConfig
 from megatron_train.models.config import TransformerConfig
 from megatron_train.parallel.config import ParallelConfig
 from megatron_train.training.config import (
     CheckpointConfig,
+    CompatibilityConfig,
     LoggingConfig,
     OptimizerConfig,
     TokenizerConfig,
     TrainingConfig,
 )
+from megatron_train.training.microbatches import parse_step_batch_size_schedule
 
 
 @dataclass
@@ -39,6 +45,7 @@ class MegatronConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    compat: CompatibilityConfig = field(default_factory=CompatibilityConfig)
 
 
 SECTIONS: dict[str, type] = {
@@ -50,7 +57,26 @@ SECTIONS: dict[str, type] = {
     "checkpoint": CheckpointConfig,
     "logging": LoggingConfig,
     "tokenizer": TokenizerConfig,
+    "compat": CompatibilityConfig,
 }
+
+# What each accepted-only flag means here; parse_args logs the line of every one the command line gives.
+ACCEPTED_FLAG_NOTES: dict[str, str] = {
+    "use_mcore_models": "the models here are always Megatron-Core style; nothing to switch",
+    "transformer_impl": "layers are torch modules whichever implementation is named",
+    "attention_backend": "attention runs torch's scaled_dot_product_attention (flash-attn with --use-flash-attn)",
+    "distributed_backend": "the backend follows the device: nccl on CUDA, gloo on CPU",
+    "masked_softmax_fusion": "attention uses SDPA, which has no separate masked-softmax kernel",
+    "cross_entropy_loss_fusion": "cross entropy is the vocab-parallel torch implementation either way",
+    "create_attention_mask_in_dataloader": "the data loader never builds attention masks (attention is causal)",
+    "mmap_bin_files": ".bin files are always memory-mapped (read-only, nothing is loaded up front)",
+    "ckpt_format": "checkpoints are always the run-directory format that reshards across TP/PP/DP",
+    "context_parallel_size": "context parallel size 1 is no context parallelism",
+    "log_throughput": "every log line already carries 'throughput per GPU (TFLOP/s/GPU)'",
+    "use_pytorch_profiler": "--profile always uses torch's profiler here",
+}
+FP8_FLAGS = ("fp8_format", "fp8_amax_history_len", "fp8_amax_compute_algo", "fp8_param_gather")
+logger = logging.getLogger(__name__)
 
 
 def flag_name(f: dataclasses.Field) -> str:
@@ -125,23 +151,49 @@ def parse_args(argv: list[str] | None = None, world_size: int | None = None) -> 
                 for name, cls in SECTIONS.items()
             }
         )
+        refuse_fp8(values)
         validate_config(
             config, world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
         )
     except ValueError as error:
         parser.error(str(error))
+    if int(os.environ.get("RANK", "0")) == 0:
+        for name, note in ACCEPTED_FLAG_NOTES.items():
+            if name in values:
+                value = "" if isinstance(values[name], bool) else f" {values[name]}"
+                logger.info("%s%s: %s", _flag_of(name), value, note)
     return config
+
+
+def _flag_of(name: str) -> str:
+    return next(flag_name(f) for cls in SECTIONS.values() for f in dataclasses.fields(cls) if f.name == name)
+
+
+def refuse_fp8(given: dict[str, Any]) -> None:
+    """FP8 needs Transformer Engine on an FP8 GPU (compute capability 8.9+); name the flag when that is missing."""
+    flags = [name for name in FP8_FLAGS if name in given]
+    if not flags:
+        return
+    fp8_gpu = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
+    missing = "an FP8 GPU (compute capability 8.9+: Ada, Hopper, Blackwell)" if not fp8_gpu else ""
+    if fp8_gpu and importlib.util.find_spec("transformer_engine") is None:
+        missing = "Transformer Engine (pip install transformer_engine[pytorch])"
+    missing = missing or "FP8 layers, which this engine does not build yet"
+    raise ValueError(
+        f"{_flag_of(flags[0])} asks for FP8 training, which needs {missing}; drop the "
+        f"{' '.join(_flag_of(name) for name in flags)} flag(s) to train in --bf16"
+    )
 
 
 def validate_config(config: MegatronConfig, world_size: int) -> None:
     """Megatron's cross-argument rules (validate_args); fills derived defaults in place."""
     training, opt, parallel = config.training, config.optimizer, config.parallel
     dp = parallel.data_parallel_size(world_size)
-    if training.fp16 and training.bf16:
-        raise ValueError("--fp16 and --bf16 exclude each other")
-    config.model.fp16, config.model.bf16 = training.fp16, training.bf16
-    if training.bf16:
+    if training.grad_reduce_in_bf16 and not config.model.bf16:
+        raise ValueError("--grad-reduce-in-bf16 reduces bf16 grads: it needs --bf16")
+    if config.model.bf16 and not training.grad_reduce_in_bf16:
         training.accumulate_allreduce_grads_in_fp32 = True  # as Megatron: bf16 grads are reduced in fp32
+    validate_step_batch_size_schedule(config)
     if training.global_batch_size is None:
         training.global_batch_size = training.micro_batch_size * dp
     if training.global_batch_size % (training.micro_batch_size * dp):
@@ -181,20 +233,55 @@ def validate_config(config: MegatronConfig, world_size: int) -> None:
         raise ValueError(
             "--use-distributed-optimizer shards the local DDP's grad buffer: use --ddp-impl local"
         )
+    if training.overlap_param_gather and not (
+        parallel.use_distributed_optimizer and training.overlap_grad_reduce
+    ):
+        raise ValueError(
+            "--overlap-param-gather overlaps the distributed optimizer's param all-gather: it needs "
+            "--use-distributed-optimizer and --overlap-grad-reduce (as in Megatron)"
+        )
+    if config.compat.context_parallel_size != 1:
+        raise ValueError(
+            f"--context-parallel-size {config.compat.context_parallel_size}: context parallelism is not "
+            "implemented here; use --context-parallel-size 1 (or drop the flag)"
+        )
+    logging_config = config.logging
+    if logging_config.profile and logging_config.profile_step_end <= logging_config.profile_step_start:
+        raise ValueError(
+            f"--profile-step-end {logging_config.profile_step_end} must be after --profile-step-start "
+            f"{logging_config.profile_step_start}"
+        )
+    if training.manual_gc_interval < 0:
+        raise ValueError(f"--manual-gc-interval must be >= 0, got {training.manual_gc_interval}")
     if config.model.seq_length is None:
         raise ValueError("set --seq-length")
+
+
+def validate_step_batch_size_schedule(config: MegatronConfig) -> None:
+    """Megatron refuses --global-batch-size beside a schedule; its own GPT-3 example passes both, so we accept
+    a --global-batch-size equal to the schedule's last batch size (the one the run ends with)."""
+    training = config.training
+    if training.step_batch_size_schedule is None:
+        return
+    if training.rampup_batch_size is not None:
+        raise ValueError("--step-batch-size-schedule and --rampup-batch-size exclude each other; keep one")
+    schedule = parse_step_batch_size_schedule(training.step_batch_size_schedule, config.model.seq_length)
+    final = schedule[-1][1]
+    if training.global_batch_size not in (None, final):
+        raise ValueError(
+            f"--global-batch-size {training.global_batch_size} differs from the last batch size {final} of "
+            f"--step-batch-size-schedule {' '.join(training.step_batch_size_schedule)!r}; drop "
+            "--global-batch-size"
+        )
+    training.global_batch_size = final
 
 
 def validate_pipeline_parallel(config: MegatronConfig, data_parallel_size: int) -> None:
     """Megatron's pipeline rules: every stage (and virtual stage) holds as many layers as the others, and the
     interleaved schedule runs micro-batches in groups of --pipeline-model-parallel-size."""
     parallel, training = config.parallel, config.training
-    pp, num_layers = parallel.pipeline_model_parallel_size, config.model.num_layers
-    if num_layers % pp:
-        raise ValueError(
-            f"--num-layers {num_layers} is not divisible by --pipeline-model-parallel-size {pp}; every "
-            "pipeline stage holds the same number of layers"
-        )
+    pp = parallel.pipeline_model_parallel_size
+    parallel.check_num_layers(config.model.num_layers)
     if pp > 1 and training.ddp_impl != "local":
         raise ValueError(
             "--pipeline-model-parallel-size > 1 needs --ddp-impl local: torch's DDP decides at forward time "
@@ -207,12 +294,14 @@ def validate_pipeline_parallel(config: MegatronConfig, data_parallel_size: int) 
             "--num-layers-per-virtual-pipeline-stage splits pipeline stages into virtual stages: it needs "
             "--pipeline-model-parallel-size > 1"
         )
-    parallel.virtual_pipeline_model_parallel_size(num_layers)  # raises when the layers do not split evenly
     micro_batch_times_dp = training.micro_batch_size * data_parallel_size
     batch_sizes = {training.global_batch_size}
     if training.rampup_batch_size is not None:  # every global batch size of the ramp runs the schedule
         start, increment, _ = training.rampup_batch_size
         batch_sizes.update(range(start, training.global_batch_size, increment))
+    if training.step_batch_size_schedule is not None:  # so does every batch size of the schedule
+        schedule = parse_step_batch_size_schedule(training.step_batch_size_schedule, config.model.seq_length)
+        batch_sizes.update(size for _, size in schedule)
     for batch_size in sorted(batch_sizes):
         num_micro_batches = batch_size // micro_batch_times_dp
         if num_micro_batches % pp:

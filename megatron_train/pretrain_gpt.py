@@ -18,37 +18,67 @@ from megatron_train.device import get_device
 from megatron_train.models.gpt import GPTModel, model_provider
 from megatron_train.parallel.schedules import LossFunc
 from megatron_train.tokenizer import MegatronTokenizer, tokenizer_from_config, vocab_size_with_padding
-from megatron_train.training.loop import LOSS_KEY, get_batch, pretrain
+from megatron_train.training.loop import get_batch, pretrain
+from megatron_train.training.per_token_loss import NUM_TOKENS_KEY
+
+
+def padded_vocab_size_for(config: MegatronConfig, tokenizer: MegatronTokenizer) -> int:
+    """Record the tokenizer's vocabulary size as the model's true one (its padding rows are masked out of the
+    loss) and return the padded size (--make-vocab-size-divisible-by x TP) the model is built with."""
+    if config.model.true_vocab_size is None:
+        config.model.true_vocab_size = tokenizer.vocab_size
+    elif config.model.true_vocab_size != tokenizer.vocab_size:
+        raise SystemExit(
+            f"--true-vocab-size {config.model.true_vocab_size} differs from the tokenizer's vocabulary size "
+            f"{tokenizer.vocab_size}; drop the flag or use the matching tokenizer"
+        )
+    return vocab_size_with_padding(
+        tokenizer.vocab_size,
+        config.tokenizer.make_vocab_size_divisible_by,
+        config.parallel.tensor_model_parallel_size,
+    )
 
 
 def gpt_model_provider(
-    config: MegatronConfig, padded_vocab_size: int, pre_process: bool = True, post_process: bool = True
+    config: MegatronConfig,
+    padded_vocab_size: int,
+    pre_process: bool = True,
+    post_process: bool = True,
+    vp_stage: int = 0,
 ) -> GPTModel:
-    """This rank's pipeline stage (or virtual stage) of the GPT model."""
+    """This rank's pipeline stage (or its model chunk `vp_stage`) of the GPT model."""
     return model_provider(
         config.model,
         padded_vocab_size,
         pre_process,
         post_process,
         sequence_parallel=config.parallel.sequence_parallel,
+        init_seed=config.training.seed if config.training.use_cpu_initialization else None,
+        vp_stage=vp_stage,
     )
 
 
 def loss_func(
-    loss_mask: torch.Tensor, output_tensor: torch.Tensor
+    loss_mask: torch.Tensor, output_tensor: torch.Tensor, per_token_loss: bool = False
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Mean next-token loss over the micro-batch's unmasked tokens (Megatron's GPT loss_func)."""
+    """Mean next-token loss over the micro-batch's unmasked tokens (Megatron's GPT loss_func); with
+    `per_token_loss` (--calculate-per-token-loss) the loss sum and the token count, for the loop to divide."""
     loss_mask = loss_mask.float()
-    loss = (output_tensor.float() * loss_mask).sum() / loss_mask.sum().clamp(min=1.0)
-    return loss, {LOSS_KEY: loss.detach()}
+    loss_sum = (output_tensor.float() * loss_mask).sum()
+    if per_token_loss:
+        return loss_sum, {"lm loss": loss_sum.detach(), NUM_TOKENS_KEY: loss_mask.sum()}
+    loss = loss_sum / loss_mask.sum().clamp(min=1.0)
+    return loss, {"lm loss": loss.detach()}
 
 
-def forward_step(data_iterator: Iterator, model: torch.nn.Module) -> tuple[torch.Tensor, LossFunc]:
+def forward_step(
+    data_iterator: Iterator, model: torch.nn.Module, per_token_loss: bool = False
+) -> tuple[torch.Tensor, LossFunc]:
     """Megatron's GPT forward step: per-token losses [b, s] on the last pipeline stage (hidden states
     [s, b, h] elsewhere, the input coming from the previous stage), and the loss function for them."""
     batch = get_batch(data_iterator, get_device())
     output_tensor = model(batch["tokens"], batch["position_ids"], labels=batch["labels"])
-    return output_tensor, functools.partial(loss_func, batch["loss_mask"])
+    return output_tensor, functools.partial(loss_func, batch["loss_mask"], per_token_loss=per_token_loss)
 
 
 def datasets_provider(
@@ -71,17 +101,12 @@ def main(argv: list[str] | None = None) -> None:
         tokenizer = tokenizer_from_config(config.tokenizer)
     except ValueError as error:
         raise SystemExit(f"pretrain_gpt: {error}") from None
-    padded_vocab_size = vocab_size_with_padding(
-        tokenizer.vocab_size,
-        config.tokenizer.make_vocab_size_divisible_by,
-        config.parallel.tensor_model_parallel_size,
-    )
     pretrain(
         config,
         gpt_model_provider,
         functools.partial(datasets_provider, config, tokenizer),
-        forward_step,
-        padded_vocab_size,
+        functools.partial(forward_step, per_token_loss=config.training.calculate_per_token_loss),
+        padded_vocab_size_for(config, tokenizer),
     )
 
 

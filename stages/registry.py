@@ -1,14 +1,23 @@
 """Every stage by name: what flows look a stage up in (docs/architecture.md, "The stage contract").
 
-Imports every stage module, torch included; import it where a stage is about to run, not in shard workers.
+A stage's module is imported on first look-up, so the corpus stages are found without importing torch (which
+the pretrain and evaluate stages need): a command line with nothing to do stays quick.
 """
 
 from __future__ import annotations
 
-from stages import clean, dedup, download, evaluate, pretrain, tokenize, train_tokenizer
+import importlib
+
 from stages.base import Stage
 
-STAGES: dict[str, Stage] = {
-    module.STAGE.name: module.STAGE
-    for module in (download, clean, dedup, train_tokenizer, tokenize, pretrain, evaluate)
+STAGE_MODULES: dict[str, str] = {
+    name: f"stages.{name}"
+    for name in ("download", "clean", "dedup", "train_tokenizer", "tokenize", "pretrain", "evaluate")
 }
+
+
+def stage_named(name: str) -> Stage:
+    """The stage called `name`, from its module's `STAGE`."""
+    if name not in STAGE_MODULES:
+        raise ValueError(f"unknown stage {name!r}; stages: {', '.join(STAGE_MODULES)}")
+    return importlib.import_module(STAGE_MODULES[name]).STAGE

@@ -496,7 +496,7 @@ def test_bf16_main_params_and_adam_moments_follow_their_weights_through_repaddin
     """A bf16 model's fp32 main params and Adam moments reshard like the weights: TP1 (vocab 120) -> TP2 (144,
     new rows copy the last one, moments start at zero) -> loaded back under TP1 exactly as saved."""
     config = _llama_config(str(tmp_path / "tp1"))
-    config.training.bf16 = config.model.bf16 = True
+    config.model.bf16 = True
     model_parallel_seed(3)
     model = GPTModel(config.model, LLAMA_PADDED[1])
     optimizer = get_megatron_optimizer(config.optimizer, model, torch.bfloat16)

@@ -6,6 +6,7 @@ import glob
 import json
 import lzma
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -21,6 +22,7 @@ from stages.quality_filters import first_failing_rule
 from stages.tokenize import TokenizeParams
 from storage.artifacts import ArtifactStore
 from storage.indexed_dataset import IndexedDataset
+from tests.prefect_runs import artifacts, task_states
 
 ROOT = Path(__file__).resolve().parents[1]
 N_BASE, EXACT, NEAR = 30, [0, 5, 9], [2, 12, 20]
@@ -87,10 +89,13 @@ def _token_files(refs: dict) -> dict[str, bytes]:
     return {Path(p).name: Path(p).read_bytes() for p in sorted(glob.glob(f"{url}/tokens_*"))}
 
 
-def test_flow_counts_caching_and_partial_rerun(prefect_api_url, corpus, tmp_path):
+def test_flow_counts_caching_and_partial_rerun(prefect_api_url, corpus, tmp_path, monkeypatch):
+    emitted: list[dict] = []  # the Prefect events the flow emits (new token data triggers the pipeline)
+    monkeypatch.setattr("flows.events.emit_event", lambda **event: emitted.append(event))
     store = tmp_path / "store"
     refs = corpus_flow(_config(store, corpus))
     assert not any(r["cache_hit"] for r in refs.values())
+    assert [event["payload"]["key"] for event in emitted] == [refs["tokenize"]["key"]]
 
     download = _manifest(refs, "download")["counts"]
     assert download["docs"] == N_BASE + 3 + 3 + 3 and download["skipped_bad_records"] == 1
@@ -120,17 +125,42 @@ def test_flow_counts_caching_and_partial_rerun(prefect_api_url, corpus, tmp_path
     assert tokenize["tokens"] == int(dataset.sequence_lengths.sum()) > 10_000
     assert _manifest(refs, "train_tokenizer")["counts"]["vocab_size"] <= 8192
 
-    # Nothing changed: every stage is a cache hit and no file is rewritten.
+    # Nothing changed: every stage is a cache hit, Prefect shows Cached on this first rerun already, and no
+    # file is rewritten.
     before = {p: p.stat().st_mtime_ns for p in store.rglob("*") if p.is_file()}
-    again = corpus_flow(_config(store, corpus))
+    state = corpus_flow(_config(store, corpus), return_state=True)
+    again = state.result()
     assert all(r["cache_hit"] for r in again.values())
+    assert task_states(state) == dict.fromkeys(refs, "Cached")
+    published = artifacts(state)
+    kind, table = published["corpus-summary"]
+    assert kind == "table" and [row["stage"] for row in table] == list(refs)
+    assert all(row["cache_hit"] == "hit" for row in table) and table[-1]["tokens"] == tokenize["tokens"]
+    for stage, ref in refs.items():
+        kind, link = published[f"{stage.replace('_', '-')}-artifact"]  # Prefect keeps links as markdown
+        assert kind == "markdown" and link == f"[{ref['url']}]({Path(ref['url']).as_uri()})", stage
     assert {p: p.stat().st_mtime_ns for p in store.rglob("*") if p.is_file()} == before
+    assert len(emitted) == 1  # unchanged data announces nothing
+
+    # An artifact deleted from the store is rebuilt (the Prefect record is stale), with the same key and bytes.
+    tokens = _token_files(refs)
+    shutil.rmtree(refs["tokenize"]["url"])
+    state = corpus_flow(_config(store, corpus), return_state=True)
+    rebuilt = state.result()
+    assert not rebuilt["tokenize"]["cache_hit"] and rebuilt["tokenize"]["key"] == refs["tokenize"]["key"]
+    assert _token_files(rebuilt) == tokens
+    assert task_states(state) == {**dict.fromkeys(refs, "Cached"), "tokenize": "Completed"}
 
     # One clean parameter changed: download is a hit, everything after it reruns.
     changed = corpus_flow(_config(store, corpus, clean=CleanParams(min_words=20)))
     assert changed["download"]["cache_hit"] and changed["download"]["key"] == refs["download"]["key"]
     for stage in ("clean", "dedup", "train_tokenizer", "tokenize"):
         assert not changed[stage]["cache_hit"] and changed[stage]["key"] != refs[stage]["key"], stage
+    # The rebuilt artifact is announced again (the pipeline it triggers finds its stages cached), then the new one.
+    assert [event["payload"]["key"] for event in emitted[1:]] == [
+        refs["tokenize"]["key"],
+        changed["tokenize"]["key"],
+    ]
 
 
 def test_malformed_record_without_skip_names_file_and_line(prefect_api_url, corpus, tmp_path):
@@ -151,7 +181,7 @@ def _cli_source_args(corpus: Path) -> list[str]:
     ]  # fmt: skip
 
 
-def test_cli_runs_on_process_pool_and_matches_flow(prefect_api_url, corpus, tmp_path, capsys):
+def test_cli_runs_on_process_pool_and_matches_flow(prefect_api_url, corpus, tmp_path, capsys, monkeypatch):
     reference = corpus_flow(_config(tmp_path / "a", corpus))
     argv = ["--store", str(tmp_path / "b"), *_cli_source_args(corpus), "--task-runner", "processes"]
     assert main(argv) == 0
@@ -159,6 +189,22 @@ def test_cli_runs_on_process_pool_and_matches_flow(prefect_api_url, corpus, tmp_
     refs = {s: ArtifactStore(str(tmp_path / "b")).find(s, reference[s]["key"]) for s in reference}
     assert all(refs.values()), "the CLI produced other keys than the flow for the same settings"
     assert _token_files({"tokenize": refs["tokenize"].to_dict()}) == _token_files(reference)
+
+    # Prefect's record of a stage is per store: the flow on store a still answers with a's artifacts.
+    again = corpus_flow(_config(tmp_path / "a", corpus))
+    assert all(r["cache_hit"] for r in again.values())
+    assert {stage: ref["url"] for stage, ref in again.items()} == {s: r["url"] for s, r in reference.items()}
+
+    # Nothing left to do: decided from the store, without starting or contacting a Prefect server.
+    monkeypatch.setattr("flows.corpus.prefect_api", _no_server)
+    monkeypatch.setattr("flows.corpus.run_corpus", _no_server)
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "cache hits: 5/5 stages" in out and f"tokens: {refs['tokenize'].url}" in out
+
+
+def _no_server(*args, **kwargs):
+    raise AssertionError("an all-cached corpus started a Prefect server or flow run")
 
 
 def test_sigkill_during_tokenize_then_rerun_is_byte_identical(prefect_api_url, corpus, tmp_path):
@@ -215,21 +261,6 @@ def test_cli_flags_cover_every_stage_parameter():
     assert config.tokenize.append_eod  # the flow's own default survives an override of a sibling field
     with pytest.raises(SystemExit):
         parse_config(CorpusConfig, ["--clean.no-such-flag", "1"], "test")
-
-
-def test_prefect_yaml_deployment_loads_with_its_schedule():
-    import yaml
-    from prefect.flows import load_flow_from_entrypoint
-
-    spec = yaml.safe_load((ROOT / "prefect.yaml").read_text())
-    (deployment,) = spec["deployments"]
-    flow = load_flow_from_entrypoint(str(ROOT / deployment["entrypoint"]))
-    assert flow.name == "corpus"
-    CorpusConfig.model_validate(deployment["parameters"]["config"])
-    runner = flow.to_deployment(
-        name=deployment["name"], cron=deployment["schedules"][0]["cron"], parameters=deployment["parameters"]
-    )
-    assert runner.schedules[0].schedule.cron == "0 3 * * *"
 
 
 def test_bert_tokenizer_type_trains_wordpiece(prefect_api_url, corpus, tmp_path):

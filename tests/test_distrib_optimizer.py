@@ -227,7 +227,9 @@ def test_clipping_is_global_across_shards(runs) -> None:
     """SGD clipped to 0.05 (every step clips): the sharded norm and update equal one process's."""
     clipped = _records(runs, "dp1_clip")
     assert all(r["grad norm"] > 0.05 for r in clipped)
-    assert _losses(runs, "dp1_sgd")[-1] < 0.99 * clipped[-1]["lm loss"]  # clipping really changed the run
+    # clipping really changed the run (padding rows no longer in the softmax: unclipped SGD gains less than 1%)
+    unclipped = _losses(runs, "dp1_sgd")
+    assert not np.allclose(unclipped, [r["lm loss"] for r in clipped], rtol=1e-3)
     np.testing.assert_allclose(_losses(runs, "dp2_clip"), [r["lm loss"] for r in clipped], rtol=1e-5)
     np.testing.assert_allclose(
         [r["grad norm"] for r in _records(runs, "dp2_clip")], [r["grad norm"] for r in clipped], rtol=1e-4

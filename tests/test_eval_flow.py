@@ -14,6 +14,7 @@ from stages.evaluate import EvaluateParams
 from stages.tokenize import TokenizeParams
 from stages.train_tokenizer import TrainTokenizerParams
 from storage.artifacts import ArtifactStore
+from tests.prefect_runs import artifacts
 
 TINY_GPT = (
     "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
@@ -58,7 +59,8 @@ def test_eval_flow_end_to_end_then_cached(prefect_api_url, tmp_path):
             wikitext_path=str(wiki), lambada_path=str(lambada),
         ),
     )  # fmt: skip
-    refs = eval_flow(config)
+    state = eval_flow(config, return_state=True)
+    refs = state.result()
     store = ArtifactStore(str(tmp_path / "store"))
     evaluate = store.ref(refs["evaluate"])
     report = json.loads(Path(evaluate.local_path("report.json")).read_text())
@@ -73,6 +75,22 @@ def test_eval_flow_end_to_end_then_cached(prefect_api_url, tmp_path):
     assert report["run"]["iteration"] == 40
     assert Path(evaluate.local_path("loss_curves.png")).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "![loss curves](loss_curves.png)" in Path(evaluate.local_path("report.md")).read_text()
+
+    # The Prefect UI shows the report (metrics, a link to the curves), the summary and every stage's artifact.
+    published = artifacts(state)
+    kind, markdown = published["evaluation-report"]
+    curves = Path(evaluate.local_path("loss_curves.png")).as_uri()
+    assert (
+        kind == "markdown"
+        and f"![loss curves]({curves})" in markdown
+        and f"[Loss curves (PNG)]({curves})" in markdown
+    )
+    assert f"| LAMBADA accuracy | {metrics['LAMBADA accuracy']:.4f} |" in markdown
+    kind, table = published["eval-summary"]
+    assert kind == "table" and [row["stage"] for row in table] == list(refs)
+    assert {key for key in published if key.endswith("-artifact")} == {
+        f"{s.replace('_', '-')}-artifact" for s in refs
+    }
 
     again = eval_flow(config)
     assert all(ref["cache_hit"] for ref in again.values())

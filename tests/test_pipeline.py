@@ -21,13 +21,12 @@ from megatron_train.models.transformer import get_layer_range
 from megatron_train.parallel import state
 from megatron_train.parallel.p2p import P2PCommunicator, p2p_counters
 from megatron_train.parallel.schedules import (
-    allreduce_embedding_grads,
     forward_backward_no_pipelining,
     forward_backward_pipelining_with_interleaving,
     get_forward_backward_func,
     pipeline_tensor_shape,
-    sync_embedding_weights,
 )
+from megatron_train.parallel.tied_embeddings import allreduce_embedding_grads, sync_embedding_weights
 from tests.distributed import run_distributed
 
 HIDDEN, SEQ, MICRO_BATCH, NUM_LAYERS = 8, 4, 2, 8
@@ -55,6 +54,8 @@ class StageStack(nn.Module):
             self.word_embeddings = nn.Parameter(
                 torch.randn(HIDDEN, HIDDEN, generator=generator) / HIDDEN**0.5
             )
+            # Tied across stages when split (as GPTModel marks it): parallel.tied_embeddings finds it.
+            self.word_embeddings.shared_embedding = not (pre_process and post_process)
         self.input_tensor: torch.Tensor | None = None
 
     def set_input_tensor(self, input_tensor: torch.Tensor | None) -> None:
@@ -396,6 +397,7 @@ def run_gpt_case(
     full_state: dict, ref_grads: dict, tp: int, pp: int, vp: int | None, sequence_parallel: bool, ddp: bool
 ) -> dict:
     """One step of this rank's stages; grads are checked here, so what travels back stays small."""
+    from megatron_train.distributed import finalize_model_grads
     from megatron_train.distributed.ddp import DDPConfig, DistributedDataParallel
     from megatron_train.models.gpt import GPTModel
     from megatron_train.parallel.layers import allreduce_sequence_parallel_grads
@@ -405,14 +407,13 @@ def run_gpt_case(
         pp_rank, num_chunks = state.get_pipeline_model_parallel_rank(), vp or 1
         stages = []
         for chunk in range(num_chunks):
-            if vp:
-                state.set_virtual_pipeline_model_parallel_rank(chunk)
             stage = GPTModel(
                 gpt_config(),
                 GPT_VOCAB,
                 pre_process=pp_rank == 0 and chunk == 0,
                 post_process=pp_rank == pp - 1 and chunk == num_chunks - 1,
                 sequence_parallel=sequence_parallel,
+                vp_stage=chunk,
             )
             with torch.no_grad():
                 for name, param in stage.named_parameters():
@@ -434,11 +435,12 @@ def run_gpt_case(
             GPT_MICRO_BATCH,
             sequence_parallel=sequence_parallel,
         )
-        for chunk, stage in zip(chunks, stages, strict=True):
-            if ddp:  # grads now in param.main_grad, averaged over the DP replicas
-                chunk.finish_grad_sync()
-            allreduce_sequence_parallel_grads(stage)
-        allreduce_embedding_grads(chunks)
+        if ddp:  # grads in param.main_grad, averaged over the DP replicas
+            finalize_model_grads(chunks)
+        else:
+            for stage in stages:
+                allreduce_sequence_parallel_grads(stage)
+            allreduce_embedding_grads(stages)
         checked = []
         for stage in stages:
             for name, param in stage.named_parameters():

@@ -5,15 +5,19 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import json
+import subprocess
+import sys
 
 import pytest
 
 from stages import download, tokenize
 from stages.base import Stage
-from stages.registry import STAGES
+from stages.registry import STAGE_MODULES, stage_named
 from stages.shards import process_pool
 from stages.tokenize_params import TokenizeParams
 from storage.artifacts import ArtifactStore, stage_key
+
+STAGES = {name: stage_named(name) for name in STAGE_MODULES}
 
 
 def test_registry_names_every_stage_and_says_which_map_shards():
@@ -34,6 +38,19 @@ def test_registry_names_every_stage_and_says_which_map_shards():
         assert parameters[:3] == ["params", "inputs", "store"]
         assert ("map_shards" in parameters) == stage.maps_shards
         assert "workers" not in parameters
+
+
+def test_registry_imports_a_stage_on_first_look_up_and_names_the_known_ones():
+    # The corpus stages come without torch, so a command line with nothing to do stays quick.
+    code = (
+        "import sys; from stages.registry import stage_named; "
+        "[stage_named(n) for n in ('download', 'clean', 'dedup', 'train_tokenizer', 'tokenize')]; "
+        "print('torch' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"
+    with pytest.raises(ValueError, match=r"unknown stage 'tokenise'; stages: download, clean, .*evaluate"):
+        stage_named("tokenise")
 
 
 @pytest.mark.parametrize("name", ["download", "clean", "dedup", "train_tokenizer", "tokenize", "evaluate"])

@@ -4,8 +4,10 @@ micro-batching and ramp-up, FLOPs, loss falling on a real .bin/.idx, bitwise rep
 
 from __future__ import annotations
 
+import functools
 import glob
 import json
+import math
 import os
 import re
 import signal
@@ -14,12 +16,13 @@ import sys
 
 import numpy as np
 import pytest
+import torch
 
 from megatron_train.arguments import config_from_dict, config_to_argv, config_to_dict, parse_args
 from megatron_train.checkpointing import read_latest_iteration
 from megatron_train.models.config import TransformerConfig
 from megatron_train.training.flops import num_floating_point_operations, peak_flops_per_device
-from megatron_train.training.logging import format_training_line
+from megatron_train.training.logging import format_evaluation_line, format_training_line
 from megatron_train.training.microbatches import MicroBatchCalculator
 from storage.indexed_dataset import IndexedDatasetBuilder
 from tests.distributed import run_distributed
@@ -104,7 +107,8 @@ def test_microbatch_calculator_and_rampup() -> None:
 
 def test_arguments_are_megatron_flags(tmp_path) -> None:
     config = parse_args(tiny_args(str(tmp_path), "--fp16", "--disable-bias-linear", "--train-iters", "5"), 2)
-    assert config.model.fp16 and config.training.fp16 and not config.model.add_bias_linear
+    assert config.model.fp16 and not config.model.add_bias_linear
+    assert not hasattr(config.training, "fp16")  # precision lives in the model config only
     assert (config.training.global_batch_size, config.optimizer.lr_decay_style) == (4, "cosine")
     assert parse_args(config_to_argv(config), 2) == config
     stored = config_to_dict(config)
@@ -149,6 +153,63 @@ def test_console_line_keeps_megatron_shape() -> None:
     )
     assert "| grad norm: 0.812 | number of skipped iterations:   0 | number of nan iterations:   0 |" in line
     assert LINE.match(line)
+
+
+def test_console_lines_carry_every_loss_of_the_loss_dict() -> None:
+    stats = {
+        "iteration": 1, "consumed samples": 8, "elapsed time per iteration (ms)": 1.0,
+        "throughput per GPU (TFLOP/s/GPU)": 1.0, "learning rate": 1e-4, "global batch size": 8, "lm loss": 2.5,
+        "sop loss": 0.5, "loss scale": 1.0, "grad norm": 1.0, "number of skipped iterations": 0,
+        "number of nan iterations": 0, "tokens per second": 1.0, "MFU": None, "peak memory (MB)": 1.0,
+    }  # fmt: skip
+    line = format_training_line(stats, 10, ["lm loss", "sop loss"])
+    assert "| global batch size:     8 | lm loss: 2.500000E+00 | sop loss: 5.000000E-01 | loss scale:" in line
+    assert format_evaluation_line("iteration 5", {"lm loss": 1.0, "sop loss": 0.0}) == (
+        " validation loss at iteration 5 | lm loss value: 1.000000E+00 | lm loss PPL: 2.718282E+00 |"
+        " sop loss value: 0.000000E+00 | sop loss PPL: 1.000000E+00 |"
+    )
+
+
+def two_losses_worker(rank: int, world_size: int, argv: list[str]) -> list[dict]:
+    """`pretrain` with GPT's loss_func plus a second entry, `half loss`, in its dict (as BERT adds `sop loss`)."""
+    from megatron_train import pretrain_gpt
+    from megatron_train.training.loop import pretrain
+
+    def forward_step(data_iterator, model):
+        output_tensor, loss_func = pretrain_gpt.forward_step(data_iterator, model)
+
+        def two_losses(output: torch.Tensor):
+            loss, reduced = loss_func(output)
+            return loss, {**reduced, "half loss": reduced["lm loss"] / 2}
+
+        return output_tensor, two_losses
+
+    config = parse_args(argv, world_size)
+    tokenizer = pretrain_gpt.tokenizer_from_config(config.tokenizer)
+    pretrain(
+        config,
+        pretrain_gpt.gpt_model_provider,
+        functools.partial(pretrain_gpt.datasets_provider, config, tokenizer),
+        forward_step,
+        pretrain_gpt.padded_vocab_size_for(config, tokenizer),
+    )
+    return read_metrics(argv[argv.index("--save") + 1]) if rank == world_size - 1 else []
+
+
+def test_loop_averages_and_logs_every_key_of_the_loss_dict(tmp_path) -> None:
+    argv = tiny_args(
+        str(tmp_path), "--mock-data", "--train-iters", "3", "--eval-interval", "2", "--micro-batch-size", "1"
+    )
+    records = run_distributed(two_losses_worker, 2, argv)[-1]  # DP=2, 2 micro-batches per rank
+    steps = [r for r in records if "split" not in r]
+    assert len(steps) == 3
+    for record in steps:
+        assert record["half loss"] == pytest.approx(record["lm loss"] / 2, rel=1e-6)
+    evaluations = [r for r in records if "split" in r]
+    assert len(evaluations) == 3  # at iteration 2, then valid and test at the end
+    for record in evaluations:
+        assert record["half loss"] == pytest.approx(record["lm loss"] / 2, rel=1e-6)
+        assert record["half loss PPL"] == pytest.approx(math.exp(record["lm loss"] / 2), rel=1e-6)
 
 
 def _cli(argv: list[str], **popen: object) -> subprocess.Popen:

@@ -28,9 +28,9 @@ from megatron_train.pretrain_gpt import (
     datasets_provider,
     forward_step,
     gpt_model_provider,
+    padded_vocab_size_for,
     tokenizer_from_config,
 )
-from megatron_train.tokenizer import vocab_size_with_padding
 from megatron_train.training.loop import pretrain
 from tests.distributed import run_distributed
 from tests.test_training import pretrain_worker, read_marker, read_metrics, tiny_args, write_corpus
@@ -78,10 +78,11 @@ def model_from_weights(
     padded_vocab_size: int,
     pre_process: bool,
     post_process: bool,
+    vp_stage: int,
 ) -> GPTModel:
     """A model provider: this stage of the single-process model `initial` (its TP shard of its layers; the
     tied output copy is left for the pipeline to sync); records (stage, TP rank) in `built`."""
-    stage = gpt_model_provider(config, padded_vocab_size, pre_process, post_process)
+    stage = gpt_model_provider(config, padded_vocab_size, pre_process, post_process, vp_stage)
     tp_size, tp_rank = state.get_tensor_model_parallel_world_size(), state.get_tensor_model_parallel_rank()
     global_names = _global_names(stage)
     with torch.no_grad():
@@ -105,11 +106,7 @@ def pretrain_from_weights(
     for run, model in runs:
         config = parse_args(run, world_size)
         tokenizer = tokenizer_from_config(config.tokenizer)
-        padded_vocab_size = vocab_size_with_padding(
-            tokenizer.vocab_size,
-            config.tokenizer.make_vocab_size_divisible_by,
-            config.parallel.tensor_model_parallel_size,
-        )
+        padded_vocab_size = padded_vocab_size_for(config, tokenizer)
         built: list[tuple[GPTModel, int]] = []
         pretrain(
             config,
@@ -200,6 +197,7 @@ CASES = {
     "tp2-pp2-sp": Case(4, "gpt", "gpt", [*PP2, "--tensor-model-parallel-size", "2", "--sequence-parallel"]),
     "pp2-dp2": Case(4, "gpt", "gpt", PP2),
     "pp2-virtual-dp2": Case(4, "gpt", "gpt", [*PP2, *VIRTUAL]),
+    "pp4-virtual-one-chunk": Case(4, "gpt", "gpt", [*PP4, *VIRTUAL]),  # interleaved, one chunk per rank
     "llama-pp4": Case(4, "llama", "llama", PP4),
 }
 

@@ -39,9 +39,6 @@ def load_model_for_inference(
     model = GPTModel(config.model, saved.padded_vocab_size)
     names = {name: name for name in model.state_dict()}
     load_model_weights(model, saved, names, saved.padded_vocab_size, tp_size=1, tp_rank=0)
-    dtype = (
-        torch.bfloat16 if config.training.bf16 else torch.float16 if config.training.fp16 else torch.float32
-    )
-    model.to(device=device or get_device(), dtype=dtype)
+    model.to(device=device or get_device(), dtype=config.model.params_dtype)
     model.eval()
     return model, config

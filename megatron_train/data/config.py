@@ -59,8 +59,11 @@ def parse_blend(tokens: list[str], flag: str = "--data-path") -> Blend:
 
 
 def parse_split(split: str) -> list[float]:
-    """`969,30,1` (or `969/30/1`) as normalised train/valid/test fractions; missing entries are 0."""
-    tokens = [token.strip() for token in split.replace("/", ",").split(",")]
+    """`969,30,1` (or `969/30/1`) as normalised train/valid/test fractions; missing entries are 0.
+
+    Quotes around the value are ignored: Megatron's Llama-3 example passes `'99,1,0'` with the quotes (its
+    parser keeps only the numbers)."""
+    tokens = [token.strip() for token in split.strip("'\"").replace("/", ",").split(",")]
     if len(tokens) > len(SPLIT_NAMES):
         raise ValueError(f"--split {split!r}: at most 3 comma-separated weights (train,valid,test)")
     values = []

@@ -7,11 +7,13 @@ from megatron_train.distributed.ddp import (
     unwrap_model,
     wrap_data_parallel,
 )
+from megatron_train.distributed.finalize_model_grads import finalize_model_grads
 
 __all__ = [
     "DDPConfig",
     "DistributedDataParallel",
     "TorchDistributedDataParallel",
+    "finalize_model_grads",
     "unwrap_model",
     "wrap_data_parallel",
 ]

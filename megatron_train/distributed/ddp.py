@@ -9,7 +9,9 @@ all buckets are reduced at `finish_grad_sync()` (no overlap).
 With `use_distributed_optimizer` (Megatron's --use-distributed-optimizer) the params also live in one contiguous
 buffer laid out like the grads, every bucket is padded to a multiple of the DP size, and DP rank r owns the
 r-th equal part of each bucket: buckets are reduce-scattered into their owners' parts instead of all-reduced,
-and after the optimizer updated its parts `all_gather_params()` gives every rank all the params again. The
+and after the optimizer updated its parts `all_gather_params()` gives every rank all the params again (with
+`overlap_param_gather` asynchronously: each module's forward pre-hook waits only for the buckets holding its
+params, so the gathers of later layers overlap the forward of earlier ones, as in Megatron-Core). The
 word embedding tied across pipeline stages gets a bucket of its own (as in Megatron-Core), so both stages'
 copies split the same way over DP and their grads can be summed after the reduce-scatter.
 """
@@ -36,6 +38,8 @@ class DDPConfig:
     overlap_grad_reduce: bool = False
     bucket_size: int | None = None  # elements; None: max(40M, 1M * DP) as in Megatron
     use_distributed_optimizer: bool = False  # shard buckets over DP: reduce-scatter grads, all-gather params
+    # Distributed optimizer: leave the param all-gather in flight until the next forward needs the params.
+    overlap_param_gather: bool = False
 
 
 class Bucket:
@@ -59,6 +63,7 @@ class Bucket:
         self.pending: set[torch.nn.Parameter] = set(params)
         self.handle: dist.Work | None = None
         self.launched = False
+        self.param_gather: dist.Work | None = None
 
     def reset(self) -> None:
         self.pending = set(self.params)
@@ -98,6 +103,10 @@ class DistributedDataParallel(torch.nn.Module):
         self.is_last_microbatch = True
         self._broadcast_params()
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in params]
+        if config.overlap_param_gather:
+            for submodule in module.modules():
+                if any(p.requires_grad for p in submodule.parameters(recurse=False)):
+                    submodule.register_forward_pre_hook(self._wait_for_own_params)
 
     def _broadcast_params(self) -> None:
         """Start every DP replica from DP rank 0's weights (as Megatron's DDP does)."""
@@ -195,20 +204,35 @@ class DistributedDataParallel(torch.nn.Module):
             bucket.reset()
 
     def all_gather_params(self) -> None:
-        """Distributed optimizer: after each rank updated its part of the param buffer, every rank gets all of it."""
+        """Distributed optimizer: after each rank updated its part of the param buffer, every rank gets all of it;
+        with `overlap_param_gather` the gathers stay in flight until `finish_param_sync` or a forward needs them."""
         if self.dp_size == 1:
             return
-        handles = [
-            _all_gather(
+        for bucket in reversed(self.buckets):  # the first layers' buckets first: the forward needs them first
+            bucket.param_gather = _all_gather(
                 bucket.param_data,
                 bucket.shard(bucket.param_data, self.dp_rank, self.dp_size),
                 group=self.group,
                 async_op=True,
             )
-            for bucket in self.buckets
-        ]
-        for handle in handles:
-            handle.wait()
+        if not self.config.overlap_param_gather:
+            self.finish_param_sync()
+
+    def finish_param_sync(self) -> None:
+        """Wait for every param all-gather still in flight (before params are read outside a forward)."""
+        for bucket in self.buckets:
+            self._wait_for_param_gather(bucket)
+
+    @staticmethod
+    def _wait_for_param_gather(bucket: Bucket) -> None:
+        if bucket.param_gather is not None:
+            bucket.param_gather.wait()
+            bucket.param_gather = None
+
+    def _wait_for_own_params(self, submodule: torch.nn.Module, args: tuple) -> None:
+        for param in submodule.parameters(recurse=False):
+            if param in self.bucket_of:
+                self._wait_for_param_gather(self.bucket_of[param])
 
     def zero_grad_buffer(self) -> None:
         for buffer in self.buffers_by_dtype.values():
@@ -228,6 +252,9 @@ class TorchDistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
 
     def zero_grad_buffer(self) -> None:
         """Grads live in `.grad`; the optimizer's zero_grad clears them."""
+
+    def finish_param_sync(self) -> None:
+        """torch's DDP replicates params in full: nothing is in flight."""
 
 
 def wrap_data_parallel(

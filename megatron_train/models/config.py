@@ -37,6 +37,13 @@ class TransformerConfig:
     num_query_groups: int = field(
         default=1, metadata={"help": "Number of key/value head groups with --group-query-attention."}
     )
+    true_vocab_size: int | None = field(
+        default=None,
+        metadata={
+            "help": "Vocabulary size before padding; default the tokenizer's. Logits of the padding rows are "
+            "masked out of the loss and of generation."
+        },
+    )
     seq_length: int | None = field(default=None, metadata={"help": "Maximum sequence length to process."})
     max_position_embeddings: int | None = field(
         default=None, metadata={"help": "Size of the learned position table; default seq-length."}
@@ -52,6 +59,10 @@ class TransformerConfig:
         default="LayerNorm", metadata={"help": "Norm layer: LayerNorm or RMSNorm."}
     )
     norm_epsilon: float = field(default=1e-5, metadata={"help": "Epsilon of the norm layers."})
+    apply_layernorm_1p: bool = field(
+        default=False,
+        metadata={"help": "Store norm weights zero-centred (weight - 1); the forward scales by 1 + weight."},
+    )
     swiglu: bool = field(default=False, metadata={"help": "Use the gated SwiGLU MLP instead of GELU."})
     openai_gelu: bool = field(
         default=False, metadata={"help": "Use OpenAI's tanh approximation of GELU (GPT-2's 'gelu_new')."}
@@ -100,8 +111,10 @@ class TransformerConfig:
     recompute_activations: bool = field(
         default=False, metadata={"help": "Shorthand for --recompute-granularity selective."}
     )
-    fp16: bool = field(default=False, metadata={"help": "Keep model parameters in float16."})
-    bf16: bool = field(default=False, metadata={"help": "Keep model parameters in bfloat16."})
+    fp16: bool = field(
+        default=False, metadata={"help": "fp16 model, fp32 main params, dynamic loss scaling."}
+    )
+    bf16: bool = field(default=False, metadata={"help": "bf16 model with fp32 main params and grads."})
 
     def __post_init__(self) -> None:
         if self.recompute_activations:

@@ -6,38 +6,70 @@ layer are split along the vocabulary and the loss is computed without gathering 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
 from megatron_train.models.config import TransformerConfig
 from megatron_train.models.kv_cache import KVCache
 from megatron_train.models.rotary import RotaryEmbedding
-from megatron_train.models.transformer import TransformerBlock, init_method_normal
+from megatron_train.models.transformer import (
+    OUTPUT_LAYER_INIT_STREAM,
+    POSITION_EMBEDDING_INIT_STREAM,
+    WORD_EMBEDDING_INIT_STREAM,
+    TransformerBlock,
+    init_method_normal,
+)
 from megatron_train.parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatron_train.parallel.layers import ColumnParallelLinear, VocabParallelEmbedding
 from megatron_train.parallel.mappings import (
     gather_from_tensor_model_parallel_region,
     scatter_to_sequence_parallel_region,
 )
-from megatron_train.parallel.random import get_rng_tracker
+from megatron_train.parallel.random import get_rng_tracker, initialization_stream
+
+
+def vocab_init_method(config: TransformerConfig) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Normal init of a [padded vocab, hidden] master weight: the true vocabulary's rows drawn first, the
+    padding rows after, so the real rows do not depend on how much padding the TP size adds."""
+    init = init_method_normal(config.init_method_std)
+
+    def init_rows(master: torch.Tensor) -> torch.Tensor:
+        true_rows = master.shape[0] if config.true_vocab_size is None else config.true_vocab_size
+        init(master[:true_rows])
+        init(master[true_rows:])
+        return master
+
+    return init_rows
 
 
 class LanguageModelEmbedding(nn.Module):
     """Word (+ learned position) embeddings -> [s, b, h], scattered along the sequence under SP, dropout."""
 
-    def __init__(self, config: TransformerConfig, vocab_size: int, sequence_parallel: bool) -> None:
+    def __init__(
+        self,
+        config: TransformerConfig,
+        vocab_size: int,
+        sequence_parallel: bool,
+        init_seed: int | None = None,
+    ) -> None:
         super().__init__()
         self.sequence_parallel = sequence_parallel
-        init = init_method_normal(config.init_method_std)
-        self.word_embeddings = VocabParallelEmbedding(
-            vocab_size, config.hidden_size, init_method=init, params_dtype=config.params_dtype
-        )
+        with initialization_stream(init_seed, WORD_EMBEDDING_INIT_STREAM):
+            self.word_embeddings = VocabParallelEmbedding(
+                vocab_size,
+                config.hidden_size,
+                init_method=vocab_init_method(config),
+                params_dtype=config.params_dtype,
+            )
         self.position_embeddings = None
         if config.position_embedding_type == "learned_absolute":
-            self.position_embeddings = nn.Embedding(
-                config.max_position_embeddings, config.hidden_size, dtype=config.params_dtype
-            )
-            init(self.position_embeddings.weight)
+            with initialization_stream(init_seed, POSITION_EMBEDDING_INIT_STREAM):
+                self.position_embeddings = nn.Embedding(
+                    config.max_position_embeddings, config.hidden_size, dtype=config.params_dtype
+                )
+                init_method_normal(config.init_method_std)(self.position_embeddings.weight)
         self.embedding_dropout = nn.Dropout(config.hidden_dropout)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
@@ -55,9 +87,13 @@ class LanguageModelEmbedding(nn.Module):
 class GPTModel(nn.Module):
     """Decoder-only transformer LM.
 
-    `vocab_size` is the padded vocabulary (divisible by the TP size). `pre_process` / `post_process` say
-    whether this pipeline stage holds the embedding / the final norm and output layer; a stage without
-    the embedding takes its input from `set_input_tensor`. `sequence_parallel` is `--sequence-parallel`.
+    `vocab_size` is the padded vocabulary (divisible by the TP size); `config.true_vocab_size` the tokenizer's,
+    whose padding rows the loss and the returned logits leave out (-inf), so every TP size (every padding) gives
+    the same losses and probabilities. `pre_process` / `post_process` say whether this pipeline stage holds the
+    embedding / the final norm and output layer; a stage without the embedding takes its input from
+    `set_input_tensor`. `sequence_parallel` is `--sequence-parallel`; `vp_stage` the model chunk this is of
+    the rank's stage under the interleaved schedule (it picks the layers). `init_seed` (--use-cpu-initialization)
+    draws each part's weights from its own stream of that seed, the same full weights under every layout.
     """
 
     def __init__(
@@ -68,6 +104,8 @@ class GPTModel(nn.Module):
         post_process: bool = True,
         *,
         sequence_parallel: bool = False,
+        init_seed: int | None = None,
+        vp_stage: int = 0,
     ) -> None:
         super().__init__()
         self.config = config
@@ -76,30 +114,36 @@ class GPTModel(nn.Module):
         self.post_process = post_process
         self.share_embeddings_and_output_weights = not config.untie_embeddings_and_output_weights
         self.embedding = (
-            LanguageModelEmbedding(config, vocab_size, sequence_parallel) if pre_process else None
+            LanguageModelEmbedding(config, vocab_size, sequence_parallel, init_seed) if pre_process else None
         )
+        if self.share_embeddings_and_output_weights and pre_process and not post_process:
+            # The first stage's copy of the tied word embedding (parallel.tied_embeddings).
+            self.embedding.word_embeddings.weight.shared_embedding = True
         self.rotary_pos_emb = None
         if config.position_embedding_type == "rope":
             self.rotary_pos_emb = RotaryEmbedding(
                 config.kv_channels, config.rotary_percent, config.rotary_base
             )
-        self.decoder = TransformerBlock(config, sequence_parallel, post_process)
+        self.decoder = TransformerBlock(config, sequence_parallel, post_process, init_seed, vp_stage)
         self.output_layer = None
         if post_process:
-            self.output_layer = ColumnParallelLinear(
-                config.hidden_size,
-                vocab_size,
-                init_method=init_method_normal(config.init_method_std),
-                bias=False,
-                sequence_parallel=sequence_parallel,
-                skip_weight_param_allocation=pre_process and self.share_embeddings_and_output_weights,
-                params_dtype=config.params_dtype,
-            )
+            with initialization_stream(init_seed, OUTPUT_LAYER_INIT_STREAM):
+                self.output_layer = ColumnParallelLinear(
+                    config.hidden_size,
+                    vocab_size,
+                    init_method=vocab_init_method(config),
+                    bias=False,
+                    sequence_parallel=sequence_parallel,
+                    skip_weight_param_allocation=pre_process and self.share_embeddings_and_output_weights,
+                    params_dtype=config.params_dtype,
+                )
             if self.share_embeddings_and_output_weights and not pre_process:
                 # Megatron: the last stage's copy starts at zero; the pipeline engine all-reduces it with the
                 # first stage's embedding over the embedding group, before training and after each backward.
+                # `shared`: the grad norm counts this copy once, on the first stage (as Megatron-Core).
                 self.output_layer.weight.data.zero_()
                 self.output_layer.weight.shared_embedding = True
+                self.output_layer.weight.shared = True
 
     def set_input_tensor(self, input_tensor: torch.Tensor | list[torch.Tensor] | None) -> None:
         """Hidden states [s, b, h] from the previous pipeline stage (Megatron's hook; lists are unwrapped)."""
@@ -152,9 +196,14 @@ class GPTModel(nn.Module):
             return hidden
 
         logits = self.output_layer(hidden, weight=self.shared_embedding_or_output_weight())  # [s, b, v / TP]
+        true_vocab_size = self.config.true_vocab_size
         if labels is None:
-            return gather_from_tensor_model_parallel_region(logits).transpose(0, 1).contiguous()
-        return vocab_parallel_cross_entropy(logits, labels.transpose(0, 1)).transpose(0, 1).contiguous()
+            logits = gather_from_tensor_model_parallel_region(logits).transpose(0, 1).contiguous()
+            if true_vocab_size is not None:  # padding rows are never generated
+                logits[..., true_vocab_size:] = -torch.inf
+            return logits
+        losses = vocab_parallel_cross_entropy(logits, labels.transpose(0, 1), true_vocab_size)
+        return losses.transpose(0, 1).contiguous()
 
 
 def model_provider(
@@ -164,6 +213,16 @@ def model_provider(
     post_process: bool = True,
     *,
     sequence_parallel: bool = False,
+    init_seed: int | None = None,
+    vp_stage: int = 0,
 ) -> GPTModel:
     """Build the GPT model for this rank (Megatron's `model_provider` hook for the training loop)."""
-    return GPTModel(config, vocab_size, pre_process, post_process, sequence_parallel=sequence_parallel)
+    return GPTModel(
+        config,
+        vocab_size,
+        pre_process,
+        post_process,
+        sequence_parallel=sequence_parallel,
+        init_seed=init_seed,
+        vp_stage=vp_stage,
+    )

@@ -24,9 +24,13 @@ from megatron_train.models.norms import build_norm
 from megatron_train.models.rotary import apply_rotary_pos_emb
 from megatron_train.parallel import state
 from megatron_train.parallel.layers import ColumnParallelLinear, RowParallelLinear, divide
-from megatron_train.parallel.random import checkpoint, get_rng_tracker
+from megatron_train.parallel.random import checkpoint, get_rng_tracker, initialization_stream
 
 Rotary = tuple[torch.Tensor, torch.Tensor] | None
+# --use-cpu-initialization streams (parallel.random.initialization_stream): embeddings and output layer first,
+# then one per layer by global layer number.
+WORD_EMBEDDING_INIT_STREAM, POSITION_EMBEDDING_INIT_STREAM, OUTPUT_LAYER_INIT_STREAM = 0, 1, 2
+FIRST_LAYER_INIT_STREAM = 3
 
 
 def init_method_normal(std: float) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -252,9 +256,17 @@ class TransformerLayer(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    """This pipeline stage's layers, the final norm on the last stage, and full-layer recompute."""
+    """This pipeline stage's layers (those of model chunk `vp_stage` when interleaved), the final norm on the
+    last stage, and full-layer recompute."""
 
-    def __init__(self, config: TransformerConfig, sequence_parallel: bool, post_process: bool) -> None:
+    def __init__(
+        self,
+        config: TransformerConfig,
+        sequence_parallel: bool,
+        post_process: bool,
+        init_seed: int | None = None,
+        vp_stage: int = 0,
+    ) -> None:
         super().__init__()
         self.config = config
         self.sequence_parallel = sequence_parallel
@@ -262,12 +274,14 @@ class TransformerBlock(nn.Module):
             config.num_layers,
             state.get_pipeline_model_parallel_rank(),
             state.get_pipeline_model_parallel_world_size(),
-            state.get_virtual_pipeline_model_parallel_rank(),
+            vp_stage,
             state.get_virtual_pipeline_model_parallel_world_size(),
         )
-        self.layers = nn.ModuleList(
-            TransformerLayer(config, index, sequence_parallel) for index in range(len(self.layer_range))
-        )
+        layers = []
+        for index, global_index in enumerate(self.layer_range):
+            with initialization_stream(init_seed, FIRST_LAYER_INIT_STREAM + global_index):
+                layers.append(TransformerLayer(config, index, sequence_parallel))
+        self.layers = nn.ModuleList(layers)
         self.final_layernorm = build_norm(config, sequence_parallel) if post_process else None
         self.input_tensor: torch.Tensor | None = None  # from the previous pipeline stage
 

@@ -26,14 +26,39 @@ def no_weight_decay(name: str, param: torch.nn.Parameter) -> bool:
     return name.endswith(".bias") or param.dim() == 1
 
 
-def get_param_groups(named_params: list[tuple[str, torch.nn.Parameter]]) -> list[dict]:
-    """Two groups, decayed and not (`wd_mult` 0); the scheduler multiplies each group's weight decay by it."""
-    decay = [p for n, p in named_params if not no_weight_decay(n, p)]
-    no_decay = [p for n, p in named_params if no_weight_decay(n, p)]
-    groups = [
-        {"params": decay, "wd_mult": 1.0, "lr_mult": 1.0},
-        {"params": no_decay, "wd_mult": 0.0, "lr_mult": 1.0},
-    ]
+# Megatron-Core marks these `is_embedding_or_output_parameter`: the word embedding and the untied output layer.
+EMBEDDING_OR_OUTPUT_SUFFIXES = ("embedding.word_embeddings.weight", "output_layer.weight")
+
+
+def is_embedding_or_output(name: str) -> bool:
+    return name.endswith(EMBEDDING_OR_OUTPUT_SUFFIXES)
+
+
+def get_param_groups(
+    named_params: list[tuple[str, torch.nn.Parameter]],
+    decoupled_lr: float | None = None,
+    decoupled_min_lr: float | None = None,
+) -> list[dict]:
+    """Decayed and not (`wd_mult` 0; the scheduler multiplies each group's weight decay by it).
+
+    With `decoupled_lr` (Megatron's --decoupled-lr) the word embedding and output layer get groups of their own
+    whose schedule peaks at `max_lr` = decoupled_lr and decays to `min_lr` = decoupled_min_lr (when given).
+    """
+    decoupled: dict[str, float] = {}
+    if decoupled_lr is not None:
+        decoupled["max_lr"] = decoupled_lr
+        if decoupled_min_lr is not None:
+            decoupled["min_lr"] = decoupled_min_lr
+
+    def group_of(name: str, param: torch.nn.Parameter) -> tuple[bool, bool]:
+        return bool(decoupled) and is_embedding_or_output(name), not no_weight_decay(name, param)
+
+    groups = []
+    for own_lr in (False, True):
+        for decay in (True, False):
+            params = [p for n, p in named_params if group_of(n, p) == (own_lr, decay)]
+            overrides = decoupled if own_lr else {}
+            groups.append({"params": params, "wd_mult": 1.0 if decay else 0.0, "lr_mult": 1.0, **overrides})
     return [g for g in groups if g["params"]]
 
 
@@ -61,8 +86,8 @@ class MegatronOptimizer:
             if main is not None and main is not model:
                 copy_parallel_attributes(model, main)
         main_of = {id(model): main for model, main in zip(self.model_params, self.main_params, strict=True)}
-        groups = get_param_groups(named_params)  # a subclass's rank may hold no part of a group: kept empty
-        for group in groups:
+        groups = get_param_groups(named_params, config.decoupled_lr, config.decoupled_min_lr)
+        for group in groups:  # a subclass's rank may hold no part of a group: kept empty
             group["params"] = [main_of[id(p)] for p in group["params"] if main_of[id(p)] is not None]
         self.optimizer = _build_torch_optimizer(groups, config)
         self.grad_scaler = _build_grad_scaler(config, params_dtype)

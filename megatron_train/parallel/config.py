@@ -43,15 +43,24 @@ class ParallelConfig:
             )
         return world_size // model_parallel
 
+    def check_num_layers(self, num_layers: int) -> None:
+        """Megatron's rule, checked here once for a run (arguments.validate_config): every pipeline stage, and
+        every virtual stage when interleaved, holds the same number of layers."""
+        pp, per_chunk = self.pipeline_model_parallel_size, self.num_layers_per_virtual_pipeline_stage
+        if num_layers % pp:
+            raise ValueError(
+                f"--num-layers {num_layers} is not divisible by --pipeline-model-parallel-size {pp}; every "
+                "pipeline stage holds the same number of layers"
+            )
+        if per_chunk is not None and (num_layers // pp) % per_chunk:
+            raise ValueError(
+                f"--num-layers {num_layers} must split evenly into --pipeline-model-parallel-size {pp} stages "
+                f"of --num-layers-per-virtual-pipeline-stage {per_chunk} layer chunks"
+            )
+
     def virtual_pipeline_model_parallel_size(self, num_layers: int) -> int | None:
-        """Model chunks per pipeline rank for the interleaved schedule (None when not interleaved)."""
+        """Model chunks per pipeline rank for the interleaved schedule (None when not interleaved); the layers
+        split evenly (`check_num_layers`)."""
         if self.num_layers_per_virtual_pipeline_stage is None:
             return None
-        layers_per_stage, remainder = divmod(num_layers, self.pipeline_model_parallel_size)
-        if remainder or layers_per_stage % self.num_layers_per_virtual_pipeline_stage:
-            raise ValueError(
-                f"--num-layers {num_layers} must split evenly into --pipeline-model-parallel-size "
-                f"{self.pipeline_model_parallel_size} stages of --num-layers-per-virtual-pipeline-stage "
-                f"{self.num_layers_per_virtual_pipeline_stage} layer chunks"
-            )
-        return layers_per_stage // self.num_layers_per_virtual_pipeline_stage
+        return num_layers // self.pipeline_model_parallel_size // self.num_layers_per_virtual_pipeline_stage

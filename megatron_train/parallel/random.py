@@ -101,6 +101,26 @@ def model_parallel_seed(seed: int) -> None:
     _TRACKER.add(MODEL_PARALLEL_RNG, _tensor_parallel_seed(seed))
 
 
+@contextlib.contextmanager
+def initialization_stream(seed: int | None, stream: int) -> Iterator[None]:
+    """Build the block's weights from the CPU generator seeded by (`seed`, `stream`), then restore the generator.
+
+    `--use-cpu-initialization`: each part of the model (the embedding, each layer by its global number, the
+    output layer) draws its full weights from its own stream, so whichever pipeline stage builds it and whatever
+    was built before, every TP/PP/DP layout starts from the same weights (docs/architecture.md). No-op when
+    `seed` is None.
+    """
+    if seed is None:
+        yield
+        return
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed((seed << _INIT_STREAM_BITS) + stream)
+        yield
+
+
+_INIT_STREAM_BITS = 20  # streams per seed: seeds 7 and 8 share no stream
+
+
 def checkpoint(function: Callable[..., Any], *args: Any) -> Any:
     """Activation checkpointing (torch.utils.checkpoint, use_reentrant=False) that also replays the tracked
     RNG streams, so dropout inside `fork()` draws the same masks when the block is recomputed."""

@@ -29,7 +29,6 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from megatron_train.parallel import state
@@ -237,7 +236,6 @@ def forward_backward_pipelining_with_interleaving(
 
     def forward(k: int) -> torch.Tensor:
         chunk = chunk_id(k, forward=True)
-        state.set_virtual_pipeline_model_parallel_rank(chunk)
         if is_first_chunk(chunk) and len(input_tensors[chunk]) == len(output_tensors[chunk]):
             input_tensors[chunk].append(None)
         output_tensor = _forward_step(
@@ -257,7 +255,6 @@ def forward_backward_pipelining_with_interleaving(
 
     def backward(k: int) -> torch.Tensor | None:
         chunk = chunk_id(k, forward=False)
-        state.set_virtual_pipeline_model_parallel_rank(chunk)
         if is_last_chunk(chunk) and not output_tensor_grads[chunk]:
             output_tensor_grads[chunk].append(None)
         grad_sync.before_backward(chunk)
@@ -269,7 +266,6 @@ def forward_backward_pipelining_with_interleaving(
         )
 
     with _DeferredGradSync(chunks, num_microbatches, enabled=not forward_only) as grad_sync:
-        state.set_virtual_pipeline_model_parallel_rank(0)
         input_tensors[0].append(comm.recv_forward())
         for k in range(num_warmup):
             output_tensor = forward(k)
@@ -334,41 +330,6 @@ def forward_backward_pipelining_with_interleaving(
                     comm.send_backward_recv_backward(input_tensor_grad, recv_next=recv_next)
                 )
     return losses
-
-
-def allreduce_embedding_grads(model: nn.Module | list[nn.Module]) -> None:
-    """Sum the tied word-embedding grads of the first and last pipeline stages (Megatron's
-    `_allreduce_word_embedding_grads`), so both copies take the same optimizer step.
-
-    Call after the schedule and the data-parallel grad reduction, before the optimizer step. The first
-    stage's copy is the input embedding, the last stage's the output layer; each model chunk exposes it
-    through `shared_embedding_or_output_weight()` (None when the embeddings are untied).
-    """
-    weight = _tied_embedding_weight(model)
-    if weight is None:
-        return
-    grad = getattr(weight, "main_grad", None)
-    if grad is None:
-        grad = weight.grad
-    if grad is None:
-        raise RuntimeError(
-            f"pipeline stage {state.get_pipeline_model_parallel_rank()}: the tied word embedding has no "
-            "gradient; run the forward-backward schedule before allreduce_embedding_grads"
-        )
-    dist.all_reduce(grad, group=state.get_embedding_group())
-
-
-def sync_embedding_weights(model: nn.Module | list[nn.Module]) -> None:
-    """Copy the first stage's word embedding into the last stage's output layer (tied weights start equal).
-
-    Call once after building (or loading) the model, on every rank of the first and last stages.
-    """
-    weight = _tied_embedding_weight(model)
-    if weight is None:
-        return
-    first_stage_rank = state.get_pipeline_model_parallel_ranks()[0]
-    with torch.no_grad():
-        dist.broadcast(weight.data, src=first_stage_rank, group=state.get_embedding_group())
 
 
 # -- helpers -------------------------------------------------------------------------------------------------
@@ -514,17 +475,3 @@ def _backward_step(
             "is False"
         )
     return input_tensor.grad
-
-
-def _tied_embedding_weight(model: nn.Module | list[nn.Module]) -> torch.nn.Parameter | None:
-    """This rank's copy of the tied word embedding, or None where there is nothing to tie."""
-    if state.get_pipeline_model_parallel_world_size() == 1:
-        return None
-    chunks = _as_chunks(model)
-    if state.is_pipeline_first_stage(ignore_virtual=True):
-        chunk = chunks[0]
-    elif state.is_pipeline_last_stage(ignore_virtual=True):
-        chunk = chunks[-1]
-    else:
-        return None
-    return _unwrapped_attr(chunk, "shared_embedding_or_output_weight")()

@@ -55,7 +55,6 @@ class _ParallelState:
     groups: dict[str, dist.ProcessGroup]
     ranks: dict[str, list[int]]  # this process's group of each kind, as global ranks
     virtual_pipeline_size: int | None
-    virtual_pipeline_rank: int = 0
 
 
 _STATE: _ParallelState | None = None
@@ -175,27 +174,17 @@ def get_virtual_pipeline_model_parallel_world_size() -> int | None:
     return None if _STATE is None else _STATE.virtual_pipeline_size
 
 
-def get_virtual_pipeline_model_parallel_rank() -> int:
-    return 0 if _STATE is None else _STATE.virtual_pipeline_rank
-
-
-def set_virtual_pipeline_model_parallel_rank(rank: int) -> None:
-    """Select the model chunk being built or run (interleaved schedule)."""
-    if _STATE is None:
-        raise RuntimeError("call initialize_model_parallel before selecting a virtual pipeline rank")
-    _STATE.virtual_pipeline_rank = rank
-
-
-def is_pipeline_first_stage(ignore_virtual: bool = False) -> bool:
-    virtual_size = get_virtual_pipeline_model_parallel_world_size()
-    if not ignore_virtual and virtual_size is not None and get_virtual_pipeline_model_parallel_rank() != 0:
+def is_pipeline_first_stage(vp_stage: int | None = None) -> bool:
+    """This rank is the first pipeline stage; given `vp_stage` (a model chunk's virtual pipeline rank, as
+    Megatron-Core passes it), that chunk is also the first of its rank, i.e. virtual stage 0."""
+    if vp_stage is not None and vp_stage != 0:
         return False
     return get_pipeline_model_parallel_rank() == 0
 
 
-def is_pipeline_last_stage(ignore_virtual: bool = False) -> bool:
+def is_pipeline_last_stage(vp_stage: int | None = None) -> bool:
+    """This rank is the last pipeline stage; given `vp_stage`, that chunk is also the last of its rank."""
     virtual_size = get_virtual_pipeline_model_parallel_world_size()
-    last_chunk = virtual_size is None or get_virtual_pipeline_model_parallel_rank() == virtual_size - 1
-    if not ignore_virtual and not last_chunk:
+    if vp_stage is not None and virtual_size is not None and vp_stage != virtual_size - 1:
         return False
     return get_pipeline_model_parallel_rank() == get_pipeline_model_parallel_world_size() - 1

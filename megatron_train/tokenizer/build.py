@@ -12,6 +12,7 @@ from megatron_train.tokenizer.sentencepiece_model import (
     Llama2Tokenizer,
     SentencePieceTokenizer,
 )
+from megatron_train.tokenizer.tiktoken_bpe import TikTokenizer
 from megatron_train.training.config import TokenizerConfig
 
 TOKENIZER_TYPES: tuple[str, ...] = (
@@ -23,6 +24,7 @@ TOKENIZER_TYPES: tuple[str, ...] = (
     "GPTSentencePieceTokenizer",
     "Llama2Tokenizer",
     "NullTokenizer",
+    "TikTokenizer",
 )
 # The types that take `--vocab-extra-ids` (T5 sentinels); the others have no room for them.
 _EXTRA_IDS_TYPES = ("BertWordPieceLowerCase", "BertWordPieceCase", "SentencePieceTokenizer")
@@ -36,9 +38,11 @@ def build_tokenizer(
     tokenizer_model: str | None = None,
     vocab_size: int | None = None,
     vocab_extra_ids: int = 0,
+    tiktoken_pattern: str | None = None,
+    tiktoken_num_special_tokens: int = 1000,
 ) -> MegatronTokenizer:
     """The tokenizer Megatron builds for `--tokenizer-type` and its flags (--vocab-file, --merge-file,
-    --tokenizer-model, --vocab-size, --vocab-extra-ids)."""
+    --tokenizer-model, --vocab-size, --vocab-extra-ids, --tiktoken-pattern, --tiktoken-num-special-tokens)."""
     if tokenizer_type not in TOKENIZER_TYPES:
         raise ValueError(
             f"unknown --tokenizer-type {tokenizer_type!r}; choose one of: {', '.join(TOKENIZER_TYPES)}"
@@ -69,6 +73,8 @@ def build_tokenizer(
             raise ValueError("NullTokenizer needs --vocab-size")
         return NullTokenizer(vocab_size)
     model_file = require_file(tokenizer_model, "--tokenizer-model", tokenizer_type)
+    if tokenizer_type == "TikTokenizer":
+        return TikTokenizer(model_file, tiktoken_pattern, vocab_size, tiktoken_num_special_tokens)
     if tokenizer_type == "SentencePieceTokenizer":
         return SentencePieceTokenizer(model_file, vocab_extra_ids=vocab_extra_ids)
     if tokenizer_type == "GPTSentencePieceTokenizer":
@@ -77,9 +83,14 @@ def build_tokenizer(
 
 
 def tokenizer_from_config(config: TokenizerConfig) -> MegatronTokenizer:
-    """The tokenizer of Megatron's tokenizer flags, for every entry point; a bare `--vocab-size N` means
-    Megatron's NullTokenizer (handy with --mock-data)."""
-    tokenizer_type = config.tokenizer_type or ("NullTokenizer" if config.vocab_size else None)
+    """The tokenizer of Megatron's tokenizer flags, for every entry point. Without --tokenizer-type,
+    `--vocab-file` + `--merge-file` mean GPT2BPETokenizer (as Megatron's GPT-3 example relies on) and a bare
+    `--vocab-size N` NullTokenizer (handy with --mock-data)."""
+    tokenizer_type = config.tokenizer_type
+    if tokenizer_type is None and config.vocab_file and config.merge_file:
+        tokenizer_type = "GPT2BPETokenizer"
+    elif tokenizer_type is None and config.vocab_size:
+        tokenizer_type = "NullTokenizer"
     if tokenizer_type is None:
         raise ValueError(
             "no tokenizer: set --tokenizer-type (with its --vocab-file/--merge-file/--tokenizer-model) or "
@@ -92,6 +103,8 @@ def tokenizer_from_config(config: TokenizerConfig) -> MegatronTokenizer:
         tokenizer_model=config.tokenizer_model,
         vocab_size=config.vocab_size,
         vocab_extra_ids=config.vocab_extra_ids,
+        tiktoken_pattern=config.tiktoken_pattern,
+        tiktoken_num_special_tokens=config.tiktoken_num_special_tokens,
     )
 
 

@@ -39,8 +39,13 @@ class TrainingConfig:
     seed: int = field(
         default=1234, metadata=_help("Seed of python, numpy, torch and the model-parallel RNG.")
     )
-    fp16: bool = field(default=False, metadata=_help("fp16 model, fp32 main params, dynamic loss scaling."))
-    bf16: bool = field(default=False, metadata=_help("bf16 model with fp32 main params and grads."))
+    use_cpu_initialization: bool = field(
+        default=False,
+        metadata=_help(
+            "Draw each weight in full on the CPU from its own stream of --seed (one per layer), each rank keeping "
+            "its slice: every TP/PP/DP layout starts from the same model."
+        ),
+    )
     accumulate_allreduce_grads_in_fp32: bool = field(
         default=False, metadata=_help("Accumulate and all-reduce grads in fp32 (always on with --bf16).")
     )
@@ -64,6 +69,43 @@ class TrainingConfig:
     )
     distributed_timeout_minutes: int = field(
         default=10, metadata=_help("Timeout of collectives and process-group creation.")
+    )
+    step_batch_size_schedule: list[str] | None = field(
+        default=None,
+        metadata=_help(
+            "Step-wise global batch size, THRESHOLD:BS THRESHOLD:BS ... with thresholds in tokens "
+            "(K/M/B/T suffixes), e.g. 0:16 2.4B:320; the first threshold is 0. One quoted string or "
+            "several words (Megatron's GPT-3 example passes it unquoted)."
+        ),
+    )
+    calculate_per_token_loss: bool = field(
+        default=False,
+        metadata=_help("Loss = sum of token losses / unmasked tokens over all micro-batches and DP ranks."),
+    )
+    grad_reduce_in_bf16: bool = field(
+        default=False, metadata=_help("With --bf16: accumulate and reduce grads in bf16, not fp32.")
+    )
+    overlap_param_gather: bool = field(
+        default=False,
+        metadata=_help(
+            "Distributed optimizer: all-gather updated params asynchronously, wait at next forward."
+        ),
+    )
+    empty_unused_memory_level: Literal[0, 1, 2] = field(
+        default=0,
+        metadata=_help(
+            "torch.cuda.empty_cache() after each step (1: after the forward-backward, 2: also after "
+            "the optimizer step and evaluation); nothing on CPU."
+        ),
+    )
+    manual_gc: bool = field(
+        default=False, metadata=_help("Disable automatic garbage collection; collect at chosen points only.")
+    )
+    manual_gc_interval: int = field(
+        default=0, metadata=_help("With --manual-gc: collect every N steps (0: only around evaluation).")
+    )
+    manual_gc_eval: bool = field(
+        default=True, metadata=_help("With --manual-gc: collect before and after each evaluation.")
     )
 
 
@@ -117,6 +159,12 @@ class OptimizerConfig:
     use_checkpoint_opt_param_scheduler: bool = field(
         default=False, metadata=_help("Use the checkpoint's schedule settings, ignoring this run's.")
     )
+    decoupled_lr: float | None = field(
+        default=None, metadata=_help("Peak learning rate of the input embedding and output layer only.")
+    )
+    decoupled_min_lr: float | None = field(
+        default=None, metadata=_help("Learning-rate floor of the input embedding and output layer.")
+    )
 
 
 @dataclass
@@ -157,6 +205,32 @@ class LoggingConfig:
     peak_flops: float | None = field(
         default=None, metadata=_help("Peak TFLOP/s of one device, for MFU; default from the GPU's name.")
     )
+    log_throughput: bool = field(
+        default=False, metadata=_help("Log TFLOP/s per GPU (always on here: every line has the field).")
+    )
+    profile: bool = field(
+        default=False,
+        metadata=_help("Record a torch profiler trace of steps --profile-step-start to --profile-step-end."),
+    )
+    profile_step_start: int = field(default=10, metadata=_help("First profiled step (global step)."))
+    profile_step_end: int = field(default=12, metadata=_help("Step at which profiling stops."))
+    profile_ranks: list[int] = field(
+        default_factory=lambda: [0], metadata=_help("Global ranks that record a profiler trace.")
+    )
+    profile_dir: str | None = field(
+        default=None,
+        metadata=_help("Where traces go; default --tensorboard-dir, else <save>/profile, else ./profile."),
+    )
+    use_pytorch_profiler: bool = field(
+        default=False, metadata=_help("Use torch's profiler (always the profiler here: no nsys).")
+    )
+    wandb_project: str | None = field(
+        default=None, metadata=_help("Also log metrics to this Weights & Biases project (needs wandb).")
+    )
+    wandb_exp_name: str | None = field(default=None, metadata=_help("Weights & Biases run name."))
+    wandb_save_dir: str | None = field(
+        default=None, metadata=_help("Local wandb directory; default <save>/wandb.")
+    )
 
 
 @dataclass
@@ -172,3 +246,51 @@ class TokenizerConfig:
     make_vocab_size_divisible_by: int = field(
         default=128, metadata=_help("Pad the vocabulary to a multiple of this (times TP size).")
     )
+    tiktoken_pattern: Literal["v1", "v2"] | None = field(
+        default=None,
+        metadata=_help("TikTokenizer's pre-tokenisation regex: v1 (GPT-2 style) or v2 (cl100k)."),
+    )
+    tiktoken_num_special_tokens: int = field(
+        default=1000, metadata=_help("TikTokenizer: ids reserved for special tokens before the BPE ranks.")
+    )
+
+
+@dataclass
+class CompatibilityConfig:
+    """Megatron flags that pick a GPU kernel, an implementation or a format this engine does not switch.
+
+    Accepted where they change nothing here (one log line each says what they mean here); refused with the
+    flag's name where they would need what this machine or engine lacks (FP8, context parallelism).
+    """
+
+    use_mcore_models: bool = field(
+        default=False, metadata=_help("Megatron-Core models (the only ones here).")
+    )
+    transformer_impl: Literal["local", "transformer_engine"] = field(
+        default="transformer_engine", metadata=_help("Layer implementation; here always torch modules.")
+    )
+    attention_backend: Literal["auto", "flash", "fused", "unfused", "local"] = field(
+        default="auto",
+        metadata=_help("Attention kernel; here torch SDPA (flash-attn with --use-flash-attn)."),
+    )
+    distributed_backend: Literal["nccl", "gloo"] = field(
+        default="nccl", metadata=_help("Collectives backend; here nccl on CUDA, gloo on CPU.")
+    )
+    masked_softmax_fusion: bool = field(default=True, metadata=_help("Fused masked softmax kernel."))
+    cross_entropy_loss_fusion: bool = field(default=False, metadata=_help("Fused cross-entropy kernel."))
+    create_attention_mask_in_dataloader: bool = field(
+        default=True, metadata=_help("Build attention masks in the data loader (never needed here).")
+    )
+    mmap_bin_files: bool = field(default=True, metadata=_help("Memory-map .bin files (always here)."))
+    ckpt_format: Literal["torch", "torch_dist"] = field(
+        default="torch_dist", metadata=_help("Checkpoint format; here always the reshardable run directory.")
+    )
+    context_parallel_size: int = field(default=1, metadata=_help("Context parallelism (only 1 here)."))
+    fp8_format: Literal["e4m3", "hybrid"] | None = field(
+        default=None, metadata=_help("FP8 training (needs Transformer Engine and an FP8 GPU).")
+    )
+    fp8_amax_history_len: int = field(default=1, metadata=_help("FP8 amax history length."))
+    fp8_amax_compute_algo: Literal["most_recent", "max"] = field(
+        default="most_recent", metadata=_help("FP8 amax reduction.")
+    )
+    fp8_param_gather: bool = field(default=False, metadata=_help("Keep and all-gather params in FP8."))

@@ -12,11 +12,15 @@ import math
 import os
 import resource
 import time
-from typing import Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from storage.atomic import atomic_write_text
+
+if TYPE_CHECKING:
+    from megatron_train.training.wandb_writer import WandbWriter
 
 
 def peak_memory_mb() -> float:
@@ -26,8 +30,11 @@ def peak_memory_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
-def format_training_line(stats: dict[str, Any], train_iters: int) -> str:
-    """One Megatron `training_log` line from the interval's averaged stats."""
+def format_training_line(
+    stats: dict[str, Any], train_iters: int, loss_keys: Sequence[str] = ("lm loss",)
+) -> str:
+    """One Megatron `training_log` line from the interval's averaged stats; `loss_keys` are the entries of the
+    model's loss dict (`lm loss`, `sop loss`, ...), printed in order after the global batch size."""
     mfu = stats.get("MFU")
     parts = [
         f" iteration {stats['iteration']:8d}/{train_iters:8d} |",
@@ -37,8 +44,7 @@ def format_training_line(stats: dict[str, Any], train_iters: int) -> str:
         f" learning rate: {stats['learning rate']:.6E} |",
         f" global batch size: {stats['global batch size']:5d} |",
     ]
-    if stats.get("lm loss") is not None:
-        parts.append(f" lm loss: {stats['lm loss']:.6E} |")
+    parts += [f" {key}: {stats[key]:.6E} |" for key in loss_keys if stats.get(key) is not None]
     parts.append(f" loss scale: {stats['loss scale']:.1f} |")
     if stats.get("grad norm") is not None:
         parts.append(f" grad norm: {stats['grad norm']:.3f} |")
@@ -52,23 +58,33 @@ def format_training_line(stats: dict[str, Any], train_iters: int) -> str:
     return "".join(parts)
 
 
-def format_evaluation_line(prefix: str, loss: float) -> str:
-    """Megatron's evaluation box line, e.g. ` validation loss at iteration 100 | lm loss value: ... |`; `prefix` is
-    `iteration N` during training, `the end of training for val data` / `... test data` at the end."""
-    ppl = math.exp(min(20.0, loss))
-    return f" validation loss at {prefix} | lm loss value: {loss:.6E} | lm loss PPL: {ppl:.6E} |"
+def format_evaluation_line(prefix: str, losses: dict[str, float]) -> str:
+    """Megatron's evaluation box line, e.g. ` validation loss at iteration 100 | lm loss value: ... | lm loss PPL:
+    ... |`, a value and a PPL per loss; `prefix` is `iteration N` during training, `the end of training for val
+    data` / `... test data` at the end."""
+    values = "".join(
+        f" {key} value: {loss:.6E} | {key} PPL: {math.exp(min(20.0, loss)):.6E} |"
+        for key, loss in losses.items()
+    )
+    return f" validation loss at {prefix} |{values}"
 
 
 class MetricsWriter:
-    """TensorBoard (when `tensorboard_dir`) and JSONL (when `metrics_file`) sinks; used on one rank only.
+    """TensorBoard (when `tensorboard_dir`), JSONL (when `metrics_file`) and W&B (when `wandb`) sinks; used on one
+    rank only.
 
     On a resumed run, records after `start_iteration` (written by the killed run past its last checkpoint)
     are dropped so the file describes exactly one history.
     """
 
     def __init__(
-        self, tensorboard_dir: str | None, metrics_file: str | None, start_iteration: int = 0
+        self,
+        tensorboard_dir: str | None,
+        metrics_file: str | None,
+        start_iteration: int = 0,
+        wandb: WandbWriter | None = None,
     ) -> None:
+        self.wandb = wandb
         self.tensorboard = None
         if tensorboard_dir:
             from torch.utils.tensorboard import SummaryWriter
@@ -90,12 +106,16 @@ class MetricsWriter:
             for key, value in record.items():
                 if isinstance(value, int | float) and key not in ("iteration", "time") and value is not None:
                     self.tensorboard.add_scalar(prefix + key, value, record["iteration"])
+        if self.wandb is not None:
+            self.wandb.write(record)
 
     def close(self) -> None:
         if self.metrics is not None:
             self.metrics.close()
         if self.tensorboard is not None:
             self.tensorboard.close()
+        if self.wandb is not None:
+            self.wandb.close()
 
 
 def _truncate_after(path: str, start_iteration: int) -> None:

@@ -11,8 +11,7 @@ import math
 import os
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -20,12 +19,9 @@ import torch.distributed as dist
 from megatron_train.arguments import MegatronConfig
 from megatron_train.checkpointing import TrainingProgress, save_checkpoint
 from megatron_train.device import get_device
-from megatron_train.parallel import allreduce_sequence_parallel_grads, state
-from megatron_train.parallel.schedules import (
-    ForwardStepFunc,
-    allreduce_embedding_grads,
-    get_forward_backward_func,
-)
+from megatron_train.distributed import finalize_model_grads
+from megatron_train.parallel import state
+from megatron_train.parallel.schedules import ForwardStepFunc, get_forward_backward_func
 from megatron_train.training.flops import num_floating_point_operations, peak_flops_per_device
 from megatron_train.training.logging import (
     MetricsWriter,
@@ -33,6 +29,7 @@ from megatron_train.training.logging import (
     format_training_line,
     peak_memory_mb,
 )
+from megatron_train.training.per_token_loss import NUM_TOKENS_KEY, scale_grads_to_per_token_loss
 from megatron_train.training.setup import (
     DatasetsProvider,
     ModelProvider,
@@ -44,8 +41,8 @@ from megatron_train.training.setup import (
     setup_model_and_optimizer,
 )
 from megatron_train.training.signals import DistributedSignalHandler
-
-LOSS_KEY = "lm loss"  # the entry of loss_func's reduced dict that the loop averages, logs and evaluates
+from megatron_train.training.step_hooks import StepHooks
+from megatron_train.training.wandb_writer import build_wandb_writer
 
 
 def get_batch(data_iterator: Iterator, device: torch.device) -> dict[str, torch.Tensor]:
@@ -60,18 +57,23 @@ def average_across_data_parallel(value: torch.Tensor) -> torch.Tensor:
     return value
 
 
-def average_loss(reduced: list[dict[str, torch.Tensor]]) -> float | None:
-    """The mean of `LOSS_KEY` over micro-batches and data-parallel ranks on the last pipeline stage (where the
-    schedule computed it; Megatron logs from there); None on the other stages."""
-    if not state.is_pipeline_last_stage(ignore_virtual=True):
+def average_losses(reduced: list[dict[str, torch.Tensor]]) -> dict[str, float] | None:
+    """Every entry of loss_func's dicts (`lm loss`, BERT's `sop loss`, MoE's aux losses) averaged over the
+    micro-batches and data-parallel ranks, on the last pipeline stage (where the schedule computed them;
+    Megatron logs from there); None on the other stages. With --calculate-per-token-loss (the entries are loss
+    sums, with token counts under NUM_TOKENS_KEY) each loss is its sum over all tokens over their number."""
+    if not state.is_pipeline_last_stage():
         return None
-    loss = torch.stack([entry[LOSS_KEY].float() for entry in reduced]).mean()
-    return average_across_data_parallel(loss).item()
-
-
-def _per_chunk(items: list) -> Any:
-    """The schedules take one model and iterator, or lists of them when there are several model chunks."""
-    return items if len(items) > 1 else items[0]
+    if NUM_TOKENS_KEY in reduced[0]:
+        keys = [key for key in reduced[0] if key != NUM_TOKENS_KEY]
+        sums = torch.stack(
+            [torch.stack([entry[key].double() for entry in reduced]).sum() for key in [*keys, NUM_TOKENS_KEY]]
+        )
+        sums = average_across_data_parallel(sums)  # the DP mean of sums: the ratios are those of the sums
+        return {key: (sums[i] / sums[-1].clamp(min=1.0)).item() for i, key in enumerate(keys)}
+    keys = list(reduced[0])
+    means = torch.stack([torch.stack([entry[key].float() for entry in reduced]).mean() for key in keys])
+    return dict(zip(keys, average_across_data_parallel(means).tolist(), strict=True))
 
 
 def train_step(
@@ -79,11 +81,12 @@ def train_step(
     data_iterators: list[Iterator],
     setup: TrainingSetup,
     config: MegatronConfig,
-) -> tuple[float | None, bool, float | None]:
+    hooks: StepHooks | None = None,
+) -> tuple[dict[str, float] | None, bool, float | None]:
     """One global batch through the pipeline schedule, then Megatron's grad finalisation and optimizer step.
 
-    Returns (loss averaged over micro-batches and DP ranks, None off the last pipeline stage; skipped (fp16
-    overflow); grad norm over the whole model).
+    Returns (the losses averaged over micro-batches and DP ranks, None off the last pipeline stage; skipped
+    (fp16 overflow); grad norm over the whole model).
     """
     optimizer = setup.optimizer
     for chunk in setup.model:
@@ -92,23 +95,23 @@ def train_step(
     loss_scale = optimizer.get_loss_scale()
     reduced = get_forward_backward_func()(
         forward_step_func,
-        _per_chunk(data_iterators),
-        _per_chunk(setup.model),
+        data_iterators,
+        setup.model,
         setup.calculator.num_micro_batches,
         config.model.seq_length,
         config.training.micro_batch_size,
         sequence_parallel=config.parallel.sequence_parallel,
         grad_scale_func=lambda loss: loss * loss_scale,
     )
-    for chunk, unwrapped in zip(setup.model, setup.unwrapped_model, strict=True):
-        chunk.finish_grad_sync()
-        if config.parallel.sequence_parallel:
-            allreduce_sequence_parallel_grads(unwrapped)
-    allreduce_embedding_grads(setup.model)
+    if hooks is not None:
+        hooks.after_forward_backward()
+    finalize_model_grads(setup.model)
+    if config.training.calculate_per_token_loss:
+        scale_grads_to_per_token_loss(setup.model, reduced, setup.calculator.num_micro_batches)
     update_successful, grad_norm = optimizer.step()
     if update_successful:
         setup.scheduler.step(increment=setup.calculator.current_global_batch_size)
-    return average_loss(reduced), not update_successful, grad_norm
+    return average_losses(reduced), not update_successful, grad_norm
 
 
 @torch.no_grad()
@@ -119,9 +122,9 @@ def evaluate(
     eval_iters: int,
     num_micro: int,
     config: MegatronConfig,
-) -> float | None:
-    """Mean loss over `eval_iters` global batches run forward-only through the pipeline schedule, averaged over
-    DP ranks (None off the last pipeline stage); the model goes back to train mode."""
+) -> dict[str, float] | None:
+    """Mean losses over `eval_iters` global batches run forward-only through the pipeline schedule, averaged
+    over DP ranks (None off the last pipeline stage); the model goes back to train mode."""
     for chunk in model:
         chunk.eval()
     schedule = get_forward_backward_func()
@@ -129,8 +132,8 @@ def evaluate(
     for _ in range(eval_iters):
         reduced += schedule(
             forward_step_func,
-            _per_chunk(data_iterators),
-            _per_chunk(model),
+            data_iterators,
+            model,
             num_micro,
             config.model.seq_length,
             config.training.micro_batch_size,
@@ -139,20 +142,34 @@ def evaluate(
         )
     for chunk in model:
         chunk.train()
-    return average_loss(reduced)
+    return average_losses(reduced)
 
 
 @dataclass
 class IntervalStats:
     """What the loop accumulates between two log lines (Megatron's total_loss_dict)."""
 
-    loss_sum: float = 0.0
+    loss_sums: dict[str, float] = field(default_factory=dict)  # per loss_func key, over advanced iterations
     advanced: int = 0
     skipped: int = 0
     nan: int = 0
     iterations: int = 0
     samples: int = 0
     start: float = 0.0
+
+    def add_losses(self, losses: dict[str, float], skipped: bool) -> None:
+        """Sum a step's losses, every key logged even when no step advanced (its average is then None); a
+        skipped step adds nothing, one with a non-finite loss counts as a nan iteration."""
+        for key in losses:
+            self.loss_sums.setdefault(key, 0.0)
+        if skipped:
+            return
+        if not all(math.isfinite(loss) for loss in losses.values()):
+            self.nan += 1
+            return
+        for key, loss in losses.items():
+            self.loss_sums[key] += loss
+        self.advanced += 1
 
 
 class Trainer:
@@ -175,9 +192,12 @@ class Trainer:
         self.peak_flops = peak_flops_per_device(config.logging.peak_flops)
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
         self.last_saved_iteration: int | None = None
+        self.hooks = StepHooks(config)
 
     def save(self) -> None:
         if self.config.checkpoint.save and self.last_saved_iteration != self.progress.iteration:
+            for chunk in self.setup.model:  # --overlap-param-gather: params may still be in flight
+                chunk.finish_param_sync()
             save_checkpoint(
                 self.progress.iteration,
                 checkpoint_model(self.setup.unwrapped_model),
@@ -190,6 +210,7 @@ class Trainer:
             self.last_saved_iteration = self.progress.iteration
 
     def _log(self, interval: IntervalStats, grad_norm: float | None) -> None:
+        losses = interval.loss_sums.items()
         seconds = time.perf_counter() - interval.start
         elapsed = seconds / max(interval.iterations, 1)
         gbs = self.setup.calculator.current_global_batch_size
@@ -202,7 +223,7 @@ class Trainer:
             "throughput per GPU (TFLOP/s/GPU)": tflops_per_device,
             "learning rate": self.setup.optimizer.param_groups[0]["lr"],
             "global batch size": gbs,
-            "lm loss": interval.loss_sum / interval.advanced if interval.advanced else None,
+            **{key: total / interval.advanced if interval.advanced else None for key, total in losses},
             "loss scale": self.setup.optimizer.get_loss_scale(),
             "grad norm": grad_norm,
             "number of skipped iterations": interval.skipped,
@@ -212,15 +233,16 @@ class Trainer:
             "peak memory (MB)": peak_memory_mb(),
         }
         if _is_logging_rank():
-            print(format_training_line(stats, self.setup.train_iters), flush=True)
+            print(format_training_line(stats, self.setup.train_iters, list(interval.loss_sums)), flush=True)
             if self.writer is not None:
                 self.writer.write(stats)
 
     def evaluate_and_log(
         self, data_iterators: list[Iterator], split: str, prefix: str | None = None
-    ) -> float | None:
+    ) -> dict[str, float] | None:
         training = self.config.training
-        loss = evaluate(
+        self.hooks.around_evaluation()
+        losses = evaluate(
             self.forward_step_func,
             data_iterators,
             self.setup.model,
@@ -228,12 +250,13 @@ class Trainer:
             self.setup.calculator.num_micro_batches,
             self.config,
         )
+        self.hooks.around_evaluation()
         if split == "valid":
             self.progress.consumed_valid_samples += (
                 training.eval_iters * self.setup.calculator.current_global_batch_size
             )
         if _is_logging_rank():
-            line = format_evaluation_line(prefix or f"iteration {self.progress.iteration}", loss)
+            line = format_evaluation_line(prefix or f"iteration {self.progress.iteration}", losses)
             print("-" * len(line) + "\n" + line + "\n" + "-" * len(line), flush=True)
             if self.writer is not None:
                 self.writer.write(
@@ -241,11 +264,11 @@ class Trainer:
                         "iteration": self.progress.iteration,
                         "split": split,
                         "end_of_training": prefix is not None,
-                        "lm loss": loss,
-                        "lm loss PPL": math.exp(min(20.0, loss)),
+                        **losses,
+                        **{f"{key} PPL": math.exp(min(20.0, loss)) for key, loss in losses.items()},
                     }
                 )
-        return loss
+        return losses
 
     def _should_exit(self, signals: DistributedSignalHandler | None, train_start: float) -> str | None:
         training = self.config.training
@@ -269,24 +292,24 @@ class Trainer:
         interval = IntervalStats(start=time.perf_counter())
         train_start = time.time()
         handler = DistributedSignalHandler() if training.exit_signal_handler else None
-        with handler if handler is not None else contextlib.nullcontext():
+        self.hooks.start_training()
+        with handler if handler is not None else contextlib.nullcontext(), contextlib.ExitStack() as cleanup:
+            cleanup.callback(self.hooks.end_training)
             while self.progress.iteration < self.setup.train_iters:
+                self.hooks.before_step(self.progress.iteration)
                 self.setup.calculator.update(self.progress.consumed_train_samples)
-                loss, skipped, grad_norm = train_step(
-                    self.forward_step_func, train_iterators, self.setup, self.config
+                losses, skipped, grad_norm = train_step(
+                    self.forward_step_func, train_iterators, self.setup, self.config, self.hooks
                 )
                 self.progress.iteration += 1
+                self.hooks.after_step(self.progress.iteration)
                 batch = self.setup.calculator.current_global_batch_size
                 self.progress.consumed_train_samples += batch
                 interval.iterations += 1
                 interval.samples += batch
                 interval.skipped += int(skipped)
-                if not skipped and loss is not None:  # the loss exists on the last pipeline stage
-                    if math.isfinite(loss):
-                        interval.loss_sum += loss
-                        interval.advanced += 1
-                    else:
-                        interval.nan += 1
+                if losses is not None:  # the losses exist on the last pipeline stage
+                    interval.add_losses(losses, skipped)
                 if _every(self.progress.iteration, self.config.logging.log_interval):
                     self._log(interval, grad_norm)
                     interval = IntervalStats(start=time.perf_counter())
@@ -328,7 +351,8 @@ def pretrain(
     """Megatron's `pretrain`: initialise, build model/optimizer/data, train, evaluate valid and test, save.
 
     `forward_step_func(data_iterator, model) -> (output_tensor, loss_func)` is Megatron's forward step (see
-    `parallel.schedules`); `loss_func(output_tensor)` returns `(loss, {LOSS_KEY: detached loss})`.
+    `parallel.schedules`); `loss_func(output_tensor)` returns `(loss, {name: detached value})`, every entry of which the loop
+    averages and logs (`lm loss` for GPT).
     Returns the final iteration and consumed sample counts.
     """
     created_group = initialize_distributed(config.training.distributed_timeout_minutes)
@@ -349,7 +373,12 @@ def pretrain(
         if metrics_file is None and config.checkpoint.save:
             metrics_file = os.path.join(config.checkpoint.save, "metrics.jsonl")
         if _is_logging_rank():
-            writer = MetricsWriter(config.logging.tensorboard_dir, metrics_file, setup.loaded.iteration)
+            writer = MetricsWriter(
+                config.logging.tensorboard_dir,
+                metrics_file,
+                setup.loaded.iteration,
+                wandb=build_wandb_writer(config),
+            )
         trainer = Trainer(config, setup, forward_step_func, padded_vocab_size, writer)
         exited_early = False
         if not config.training.skip_train and train_iters is not None:

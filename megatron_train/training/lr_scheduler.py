@@ -19,7 +19,8 @@ WD_INCR_STYLES = ("constant", "linear", "cosine")
 class OptimizerParamScheduler:
     """Sets `lr` and `weight_decay` of every param group from the number of samples consumed so far.
 
-    A param group may carry `lr_mult` and `wd_mult` (Megatron's per-group multipliers; default 1).
+    A param group may carry `lr_mult` and `wd_mult` (Megatron's per-group multipliers; default 1) and its own
+    `max_lr` / `min_lr` (--decoupled-lr / --decoupled-min-lr for the embedding and output layer).
     """
 
     def __init__(
@@ -84,32 +85,34 @@ class OptimizerParamScheduler:
             coeff = 0.5 * (math.cos(math.pi * (1 - incr_ratio)) + 1.0)
         return self.start_wd + coeff * delta_wd
 
-    def get_lr(self) -> float:
-        """The learning rate after `num_steps` samples (Megatron's `get_lr`, term by term)."""
+    def get_lr(self, param_group: dict | None = None) -> float:
+        """The learning rate after `num_steps` samples (Megatron's `get_lr`, term by term), for `param_group`'s
+        own `max_lr` / `min_lr` when it has them."""
+        group = param_group or {}
+        max_lr, min_lr = group.get("max_lr", self.max_lr), group.get("min_lr", self.min_lr)
         if self.lr_warmup_steps > 0 and self.num_steps <= self.lr_warmup_steps:
-            return self.init_lr + (self.max_lr - self.init_lr) * self.num_steps / self.lr_warmup_steps
+            return self.init_lr + (max_lr - self.init_lr) * self.num_steps / self.lr_warmup_steps
         if self.lr_decay_style == "constant":
-            return self.max_lr
+            return max_lr
         if self.num_steps > self.lr_decay_steps:
-            return self.min_lr
+            return min_lr
         if self.lr_decay_style == "inverse-square-root":
             warmup_steps = max(self.lr_warmup_steps, 1)
             num_steps = max(self.num_steps, 1)
-            return max(self.min_lr, self.max_lr * warmup_steps**0.5 / num_steps**0.5)
+            return max(min_lr, max_lr * warmup_steps**0.5 / num_steps**0.5)
         decay_ratio = (self.num_steps - self.lr_warmup_steps) / (self.lr_decay_steps - self.lr_warmup_steps)
         if self.lr_decay_style == "linear":
             coeff = 1.0 - decay_ratio
         else:  # cosine
             coeff = 0.5 * (math.cos(math.pi * decay_ratio) + 1.0)
-        return self.min_lr + coeff * (self.max_lr - self.min_lr)
+        return min_lr + coeff * (max_lr - min_lr)
 
     def step(self, increment: int) -> None:
         """Advance by `increment` samples and write the new lr / weight decay into the param groups."""
         self.num_steps += increment
-        new_lr = self.get_lr()
         new_wd = self.get_wd()
         for group in self.optimizer.param_groups:
-            group["lr"] = new_lr * group.get("lr_mult", 1.0)
+            group["lr"] = self.get_lr(group) * group.get("lr_mult", 1.0)
             group["weight_decay"] = new_wd * group.get("wd_mult", 1.0)
 
     def state_dict(self) -> dict:

@@ -22,13 +22,14 @@ from megatron_train.device import get_backend, set_device_for_local_rank
 from megatron_train.distributed import DDPConfig, wrap_data_parallel
 from megatron_train.optimizer import MegatronOptimizer, get_megatron_optimizer
 from megatron_train.parallel import model_parallel_seed, state
-from megatron_train.parallel.schedules import sync_embedding_weights
+from megatron_train.parallel.tied_embeddings import sync_embedding_weights
 from megatron_train.training.lr_scheduler import OptimizerParamScheduler, build_opt_param_scheduler
-from megatron_train.training.microbatches import MicroBatchCalculator
+from megatron_train.training.microbatches import MicroBatchCalculator, parse_step_batch_size_schedule
 
-# model_provider(config, padded_vocab_size, pre_process, post_process): one pipeline stage (or virtual stage);
-# pre_process: it holds the embedding, post_process: the final norm and output layer (Megatron's hook).
-ModelProvider = Callable[[MegatronConfig, int, bool, bool], torch.nn.Module]
+# model_provider(config, padded_vocab_size, pre_process, post_process, vp_stage): one pipeline stage (or virtual
+# stage vp_stage of it); pre_process: it holds the embedding, post_process: the final norm and output layer
+# (Megatron-Core's hook).
+ModelProvider = Callable[[MegatronConfig, int, bool, bool, int], torch.nn.Module]
 DatasetsProvider = Callable[[tuple[int, int, int]], tuple[Any, Any, Any]]
 
 
@@ -77,29 +78,17 @@ def build_model_chunks(
     config: MegatronConfig, model_provider: ModelProvider, padded_vocab_size: int, device: torch.device
 ) -> list[torch.nn.Module]:
     """This rank's pipeline stage, one chunk per virtual stage, tied embedding copies made equal."""
-    virtual_size = state.get_virtual_pipeline_model_parallel_world_size()
     chunks = []
-    for virtual_rank in range(virtual_size or 1):
-        if virtual_size is not None:
-            state.set_virtual_pipeline_model_parallel_rank(virtual_rank)
-        pre_process, post_process = state.is_pipeline_first_stage(), state.is_pipeline_last_stage()
-        chunk = model_provider(config, padded_vocab_size, pre_process, post_process).to(device)
-        if post_process and not pre_process:
-            mark_tied_output_copy(chunk)
-        chunks.append(chunk)
-    if virtual_size is not None:
-        state.set_virtual_pipeline_model_parallel_rank(0)
+    for vp_stage in range(state.get_virtual_pipeline_model_parallel_world_size() or 1):
+        pre_process, post_process = (
+            state.is_pipeline_first_stage(vp_stage),
+            state.is_pipeline_last_stage(vp_stage),
+        )
+        chunks.append(
+            model_provider(config, padded_vocab_size, pre_process, post_process, vp_stage).to(device)
+        )
     sync_embedding_weights(chunks)
     return chunks
-
-
-def mark_tied_output_copy(chunk: torch.nn.Module) -> None:
-    """Mark the last stage's copy of the tied word embedding `shared` (as Megatron-Core does), so the grad
-    norm counts that weight once, on the first stage."""
-    tied = getattr(chunk, "shared_embedding_or_output_weight", None)
-    weight = tied() if callable(tied) else None
-    if weight is not None:
-        weight.shared = True
 
 
 def setup_model_and_optimizer(
@@ -111,6 +100,9 @@ def setup_model_and_optimizer(
         training.micro_batch_size,
         state.get_data_parallel_world_size(),
         training.rampup_batch_size,
+        parse_step_batch_size_schedule(training.step_batch_size_schedule, config.model.seq_length)
+        if training.step_batch_size_schedule
+        else None,
     )
     train_iters = training.train_iters
     if train_iters is None:
@@ -128,6 +120,7 @@ def setup_model_and_optimizer(
         overlap_grad_reduce=training.overlap_grad_reduce,
         bucket_size=training.ddp_bucket_size,
         use_distributed_optimizer=config.parallel.use_distributed_optimizer,
+        overlap_param_gather=training.overlap_param_gather,
     )
     dp_group = state.get_data_parallel_group() if state.model_parallel_is_initialized() else None
     model = [wrap_data_parallel(chunk, training.ddp_impl, ddp_config, dp_group) for chunk in unwrapped]

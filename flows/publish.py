@@ -1,0 +1,64 @@
+"""What a flow shows in the Prefect UI: the stage summary as a table artifact, each stage's artifact as a link,
+and the evaluation report as a markdown artifact (docs/architecture.md).
+
+Artifact keys are stable (`corpus-summary`, `tokenize-artifact`, `evaluation-report`...), so the UI keeps each
+one's history across runs and shows the latest first.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+from prefect.artifacts import create_link_artifact, create_markdown_artifact, create_table_artifact
+
+from flows.summary import summarize
+from storage.artifacts import ArtifactStore
+
+LOSS_CURVES = "loss_curves.png"
+
+
+def link_url(url: str) -> str:
+    """A URL a browser can follow: local paths as file:// URIs, store URLs (s3://...) as they are."""
+    return url if "://" in url else Path(url).resolve().as_uri()
+
+
+def artifact_key(name: str) -> str:
+    """Prefect artifact keys take lowercase letters, digits and dashes only."""
+    return name.lower().replace("_", "-")
+
+
+def publish_stages(flow_name: str, refs: dict[str, dict[str, Any]], store_url: str) -> None:
+    """The flow's stage summary as a table, and one link per stage to where its artifact lies."""
+    rows = []
+    for row in summarize(refs, store_url):
+        values = dataclasses.asdict(row)
+        values["cache_hit"] = "hit" if row.cache_hit else "ran"
+        values["dropped"] = ", ".join(f"{k}={v}" for k, v in sorted(row.dropped.items())) or "-"
+        rows.append(values)
+    hits = sum(row["cache_hit"] == "hit" for row in rows)
+    create_table_artifact(
+        table=rows,
+        key=artifact_key(f"{flow_name}-summary"),
+        description=f"{flow_name}: documents, drops, tokens and time per stage; cache hits {hits}/{len(rows)}",
+    )
+    for stage, ref in refs.items():
+        create_link_artifact(
+            link=link_url(ref["url"]),
+            link_text=ref["url"],
+            key=artifact_key(f"{stage}-artifact"),
+            description=f"the {stage} stage's artifact (key {ref['key']})",
+        )
+
+
+def publish_report(evaluate_ref: dict[str, Any], store_url: str) -> None:
+    """The evaluate stage's Markdown report, its loss-curve image linked where the file lies."""
+    evaluate = ArtifactStore(store_url).ref(evaluate_ref)
+    curves = link_url(evaluate.file_url(LOSS_CURVES))
+    report = Path(evaluate.local_path("report.md")).read_text()
+    markdown = report.replace(f"]({LOSS_CURVES})", f"]({curves})")
+    markdown += f"\n[Loss curves (PNG)]({curves}) · [report.md]({link_url(evaluate.file_url('report.md'))})\n"
+    create_markdown_artifact(
+        markdown=markdown, key="evaluation-report", description="metrics, loss curves and sample generations"
+    )

@@ -1,0 +1,114 @@
+"""`prefect.yaml`: every deployment resolves to its flow with valid parameters; the pipeline's trigger listens for
+the event a corpus refresh emits on new token data, and only then is that event emitted."""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import pytest
+import yaml
+from prefect.cli.deploy._triggers import DeploymentTriggerAdapter
+from prefect.events.schemas.events import Resource
+from prefect.flows import load_flow_from_entrypoint
+
+from flows.corpus import CorpusConfig
+from flows.eval import EvalFlowConfig
+from flows.events import TOKENIZED_EVENT, announce_tokenized
+
+ROOT = Path(__file__).resolve().parents[1]
+# deployment -> (flow, the class of its `config` parameter, where in that config the artifact store is)
+FLOWS = {
+    "corpus-refresh": ("corpus", "CorpusConfig", ()),
+    "pretrain": ("pretrain", "PretrainFlowConfig", ("corpus",)),
+    "eval": ("eval", "EvalFlowConfig", ("pretrain", "corpus")),
+    "pipeline": ("pipeline", "EvalFlowConfig", ("pretrain", "corpus")),
+}
+
+
+def _deployments() -> dict[str, dict]:
+    spec = yaml.safe_load((ROOT / "prefect.yaml").read_text())
+    return {deployment["name"]: deployment for deployment in spec["deployments"]}
+
+
+def test_every_deployment_resolves_to_its_flow_with_valid_parameters():
+    deployments = _deployments()
+    assert set(deployments) == set(FLOWS)
+    for name, deployment in deployments.items():
+        flow_name, config_class, corpus_path = FLOWS[name]
+        flow = load_flow_from_entrypoint(str(ROOT / deployment["entrypoint"]))
+        assert flow.name == flow_name
+        config = flow.validate_parameters(deployment["parameters"])["config"]
+        assert type(config).__name__ == config_class, name  # the entrypoint's own module: compare by name
+        corpus = functools.reduce(getattr, corpus_path, config)
+        assert corpus.store == "./artifacts", name  # every flow works on the refresh's store
+        assert deployment["work_pool"]["job_variables"]["env"]["NPROC_PER_NODE"] == "2", name
+
+
+def test_corpus_refresh_keeps_its_nightly_schedule():
+    deployment = _deployments()["corpus-refresh"]
+    flow = load_flow_from_entrypoint(str(ROOT / deployment["entrypoint"]))
+    CorpusConfig.model_validate(deployment["parameters"]["config"])
+    runner = flow.to_deployment(
+        name=deployment["name"], cron=deployment["schedules"][0]["cron"], parameters=deployment["parameters"]
+    )
+    assert runner.schedules[0].schedule.cron == "0 3 * * *"
+
+
+def test_pipeline_trigger_fires_on_the_refresh_event_and_passes_its_key(monkeypatch):
+    deployment = _deployments()["pipeline"]
+    (spec,) = deployment["triggers"]
+    trigger = DeploymentTriggerAdapter.validate_python({**spec, "name": "pipeline-on-new-data"})
+    emitted: list[dict] = []
+    monkeypatch.setattr("flows.events.emit_event", lambda **event: emitted.append(event) or event)
+    ref = {"stage": "tokenize", "key": "0123abcd", "url": "/store/tokenize/0123abcd", "cache_hit": False}
+    announce_tokenized(ref)
+    (event,) = emitted
+    assert event["event"] == TOKENIZED_EVENT and TOKENIZED_EVENT in trigger.expect
+    assert trigger.match.includes([Resource(event["resource"])])
+    assert not trigger.match.includes(
+        [Resource({"prefect.resource.id": "megatron-flow.artifact.clean.0123abcd"})]
+    )
+    assert event["payload"]["key"] == "0123abcd" and event["payload"]["artifact"] == ref
+    # The trigger's parameters (rendered from the event) are valid parameters of the pipeline flow.
+    assert trigger.parameters == {"tokenize_key": "{{ event.payload.key }}"}
+    flow = load_flow_from_entrypoint(str(ROOT / deployment["entrypoint"]))
+    assert flow.validate_parameters({**deployment["parameters"], "tokenize_key": "0123abcd"})[
+        "tokenize_key"
+    ] == ("0123abcd")
+
+
+def test_no_event_when_the_tokenize_stage_was_a_cache_hit(monkeypatch):
+    emitted: list[dict] = []
+    monkeypatch.setattr("flows.events.emit_event", lambda **event: emitted.append(event))
+    assert (
+        announce_tokenized({"stage": "tokenize", "key": "k", "url": "/s/tokenize/k", "cache_hit": True})
+        is None
+    )
+    assert emitted == []
+
+
+def test_pipeline_refuses_to_train_on_other_data_than_the_event_announced(monkeypatch):
+    from flows import pipeline
+
+    trained: list[EvalFlowConfig] = []
+    monkeypatch.setattr(
+        pipeline, "corpus_flow", lambda config: {"tokenize": {"key": "ours", "url": "/s/t/ours"}}
+    )
+    monkeypatch.setattr(pipeline, "eval_flow", lambda config: trained.append(config) or {"evaluate": {}})
+    with pytest.raises(ValueError, match=r"announced tokenize artifact theirs.*config\.pretrain\.corpus"):
+        pipeline.pipeline_flow.fn(EvalFlowConfig(), tokenize_key="theirs")
+    assert trained == []
+    assert pipeline.pipeline_flow.fn(EvalFlowConfig(), tokenize_key="ours") == {"evaluate": {}}
+    assert len(trained) == 1
+
+
+def test_processes_per_node_come_from_the_config_else_the_work_pool_job_variable(monkeypatch):
+    from flows.pretrain import PretrainFlowConfig, parse
+
+    monkeypatch.delenv("NPROC_PER_NODE", raising=False)
+    assert PretrainFlowConfig().processes_per_node() == 2
+    monkeypatch.setenv("NPROC_PER_NODE", "8")  # what the pool's `env` job variable sets on the worker
+    assert PretrainFlowConfig().processes_per_node() == 8
+    assert PretrainFlowConfig(nproc_per_node=1).processes_per_node() == 1
+    assert parse(["--nproc-per-node", "4"]).processes_per_node() == 4 and parse([]).processes_per_node() == 8

@@ -1,0 +1,313 @@
+"""Behaviour of the Megatron flags the example scripts use: decoupled lr, layernorm-1p, per-token loss, grads
+reduced in bf16, overlapped param all-gather, step batch-size schedule, profiler window, manual GC, emptying the
+CUDA cache, and the refusals."""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import glob
+import sys
+import types
+
+import pytest
+import torch
+from torch import nn
+
+from megatron_train.arguments import parse_args
+from megatron_train.distributed.ddp import DDPConfig, DistributedDataParallel
+from megatron_train.models.config import TransformerConfig
+from megatron_train.models.gpt import GPTModel
+from megatron_train.models.norms import LayerNorm1P, RMSNorm, build_norm
+from megatron_train.optimizer import get_param_groups
+from megatron_train.parallel import state
+from megatron_train.training.config import OptimizerConfig
+from megatron_train.training.logging import MetricsWriter
+from megatron_train.training.loop import average_losses
+from megatron_train.training.lr_scheduler import build_opt_param_scheduler
+from megatron_train.training.microbatches import MicroBatchCalculator, parse_step_batch_size_schedule
+from megatron_train.training.per_token_loss import NUM_TOKENS_KEY, scale_grads_to_per_token_loss
+from megatron_train.training.step_hooks import StepHooks
+from megatron_train.training.wandb_writer import build_wandb_writer
+from tests.distributed import run_distributed
+from tests.test_training import pretrain_worker, tiny_args, train_losses
+
+
+def test_decoupled_lr_schedules_only_the_embedding_and_output_layer() -> None:
+    config = TransformerConfig.llama(num_layers=1, hidden_size=32, num_attention_heads=4, seq_length=8)
+    model = GPTModel(config, 64)
+    groups = get_param_groups(list(model.named_parameters()), decoupled_lr=5e-4, decoupled_min_lr=4.5e-5)
+    names = {id(p): n for n, p in model.named_parameters()}
+    own = sorted(names[id(p)] for g in groups if "max_lr" in g for p in g["params"])
+    assert own == ["embedding.word_embeddings.weight", "output_layer.weight"]
+    optimizer = torch.optim.AdamW(groups, lr=0.0)
+    opt = OptimizerConfig(
+        lr=1.5e-4, min_lr=1e-5, decoupled_lr=5e-4, decoupled_min_lr=4.5e-5, lr_decay_style="cosine",
+        lr_warmup_iters=2,
+    )  # fmt: skip
+    scheduler = build_opt_param_scheduler(
+        optimizer, opt, train_iters=10, train_samples=None, global_batch_size=1
+    )
+
+    def rates() -> list[float]:
+        """[lr of the embedding/output groups, lr of the others] (each side's groups must agree)."""
+        own = {g["lr"] for g in optimizer.param_groups if "max_lr" in g}
+        other = {g["lr"] for g in optimizer.param_groups if "max_lr" not in g}
+        assert len(own) == len(other) == 1
+        return [*own, *other]
+
+    assert rates() == pytest.approx([0.0, 0.0])
+    scheduler.step(1)  # halfway through warmup
+    assert rates() == pytest.approx([2.5e-4, 0.75e-4])
+    scheduler.step(1)  # warmup done: the peaks
+    assert rates() == pytest.approx([5e-4, 1.5e-4])
+    scheduler.step(20)  # past the decay: the floors
+    assert rates() == pytest.approx([4.5e-5, 1e-5])
+    plain = get_param_groups(list(model.named_parameters()))
+    assert [len(g["params"]) for g in plain] == [6, 3] and not any("max_lr" in g for g in plain)
+
+
+@pytest.mark.parametrize("normalization", ["LayerNorm", "RMSNorm"])
+def test_layernorm_1p_stores_gamma_minus_one_and_computes_the_same(normalization) -> None:
+    config = TransformerConfig.gpt2(
+        num_layers=1, hidden_size=16, num_attention_heads=2, seq_length=8, normalization=normalization,
+        apply_layernorm_1p=True,
+    )  # fmt: skip
+    norm = build_norm(config, sequence_parallel=False)
+    assert isinstance(norm, LayerNorm1P if normalization == "LayerNorm" else RMSNorm)
+    assert torch.equal(norm.weight, torch.zeros(16))  # gamma = 1 stored as 0
+    gamma = torch.randn(16)
+    plain = nn.LayerNorm(16) if normalization == "LayerNorm" else RMSNorm(16)
+    with torch.no_grad():
+        norm.weight.copy_(gamma - 1)
+        plain.weight.copy_(gamma)
+        if normalization == "LayerNorm":
+            bias = torch.randn(16)
+            norm.bias.copy_(bias)
+            plain.bias.copy_(bias)
+    x = torch.randn(3, 5, 16)
+    torch.testing.assert_close(norm(x), plain(x))
+
+
+def _per_token_worker(rank: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor, float, float]:
+    """Two micro-batches per rank with different unmasked token counts, through our DDP and the scaling."""
+    state.initialize_model_parallel(1, 1)
+    try:
+        torch.manual_seed(0)
+        model = nn.Linear(4, 1, bias=False)
+        reference = nn.Linear(4, 1, bias=False)
+        reference.load_state_dict(model.state_dict())
+        ddp = DistributedDataParallel(model, DDPConfig(), state.get_data_parallel_group())
+        inputs = torch.randn(world_size, 2, 5, 4, generator=torch.Generator().manual_seed(1))
+        masks = torch.tensor([[[1, 1, 1, 1, 0], [1, 0, 0, 0, 0]], [[1, 1, 1, 1, 1], [0, 1, 1, 0, 0]]]).float()
+        reduced = []
+        for micro in range(2):
+            with ddp.no_sync() if micro == 0 else contextlib.nullcontext():
+                loss_sum = (ddp(inputs[rank, micro]).squeeze(-1) * masks[rank, micro]).sum()
+                (loss_sum / 2).backward()  # the schedule divides by the number of micro-batches
+            reduced.append({"lm loss": loss_sum.detach(), NUM_TOKENS_KEY: masks[rank, micro].sum()})
+        ddp.finish_grad_sync()
+        scale_grads_to_per_token_loss([ddp], reduced, num_micro_batches=2)
+        logged = average_losses(reduced)["lm loss"]
+        everything = (reference(inputs).squeeze(-1) * masks).sum() / masks.sum()  # Megatron's definition
+        everything.backward()
+        return model.weight.main_grad.clone(), reference.weight.grad.clone(), logged, everything.item()
+    finally:
+        state.destroy_model_parallel()
+
+
+def test_per_token_loss_is_the_sum_over_all_tokens_of_all_micro_batches_and_ranks() -> None:
+    for grad, expected, logged, loss in run_distributed(_per_token_worker, 2):
+        torch.testing.assert_close(grad, expected)
+        assert logged == pytest.approx(loss, rel=1e-6)
+
+
+def test_grad_reduce_in_bf16_keeps_the_grad_buffer_in_bf16(tmp_path) -> None:
+    args = tiny_args(str(tmp_path), "--train-iters", "2", "--bf16")
+    assert parse_args(args).training.accumulate_allreduce_grads_in_fp32
+    config = parse_args([*args, "--grad-reduce-in-bf16"])
+    assert not config.training.accumulate_allreduce_grads_in_fp32
+    for in_fp32, dtype in ((True, torch.float32), (False, torch.bfloat16)):
+        model = nn.Linear(4, 4, dtype=torch.bfloat16)
+        ddp = DistributedDataParallel(model, DDPConfig(grad_reduce_in_fp32=in_fp32))
+        assert {buffer.dtype for buffer in ddp.buffers_by_dtype.values()} == {dtype}
+        ddp(torch.randn(2, 4, dtype=torch.bfloat16)).sum().backward()
+        assert model.weight.main_grad.dtype == dtype
+    with pytest.raises(SystemExit):
+        parse_args(tiny_args(str(tmp_path), "--train-iters", "2", "--grad-reduce-in-bf16"))
+
+
+def _param_gather_worker(rank: int, world_size: int) -> list[bool]:
+    """Which buckets' all-gathers are in flight after the step, and after the next forward."""
+    state.initialize_model_parallel(1, 1)
+    try:
+        model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+        config = DDPConfig(use_distributed_optimizer=True, overlap_param_gather=True, bucket_size=64)
+        ddp = DistributedDataParallel(model, config, state.get_data_parallel_group())
+        ddp.all_gather_params()
+        in_flight = [bucket.param_gather is not None for bucket in ddp.buckets]
+        ddp(torch.randn(2, 8))
+        return [*in_flight, *(bucket.param_gather is not None for bucket in ddp.buckets)]
+    finally:
+        state.destroy_model_parallel()
+
+
+def test_overlap_param_gather_defers_the_gather_to_the_forward_and_keeps_the_losses(tmp_path) -> None:
+    for flags in run_distributed(_param_gather_worker, 2):
+        assert flags == [True, True, False, False]
+    common = ["--mock-data", "--train-iters", "4", "--use-distributed-optimizer", "--overlap-grad-reduce"]
+    runs = [
+        tiny_args(str(tmp_path / "plain"), *common),
+        tiny_args(str(tmp_path / "overlap"), *common, "--overlap-param-gather"),
+    ]
+    run_distributed(pretrain_worker, 2, runs)
+    losses = train_losses(str(tmp_path / "plain"))
+    assert len(losses) == 4 and losses == train_losses(str(tmp_path / "overlap"))
+    with pytest.raises(SystemExit):  # Megatron's rule: only with the distributed optimizer
+        parse_args(tiny_args(str(tmp_path), "--train-iters", "2", "--overlap-param-gather"))
+
+
+def test_step_batch_size_schedule_follows_megatrons_format(tmp_path) -> None:
+    schedule = parse_step_batch_size_schedule(["0:16 2.4B:320", "4.8B:624"], seq_length=2048)
+    assert schedule == [(0, 16), (1171875, 320), (2343750, 624)]  # token thresholds in samples
+    assert parse_step_batch_size_schedule(["0:2,8:4"], None) == [(0, 2), (8, 4)]
+    calculator = MicroBatchCalculator(8, 2, 1, step_schedule=[(0, 2), (6, 4), (12, 8)])
+    sizes = []
+    for consumed in (0, 2, 4, 6, 10, 14):
+        calculator.update(consumed)
+        sizes.append((calculator.current_global_batch_size, calculator.num_micro_batches))
+    assert sizes == [(2, 1), (2, 1), (2, 1), (4, 2), (4, 2), (8, 4)]
+    assert calculator.train_iters_for_samples(30) == 7  # batches 2, 2, 2, 4, 4, 8, 8
+    for bad, message in ((["16:4"], "first threshold must be 0"), (["0:4 x:8"], "is not THRESHOLD"),
+                         (["0:4 64:8 64:16"], "must increase")):  # fmt: skip
+        with pytest.raises(ValueError, match=message):
+            parse_step_batch_size_schedule(bad, 16)
+    args = tiny_args(str(tmp_path), "--train-iters", "2")
+    with pytest.raises(SystemExit):
+        parse_args(
+            [*args, "--step-batch-size-schedule", "0:2", "64:8"]
+        )  # ends at 8, not --global-batch-size 4
+    config = parse_args([*args, "--step-batch-size-schedule", "0:2", "64:4"])
+    assert config.training.global_batch_size == 4
+    interleaved = [
+        *args,
+        "--pipeline-model-parallel-size",
+        "2",
+        "--num-layers-per-virtual-pipeline-stage",
+        "1",
+    ]
+    parse_args(interleaved, world_size=2)  # 2 micro-batches of 2: a multiple of the 2 stages
+    with pytest.raises(SystemExit):  # the first batch of 2 is 1 micro-batch
+        parse_args([*interleaved, "--step-batch-size-schedule", "0:2", "64:4"], world_size=2)
+
+
+def test_refusals_name_the_flag(tmp_path, capsys) -> None:
+    args = tiny_args(str(tmp_path), "--train-iters", "2")
+    for extra, message in (
+        (
+            ["--context-parallel-size", "2"],
+            "--context-parallel-size 2: context parallelism is not implemented",
+        ),
+        (
+            ["--profile", "--profile-step-start", "3", "--profile-step-end", "3"],
+            "--profile-step-end 3 must be",
+        ),
+    ):
+        with pytest.raises(SystemExit):
+            parse_args([*args, *extra])
+        assert message in capsys.readouterr().err
+
+
+def _hooks(tmp_path, *extra: str) -> StepHooks:
+    return StepHooks(parse_args(tiny_args(str(tmp_path), "--train-iters", "9", *extra)))
+
+
+def test_profile_records_the_chosen_steps_into_a_trace_file(tmp_path) -> None:
+    hooks = _hooks(tmp_path, "--profile", "--profile-step-start", "2", "--profile-step-end", "4",
+                   "--profile-dir", str(tmp_path / "traces"))  # fmt: skip
+    recording = []
+    for iteration in range(6):
+        hooks.before_step(iteration)
+        recording.append(hooks.profiler is not None)
+        with torch.profiler.record_function(f"step {iteration + 1}"):
+            torch.ones(4).sum()
+        hooks.after_step(iteration + 1)
+    hooks.end_training()
+    assert recording == [False, False, True, True, False, False]  # steps 3 and 4
+    (trace,) = glob.glob(str(tmp_path / "traces" / "rank0.*.pt.trace.json"))
+    with open(trace) as handle:
+        text = handle.read()
+    assert '"step 3"' in text and '"step 4"' in text and '"step 5"' not in text and '"step 2"' not in text
+
+
+def test_manual_gc_collects_every_interval_only(tmp_path, monkeypatch) -> None:
+    collected = []
+    monkeypatch.setattr(gc, "collect", lambda *a: collected.append(a) or 0)
+    hooks = _hooks(tmp_path, "--manual-gc", "--manual-gc-interval", "3")
+    assert gc.isenabled()
+    hooks.start_training()
+    try:
+        assert not gc.isenabled() and len(collected) == 1
+        for iteration in range(1, 8):
+            hooks.after_step(iteration)
+        assert len(collected) == 1 + 2  # steps 3 and 6
+        hooks.around_evaluation()
+        assert len(collected) == 4
+    finally:
+        hooks.end_training()
+    assert gc.isenabled()
+
+
+@pytest.mark.parametrize("level, expected", [(0, 0), (1, 2), (2, 3)])
+def test_empty_unused_memory_level_empties_the_cuda_cache(tmp_path, monkeypatch, level, expected) -> None:
+    emptied = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(1))
+    hooks = _hooks(tmp_path, "--empty-unused-memory-level", str(level))
+    hooks.after_forward_backward()  # level >= 1
+    hooks.after_step(1)  # level >= 2
+    hooks.around_evaluation()  # level >= 1
+    assert len(emptied) == expected
+
+
+def test_empty_unused_memory_level_is_a_logged_no_op_on_cpu(tmp_path, caplog) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("needs a machine without CUDA")
+    caplog.set_level("INFO", logger="megatron_train.training.step_hooks")
+    hooks = _hooks(tmp_path, "--empty-unused-memory-level", "2")
+    hooks.after_forward_backward()
+    assert not hooks.empties_cache and "no CUDA device" in caplog.text
+
+
+class _FakeRun:
+    def __init__(self, **kwargs) -> None:
+        self.init, self.logged, self.finished = kwargs, [], False
+
+    def log(self, values: dict, step: int) -> None:
+        self.logged.append((step, values))
+
+    def finish(self) -> None:
+        self.finished = True
+
+
+def test_wandb_project_logs_every_record_to_a_run(tmp_path, monkeypatch, caplog) -> None:
+    args = tiny_args(
+        str(tmp_path), "--train-iters", "2", "--wandb-project", "proj", "--wandb-exp-name", "run1"
+    )
+    config = parse_args(args)
+    monkeypatch.setitem(sys.modules, "wandb", None)  # not installed: the flag is accepted and says so
+    assert build_wandb_writer(config) is None and "needs the wandb package" in caplog.text
+    monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(init=_FakeRun))
+    writer = MetricsWriter(None, None, wandb=build_wandb_writer(config))
+    run = writer.wandb.run
+    assert (run.init["project"], run.init["name"], run.init["dir"]) == (
+        "proj",
+        "run1",
+        str(tmp_path / "wandb"),
+    )
+    assert run.init["config"]["training"]["train_iters"] == 2
+    writer.write({"iteration": 1, "lm loss": 4.5, "learning rate": 1e-3, "grad norm": None})
+    writer.write({"iteration": 1, "split": "valid", "end_of_training": False, "lm loss": 4.4})
+    writer.close()
+    assert run.logged == [(1, {"lm loss": 4.5, "learning rate": 1e-3}), (1, {"valid/lm loss": 4.4})]
+    assert run.finished
