@@ -341,6 +341,10 @@ class ArtifactWriter:
             self._slot.release(remove=False)
             self._slot.wait_for_others()
 
+    def discard_scratch(self) -> None:
+        """Delete this writer's scratch once another writer has committed the artifact: nothing in it is needed."""
+        shutil.rmtree(self.local_dir, ignore_errors=True)
+
     def release(self, remove: bool = False) -> None:
         """Give up the scratch slot (idempotent); `remove` also deletes the scratch (the artifact is done)."""
         if self._slot is not None:
@@ -431,6 +435,7 @@ def run_stage(
         found = store.find(stage, key)
         if found is None:
             raise
+        writer.discard_scratch()
         log.info("%s: %s was committed by another writer first (%s: %s)", stage, found.url,
                  type(error).__name__, error)  # fmt: skip
         return dataclasses.replace(found, cache_hit=True)
