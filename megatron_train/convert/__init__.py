@@ -1,0 +1,11 @@
+"""Checkpoint conversion between formats, as Megatron's tools/checkpoint/convert.py: a loader reads a model into
+`ModelWeights` (config, whole tensors under our global names, tokenizer files), a saver writes them
+(docs/architecture.md, conversion). One module per format: `flow` (ours), `hf` (Hugging Face).
+`python -m megatron_train.tools.checkpoint_util --loader L --saver S` is the command line.
+"""
+
+from megatron_train.convert.weights import ModelWeights
+
+FORMATS = ("flow", "hf")
+
+__all__ = ["FORMATS", "ModelWeights"]
