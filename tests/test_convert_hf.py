@@ -8,23 +8,14 @@ import os
 
 import pytest
 import torch
-from safetensors import safe_open
 
-from megatron_train.arguments import MegatronConfig
 from megatron_train.checkpointing import load_model_for_inference
 from megatron_train.convert import ModelWeights, flow
 from megatron_train.convert.weights import trim_vocab
-from megatron_train.data.config import DataConfig
-from megatron_train.models import GPTModel, TransformerConfig
 from megatron_train.tools.checkpoint_util import main
+from tests.convert_models import VOCAB, ids, our_llama, shard_tensors
 
 transformers = pytest.importorskip("transformers")
-
-VOCAB = 100  # padded to 128 (TP1) or 256 (TP2) in our checkpoints, cut back to 100 rows in HF folders
-
-
-def _ids(seq: int = 12) -> torch.Tensor:
-    return torch.randint(0, VOCAB, (2, seq), generator=torch.Generator().manual_seed(1))
 
 
 def _save_tokenizer(folder: str) -> None:
@@ -75,7 +66,7 @@ def _convert(*argv: str) -> None:
     main(["--model-type", "GPT", *argv])
 
 
-def _hf_logits(folder: str, ids: torch.Tensor, caplog) -> torch.Tensor:
+def _hf_logits(folder: str, tokens: torch.Tensor, caplog) -> torch.Tensor:
     """transformers' logits of a saved folder, asserting it loads with no missing or unused weights."""
     caplog.clear()
     with caplog.at_level(logging.WARNING):
@@ -83,17 +74,17 @@ def _hf_logits(folder: str, ids: torch.Tensor, caplog) -> torch.Tensor:
     assert {key: value for key, value in info.items() if value} == {}, info
     assert not [r for r in caplog.records if "weight" in r.getMessage().lower()], caplog.text
     with torch.no_grad():
-        return model.eval()(ids).logits
+        return model.eval()(tokens).logits
 
 
 @pytest.mark.parametrize("name", HF_MODELS)
 def test_hf_model_converted_in_gives_transformers_logits_and_back_out_loads_cleanly(name, tmp_path, caplog):
     # GPT-2 has 16 positions; Llama's run far enough that Llama-3.1's rope scaling changes the logits
-    hf_model, ids = HF_MODELS[name](), _ids(16 if name == "gpt2" else 1024)
+    hf_model, tokens = HF_MODELS[name](), ids(16 if name == "gpt2" else 1024)
     hf_model.save_pretrained(tmp_path / "hf")
     _save_tokenizer(str(tmp_path / "hf"))
     with torch.no_grad():
-        expected = hf_model(ids).logits
+        expected = hf_model(tokens).logits
     _convert("--loader", "hf", "--saver", "flow", "--load-dir", str(tmp_path / "hf"),
              "--save-dir", str(tmp_path / "flow"))  # fmt: skip
     model, config = load_model_for_inference(str(tmp_path / "flow"), device="cpu")
@@ -105,31 +96,23 @@ def test_hf_model_converted_in_gives_transformers_logits_and_back_out_loads_clea
     ):
         assert a.read() == b.read()
     with torch.no_grad():
-        logits = model(ids)
+        logits = model(tokens)
     torch.testing.assert_close(logits[..., :VOCAB], expected, rtol=1e-5, atol=1e-5)
     assert torch.isneginf(logits[..., VOCAB:]).all()  # the padding rows are never predicted
 
     _convert("--loader", "flow", "--saver", "hf", "--load-dir", str(tmp_path / "flow"),
              "--save-dir", str(tmp_path / "out"))  # fmt: skip
-    torch.testing.assert_close(_hf_logits(str(tmp_path / "out"), ids, caplog), expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        _hf_logits(str(tmp_path / "out"), tokens, caplog), expected, rtol=1e-5, atol=1e-5
+    )
     with open(tmp_path / "out" / "config.json") as handle:
         assert json.load(handle)["vocab_size"] == VOCAB  # padding rows trimmed on export
     assert os.path.exists(tmp_path / "out" / "tokenizer.json")
 
 
-def _our_llama(untied: bool) -> tuple[MegatronConfig, GPTModel]:
-    model_config = TransformerConfig.llama(
-        num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=32, ffn_hidden_size=64,
-        group_query_attention=True, num_query_groups=2, untie_embeddings_and_output_weights=untied,
-        true_vocab_size=VOCAB,
-    )  # fmt: skip
-    torch.manual_seed(7)
-    return MegatronConfig(model=model_config, data=DataConfig()), GPTModel(model_config, 128).eval()
-
-
 @pytest.mark.parametrize("untied", [True, False])
 def test_ours_at_tp2_pp2_converted_out_gives_our_logits_in_sharded_safetensors(untied, tmp_path, caplog):
-    config, model = _our_llama(untied)
+    config, model = our_llama(untied)
     weights = ModelWeights(config, trim_vocab(model.state_dict(), VOCAB))
     flow.save(weights, str(tmp_path / "flow"), target_tp=2, target_pp=2)
     assert sorted(os.listdir(tmp_path / "flow" / "iter_0000001"))[1:] == [
@@ -141,23 +124,13 @@ def test_ours_at_tp2_pp2_converted_out_gives_our_logits_in_sharded_safetensors(u
         shards = set(json.load(handle)["weight_map"].values())
     assert len(shards) > 1 and shards <= set(os.listdir(tmp_path / "hf"))
     with torch.no_grad():
-        ours = model(_ids())
-    torch.testing.assert_close(_hf_logits(str(tmp_path / "hf"), _ids(), caplog), ours[..., :VOCAB])
-
-
-def _shard_tensors(iteration_dir: str) -> dict[tuple[str, str], torch.Tensor]:
-    tensors = {}
-    for shard in sorted(os.listdir(iteration_dir)):
-        if shard.startswith("mp_rank_"):
-            with safe_open(f"{iteration_dir}/{shard}/model.safetensors", framework="pt") as handle:
-                tensors |= {(shard, key): handle.get_tensor(key) for key in handle.keys()}  # noqa: SIM118
-                tensors[(shard, "metadata")] = handle.metadata()
-    return tensors
+        ours = model(ids())
+    torch.testing.assert_close(_hf_logits(str(tmp_path / "hf"), ids(), caplog), ours[..., :VOCAB])
 
 
 @pytest.mark.parametrize(("tp", "pp"), [(1, 1), (2, 2)])
 def test_flow_to_hf_to_flow_round_trip_is_bitwise(tp, pp, tmp_path, capsys):
-    config, model = _our_llama(untied=True)
+    config, model = our_llama(untied=True)
     flow.save(ModelWeights(config, trim_vocab(model.state_dict(), VOCAB)), str(tmp_path / "a"), tp, pp)
     _convert("--saver", "hf", "--load-dir", str(tmp_path / "a"), "--save-dir", str(tmp_path / "hf"))
     assert "from_pretrained" in capsys.readouterr().out
@@ -167,8 +140,8 @@ def test_flow_to_hf_to_flow_round_trip_is_bitwise(tp, pp, tmp_path, capsys):
     assert f"--load {tmp_path / 'b'} --finetune" in printed and "--swiglu" in printed
     assert f"run_text_generation_server --load {tmp_path / 'b'}" in printed
     original, back = (
-        _shard_tensors(f"{tmp_path}/a/iter_0000001"),
-        _shard_tensors(f"{tmp_path}/b/iter_0000001"),
+        shard_tensors(f"{tmp_path}/a/iter_0000001"),
+        shard_tensors(f"{tmp_path}/b/iter_0000001"),
     )
     assert original.keys() == back.keys() and len(original) > 4 * tp * pp
     for key, value in original.items():
@@ -176,7 +149,7 @@ def test_flow_to_hf_to_flow_round_trip_is_bitwise(tp, pp, tmp_path, capsys):
 
 
 def test_refusals_name_the_setting(tmp_path, capsys):
-    config, model = _our_llama(untied=True)
+    config, model = our_llama(untied=True)
     flow.save(ModelWeights(config, trim_vocab(model.state_dict(), VOCAB)), str(tmp_path / "a"))
     with pytest.raises(SystemExit):
         _convert("--saver", "hf", "--load-dir", str(tmp_path / "a"), "--save-dir", str(tmp_path / "hf"),
