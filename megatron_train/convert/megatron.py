@@ -67,6 +67,7 @@ class MegatronEnum:
 ALLOWED_GLOBALS: list[Any] = [
     argparse.Namespace,
     io.BytesIO,
+    bytes,
     np.ndarray,
     np.dtype,
     UInt32DType,
