@@ -4,10 +4,13 @@ pickled objects outside the allow-list."""
 from __future__ import annotations
 
 import argparse
+import enum
 import io
 import os
 import pathlib
 import random
+import sys
+import types
 
 import numpy as np
 import pytest
@@ -75,13 +78,30 @@ def _megatron_args(model: TransformerConfig, tp: int, pp: int, padded: int) -> a
         bf16=False, params_dtype=torch.float32, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
         padded_vocab_size=padded, make_vocab_size_divisible_by=128, tokenizer_type="NullTokenizer",
         vocab_size=VOCAB - 1, iteration=20, transformer_impl="transformer_engine", use_mcore_models=True,
+        model_type=ModelType.encoder_or_decoder,
         ckpt_format="torch",
     )  # fmt: skip
 
 
-def test_megatron_core_checkpoint_in_megatrons_layout_gives_the_logits_of_its_model(tmp_path):
+class ModelType(enum.Enum):
+    """Megatron's megatron.core.enums.ModelType, which pretrain() puts in args (args.model_type)."""
+
+    encoder_or_decoder = 1
+
+
+def _fake_megatron_enums(monkeypatch) -> None:
+    """Make `ModelType` pickle under Megatron's module name, as a real checkpoint names it."""
+    for name in ("megatron", "megatron.core", "megatron.core.enums"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setattr(ModelType, "__module__", "megatron.core.enums")
+    monkeypatch.setattr(sys.modules["megatron.core.enums"], "ModelType", ModelType, raising=False)
+
+
+def test_megatron_core_checkpoint_in_megatrons_layout_gives_the_logits_of_its_model(tmp_path, monkeypatch):
     """TP2 x PP2 files as Megatron-Core + TransformerEngine write them: stage-local layer numbers, fused norm
-    names, `_extra_state`, head-interleaved QKV split by query groups, SwiGLU fc1 as [gate_r; up_r], RNG state."""
+    names, `_extra_state`, head-interleaved QKV split by query groups, SwiGLU fc1 as [gate_r; up_r], RNG state,
+    an enum in args."""
+    _fake_megatron_enums(monkeypatch)
     config, model = our_llama(untied=True)
     state, shape = model.state_dict(), config.model
     heads, groups, tp, pp = shape.num_attention_heads, shape.num_query_groups, 2, 2

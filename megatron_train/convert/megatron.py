@@ -57,7 +57,8 @@ CHECKPOINT_VERSION = 3.0
 
 
 class MegatronEnum:
-    """Stands in for Megatron's enums in `args` (ModelType, AttnBackend): keeps the value, runs nothing."""
+    """Stands in for the Megatron enums `args` holds (args.model_type, args.attention_backend, CUDA-graph scopes;
+    an enum unpickles as `Class(value)`): keeps the value, runs nothing."""
 
     def __init__(self, value: Any) -> None:
         self.value = value
@@ -75,6 +76,8 @@ ALLOWED_GLOBALS: list[Any] = [
     np._core.multiarray._reconstruct,
     (MegatronEnum, "megatron.core.enums.ModelType"),
     (MegatronEnum, "megatron.core.transformer.enums.AttnBackend"),
+    (MegatronEnum, "megatron.core.transformer.enums.CudaGraphModule"),
+    (MegatronEnum, "megatron.core.transformer.enums.InferenceCudaGraphScope"),
 ]
 _ALLOWED_NAMES = {
     entry[1] if isinstance(entry, tuple) else f"{entry.__module__}.{entry.__qualname__}"
