@@ -12,6 +12,7 @@ import torch
 from megatron_train.checkpointing import load_model_for_inference
 from megatron_train.convert import ModelWeights, flow
 from megatron_train.convert.weights import trim_vocab
+from megatron_train.tokenizer.build import tokenizer_from_config
 from megatron_train.tools.checkpoint_util import main
 from tests.convert_models import VOCAB, ids, our_llama, shard_tensors
 
@@ -90,6 +91,7 @@ def test_hf_model_converted_in_gives_transformers_logits_and_back_out_loads_clea
     model, config = load_model_for_inference(str(tmp_path / "flow"), device="cpu")
     assert (model.vocab_size, config.model.true_vocab_size) == (128, VOCAB)
     assert config.tokenizer.tokenizer_type == "HuggingFaceTokenizer"
+    assert tokenizer_from_config(config.tokenizer).vocab_size == VOCAB  # the copied tokenizer builds
     with (
         open(f"{tmp_path}/flow/tokenizer/tokenizer.json", "rb") as a,
         open(f"{tmp_path}/hf/tokenizer.json", "rb") as b,
@@ -155,6 +157,10 @@ def test_refusals_name_the_setting(tmp_path, capsys):
         _convert("--saver", "hf", "--load-dir", str(tmp_path / "a"), "--save-dir", str(tmp_path / "hf"),
                  "--target-tensor-parallel-size", "2")  # fmt: skip
     assert "--saver hf writes one unsplit model" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        _convert("--saver", "megatron", "--load-dir", str(tmp_path / "a"), "--save-dir", str(tmp_path / "mg"),
+                 "--target-num-layers-per-virtual-pipeline-stage", "1")  # fmt: skip
+    assert "lays out flow -> flow resharding only" in capsys.readouterr().err
     os.makedirs(tmp_path / "bert")
     with open(tmp_path / "bert" / "config.json", "w") as handle:
         json.dump({"model_type": "bert"}, handle)
