@@ -339,7 +339,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if (args.loader, args.saver) != ("flow", "flow"):
         if args.target_num_layers_per_virtual_pipeline_stage is not None:
-            parser.error("--target-num-layers-per-virtual-pipeline-stage lays out flow -> flow resharding only")
+            parser.error(
+                "--target-num-layers-per-virtual-pipeline-stage lays out flow -> flow resharding only"
+            )
         try:
             weights = convert_format(
                 args.loader,
