@@ -68,12 +68,17 @@ def _convert(*argv: str) -> None:
 
 
 def _hf_logits(folder: str, tokens: torch.Tensor, caplog) -> torch.Tensor:
-    """transformers' logits of a saved folder, asserting it loads with no missing or unused weights."""
+    """transformers' logits of a saved folder, asserting it loads with no missing or unused weights and no
+    warning (transformers' logger does not propagate: caplog's handler is attached to it)."""
     caplog.clear()
-    with caplog.at_level(logging.WARNING):
+    hf_logger = logging.getLogger("transformers")
+    hf_logger.addHandler(caplog.handler)
+    try:
         model, info = transformers.AutoModelForCausalLM.from_pretrained(folder, output_loading_info=True)
+    finally:
+        hf_logger.removeHandler(caplog.handler)
     assert {key: value for key, value in info.items() if value} == {}, info
-    assert not [r for r in caplog.records if "weight" in r.getMessage().lower()], caplog.text
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
     with torch.no_grad():
         return model.eval()(tokens).logits
 
@@ -108,7 +113,9 @@ def test_hf_model_converted_in_gives_transformers_logits_and_back_out_loads_clea
         _hf_logits(str(tmp_path / "out"), tokens, caplog), expected, rtol=1e-5, atol=1e-5
     )
     with open(tmp_path / "out" / "config.json") as handle:
-        assert json.load(handle)["vocab_size"] == VOCAB  # padding rows trimmed on export
+        exported = json.load(handle)
+    assert exported["vocab_size"] == VOCAB  # padding rows trimmed on export
+    assert (exported["bos_token_id"], exported["eos_token_id"]) == (0, 0)  # carried through our checkpoint
     assert os.path.exists(tmp_path / "out" / "tokenizer.json")
 
 

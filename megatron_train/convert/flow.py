@@ -58,7 +58,11 @@ def load(load_dir: str, iteration: int | None = None, true_vocab_size: int | Non
     config.model.true_vocab_size = true_vocab_size
     tensors = {name: saved.global_tensor(name) for name in saved.params}
     return ModelWeights(
-        config, trim_vocab(tensors, true_vocab_size), tokenizer_files(config), saved.metadata["iteration"]
+        config,
+        trim_vocab(tensors, true_vocab_size),
+        tokenizer_files(config),
+        saved.metadata["iteration"],
+        saved.metadata.get("token_ids", {}),
     )
 
 
@@ -141,6 +145,7 @@ def save(weights: ModelWeights, save_dir: str, target_tp: int = 1, target_pp: in
         "data_parallel_size": 1,
         "opt_param_scheduler": None,
         "args": config_to_dict(config),
+        "token_ids": weights.token_ids,
     }
     write_metadata_and_marker(save_dir, weights.iteration, metadata, files)
     return out_dir

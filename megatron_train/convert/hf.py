@@ -19,6 +19,7 @@ from safetensors.torch import save_file
 
 from megatron_train.arguments import MegatronConfig
 from megatron_train.convert.weights import (
+    TOKEN_ID_KEYS,
     ModelWeights,
     check_tensor_names,
     model_shardings,
@@ -165,7 +166,8 @@ def load(load_dir: str) -> ModelWeights:
     except KeyError as error:
         raise ValueError(f"{load_dir}: the weights lack {error}, which its {CONFIG_FILE} needs") from error
     check_tensor_names(tensors, list(model_shardings(config, model.true_vocab_size)), load_dir)
-    return ModelWeights(config, tensors, tokenizer_files_in(load_dir))
+    token_ids = {key: hf[key] for key in TOKEN_ID_KEYS if isinstance(hf.get(key), int)}
+    return ModelWeights(config, tensors, tokenizer_files_in(load_dir), token_ids=token_ids)
 
 
 def _gpt2_hf_config(model: TransformerConfig) -> dict[str, Any]:
@@ -260,6 +262,8 @@ def save(weights: ModelWeights, save_dir: str, max_shard_size: int = 5 * 10**9) 
     hf_config, to_hf = _export_mapping(model)
     tensors = to_hf(weights.tensors, model)
     dtype = str(next(iter(tensors.values())).dtype).removeprefix("torch.")
+    # ids the source does not record are written as None: transformers' defaults (GPT-2's 50256) may not exist
+    hf_config |= {key: weights.token_ids.get(key) for key in TOKEN_ID_KEYS}
     hf_config |= {"vocab_size": weights.true_vocab_size, "dtype": dtype}
     os.makedirs(save_dir, exist_ok=True)
     shards = _shards(tensors, max_shard_size)

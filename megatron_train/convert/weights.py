@@ -31,6 +31,9 @@ TOKENIZER_FILES = (
 )
 
 
+TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+
 def tokenizer_files_in(folder: str) -> dict[str, str]:
     """{file name: path} of the tokenizer files `folder` holds."""
     return {
@@ -49,6 +52,8 @@ class ModelWeights:
     tensors: dict[str, torch.Tensor]
     tokenizer_files: dict[str, str] = field(default_factory=dict)
     iteration: int = 1
+    # bos/eos/pad token ids where the source records them (HF config.json; ours keep them in metadata.json)
+    token_ids: dict[str, int] = field(default_factory=dict)
 
     @property
     def true_vocab_size(self) -> int:
