@@ -55,11 +55,22 @@ def _hf_llama(untied: bool, rope_type: str) -> torch.nn.Module:
     return model
 
 
+def _hf_mistral() -> torch.nn.Module:
+    config = transformers.MistralConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=16, max_position_embeddings=4096, sliding_window=None, bos_token_id=0,
+        eos_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(6)
+    return transformers.MistralForCausalLM(config).eval()
+
+
 HF_MODELS = {
     "gpt2": _hf_gpt2,
     "llama_gqa_untied": lambda: _hf_llama(untied=True, rope_type="default"),
     "llama_gqa_tied": lambda: _hf_llama(untied=False, rope_type="default"),
     "llama3_rope_scaling": lambda: _hf_llama(untied=True, rope_type="llama3"),
+    "mistral_head_dim_16": _hf_mistral,  # head_dim * heads != hidden size: --kv-channels from config.json
 }
 
 
@@ -174,3 +185,14 @@ def test_refusals_name_the_setting(tmp_path, capsys):
     with pytest.raises(SystemExit):
         _convert("--loader", "hf", "--load-dir", str(tmp_path / "bert"), "--save-dir", str(tmp_path / "b"))
     assert "model_type 'bert' is not one the hf loader maps" in capsys.readouterr().err
+    with open(tmp_path / "bert" / "config.json", "w") as handle:  # Llama-2-style linear rope scaling
+        json.dump({"model_type": "llama", "num_attention_heads": 4, "rope_scaling": {"type": "linear",
+                   "factor": 2.0}}, handle)  # fmt: skip
+    with pytest.raises(SystemExit):
+        _convert("--loader", "hf", "--load-dir", str(tmp_path / "bert"), "--save-dir", str(tmp_path / "b"))
+    assert "rope_type 'linear' is not one this model has (default, llama3)" in capsys.readouterr().err
+    with open(tmp_path / "bert" / "config.json", "w") as handle:
+        json.dump({"model_type": "llama", "num_attention_heads": 4}, handle)
+    with pytest.raises(SystemExit):
+        _convert("--loader", "hf", "--load-dir", str(tmp_path / "bert"), "--save-dir", str(tmp_path / "b"))
+    assert "config.json lacks 'num_hidden_layers', which a llama config has" in capsys.readouterr().err

@@ -98,6 +98,7 @@ def _rope_settings(hf: dict[str, Any], where: str) -> dict[str, Any]:
 
 
 def _llama_config(hf: dict[str, Any], where: str) -> TransformerConfig:
+    rope = _rope_settings(hf, where)
     heads, kv_heads = hf["num_attention_heads"], hf.get("num_key_value_heads") or hf["num_attention_heads"]
     _refuse(
         [
@@ -119,7 +120,7 @@ def _llama_config(hf: dict[str, Any], where: str) -> TransformerConfig:
         norm_epsilon=hf.get("rms_norm_eps", 1e-6),
         untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False),
         true_vocab_size=hf["vocab_size"],
-        **_rope_settings(hf, where),
+        **rope,
     )
 
 
@@ -149,14 +150,17 @@ def load(load_dir: str) -> ModelWeights:
     with open(where) as handle:
         hf = json.load(handle)
     model_type = hf.get("model_type")
-    if model_type == "gpt2":
-        model, to_ours = _gpt2_config(hf, where), gpt2_state_dict_from_hf
-    elif model_type in LLAMA_TYPES:
-        model, to_ours = _llama_config(hf, where), llama_state_dict_from_hf
-    else:
-        raise ValueError(
-            f"{where}: model_type {model_type!r} is not one the hf loader maps (gpt2, {LLAMA_TYPES})"
-        )
+    try:
+        if model_type == "gpt2":
+            model, to_ours = _gpt2_config(hf, where), gpt2_state_dict_from_hf
+        elif model_type in LLAMA_TYPES:
+            model, to_ours = _llama_config(hf, where), llama_state_dict_from_hf
+        else:
+            raise ValueError(
+                f"{where}: model_type {model_type!r} is not one the hf loader maps (gpt2, {LLAMA_TYPES})"
+            )
+    except KeyError as error:
+        raise ValueError(f"{where} lacks {error}, which a {model_type} config has") from error
     dtype = hf.get("dtype") or hf.get("torch_dtype") or "float32"
     for flag, value in DTYPES.get(dtype, {}).items():
         setattr(model, flag, value)
