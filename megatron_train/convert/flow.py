@@ -1,7 +1,7 @@
 """The `flow` loader and saver: Megatron-Flow's own checkpoints (`megatron_train.checkpointing`).
 
 Flow to flow keeps the optimizer state and is `tools/checkpoint_util.convert_checkpoint`'s resharding; these
-two carry the weights only, to and from the other formats (docs/architecture.md, conversion). The saver writes
+two carry the weights only, to and from the other formats (docs/architecture.md, checkpoints). The saver writes
 a complete run directory (iteration `weights.iteration`, no optimizer, scheduler or RNG state) for a target
 (TP, PP): load it with `--finetune` (or `--no-load-optim --no-load-rng`).
 """

@@ -3,7 +3,7 @@
 A folder is config.json, safetensors weights (one `model.safetensors`, or shards listed by
 `model.safetensors.index.json`) and the tokenizer's files. The loader reads the model config from config.json,
 so the user restates nothing; the saver writes what `transformers` `from_pretrained` loads with no unused or
-missing weights, the vocabulary cut to the true vocabulary (docs/architecture.md, conversion). The weight
+missing weights, the vocabulary cut to the true vocabulary (docs/architecture.md, checkpoints). The weight
 mapping itself is `megatron_train.models.hf_import`.
 """
 

@@ -1,6 +1,6 @@
 """What a checkpoint loader yields and a saver writes: one model as whole tensors under our global names.
 
-Every format converts through `ModelWeights` (docs/architecture.md, conversion), as Megatron's
+Every format converts through `ModelWeights` (docs/architecture.md, checkpoints), as Megatron's
 tools/checkpoint/convert.py passes a model between its loader and saver: the config says what the model is
 (read from the source, so the user never restates it), the tensors are the unsplit weights of a TP1 x PP1
 `GPTModel` with the vocabulary rows cut to the true vocabulary (a saver pads them for its layout), and the

@@ -2,7 +2,7 @@
 
 The mapping doubles as the precise statement of how our parameters relate to the two reference
 architectures; the tests prove logits equal after loading, both ways. The `hf` converter
-(`megatron_train.convert.hf`, docs/architecture.md, conversion) reads and writes checkpoints through it.
+(`megatron_train.convert.hf`, docs/architecture.md, checkpoints) reads and writes checkpoints through it.
 """
 
 from __future__ import annotations
