@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -124,24 +125,35 @@ def _llama_config(hf: dict[str, Any], where: str) -> TransformerConfig:
     )
 
 
-def read_safetensors(load_dir: str) -> dict[str, torch.Tensor]:
-    """Every tensor of the folder's weights: the shards its index lists, or its one model.safetensors."""
-    index_path = os.path.join(load_dir, INDEX_FILE)
-    if os.path.exists(index_path):
-        with open(index_path) as handle:
-            files = sorted(set(json.load(handle)["weight_map"].values()))
-    elif os.path.exists(os.path.join(load_dir, WEIGHTS_FILE)):
-        files = [WEIGHTS_FILE]
-    else:
-        raise ValueError(
-            f"{load_dir} has neither {INDEX_FILE} nor {WEIGHTS_FILE}: save the model with transformers' "
-            "save_pretrained (safetensors) first"
-        )
-    tensors = {}
-    for name in files:
-        with safe_open(os.path.join(load_dir, name), framework="pt") as handle:
-            tensors |= {key: handle.get_tensor(key) for key in handle.keys()}  # noqa: SIM118 - not a dict
-    return tensors
+class SafetensorsFolder(Mapping[str, torch.Tensor]):
+    """The tensors of a folder's weights (the shards its index lists, or its one model.safetensors), each read
+    when the mapping asks for it: converting holds about one copy of the model, not the source's and ours."""
+
+    def __init__(self, load_dir: str) -> None:
+        index_path = os.path.join(load_dir, INDEX_FILE)
+        if os.path.exists(index_path):
+            with open(index_path) as handle:
+                files = sorted(set(json.load(handle)["weight_map"].values()))
+        elif os.path.exists(os.path.join(load_dir, WEIGHTS_FILE)):
+            files = [WEIGHTS_FILE]
+        else:
+            raise ValueError(
+                f"{load_dir} has neither {INDEX_FILE} nor {WEIGHTS_FILE}: save the model with transformers' "
+                "save_pretrained (safetensors) first"
+            )
+        self._handles = {}
+        for name in files:
+            handle = safe_open(os.path.join(load_dir, name), framework="pt")
+            self._handles |= dict.fromkeys(handle.keys(), handle)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._handles[name].get_tensor(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._handles)
+
+    def __len__(self) -> int:
+        return len(self._handles)
 
 
 def load(load_dir: str) -> ModelWeights:
@@ -166,7 +178,7 @@ def load(load_dir: str) -> ModelWeights:
         setattr(model, flag, value)
     config = MegatronConfig(model=model, data=DataConfig())
     try:
-        tensors = to_ours(read_safetensors(load_dir), model)
+        tensors = to_ours(SafetensorsFolder(load_dir), model)
     except KeyError as error:
         raise ValueError(f"{load_dir}: the weights lack {error}, which its {CONFIG_FILE} needs") from error
     check_tensor_names(tensors, list(model_shardings(config, model.true_vocab_size)), load_dir)

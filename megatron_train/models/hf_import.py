@@ -7,6 +7,8 @@ architectures; the tests prove logits equal after loading, both ways. The `hf` c
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 
 from megatron_train.models.config import TransformerConfig
@@ -15,7 +17,7 @@ from megatron_train.models.transformer import pack_qkv, unpack_qkv
 StateDict = dict[str, torch.Tensor]
 
 
-def gpt2_state_dict_from_hf(hf: StateDict, config: TransformerConfig) -> StateDict:
+def gpt2_state_dict_from_hf(hf: Mapping[str, torch.Tensor], config: TransformerConfig) -> StateDict:
     """From `transformers.GPT2LMHeadModel.state_dict()` (its Conv1D weights are stored [in, out])."""
     ours = {
         "embedding.word_embeddings.weight": hf["transformer.wte.weight"],
@@ -45,7 +47,7 @@ def gpt2_state_dict_from_hf(hf: StateDict, config: TransformerConfig) -> StateDi
     return {name: tensor.contiguous() for name, tensor in ours.items()}
 
 
-def llama_state_dict_from_hf(hf: StateDict, config: TransformerConfig) -> StateDict:
+def llama_state_dict_from_hf(hf: Mapping[str, torch.Tensor], config: TransformerConfig) -> StateDict:
     """From `transformers.LlamaForCausalLM.state_dict()` (rotate-half RoPE convention, as ours)."""
     ours = {
         "embedding.word_embeddings.weight": hf["model.embed_tokens.weight"],
@@ -69,7 +71,7 @@ def llama_state_dict_from_hf(hf: StateDict, config: TransformerConfig) -> StateD
     return {name: tensor.contiguous() for name, tensor in ours.items()}
 
 
-def gpt2_state_dict_to_hf(ours: StateDict, config: TransformerConfig) -> StateDict:
+def gpt2_state_dict_to_hf(ours: Mapping[str, torch.Tensor], config: TransformerConfig) -> StateDict:
     """Inverse of `gpt2_state_dict_from_hf`: `GPT2LMHeadModel` names (its lm_head is the tied wte)."""
     hf = {
         "transformer.wte.weight": ours["embedding.word_embeddings.weight"],
@@ -99,7 +101,7 @@ def gpt2_state_dict_to_hf(ours: StateDict, config: TransformerConfig) -> StateDi
     return {name: tensor.contiguous() for name, tensor in hf.items()}
 
 
-def llama_state_dict_to_hf(ours: StateDict, config: TransformerConfig) -> StateDict:
+def llama_state_dict_to_hf(ours: Mapping[str, torch.Tensor], config: TransformerConfig) -> StateDict:
     """Inverse of `llama_state_dict_from_hf`: `LlamaForCausalLM` names (lm_head only when untied)."""
     hf = {
         "model.embed_tokens.weight": ours["embedding.word_embeddings.weight"],
