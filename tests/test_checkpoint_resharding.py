@@ -544,3 +544,22 @@ def test_version_1_checkpoints_load_and_unknown_versions_are_refused(tmp_path) -
     metadata_path.write_text(json.dumps({**metadata, "format_version": 3}))
     with pytest.raises(CheckpointError, match=r"metadata.json: format version 3 is not one this code reads"):
         load_model_for_inference(str(tmp_path), device="cpu")
+
+
+def test_trained_checkpoint_converts_to_hf_and_through_megatron_with_its_logits(layouts, tmp_path) -> None:
+    """A training run's TP2 checkpoint (optimizer state, distributed optimizer) through the other formats."""
+    transformers = pytest.importorskip("transformers")
+    source, saved = f"{layouts['root']}/gpt_tp2", layouts["gpt"][(2, 1)]
+    main(["--saver", "hf", "--load-dir", source, "--save-dir", str(tmp_path / "hf")])
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
+    assert (
+        hf_model.config.activation_function == "gelu"
+    )  # the run's exact GELU, not GPT-2's tanh approximation
+    with torch.no_grad():
+        torch.testing.assert_close(hf_model(_tokens(127)).logits, saved, rtol=1e-5, atol=1e-5)
+    main(["--saver", "megatron", "--load-dir", source, "--save-dir", str(tmp_path / "mg"),
+          "--target-tensor-parallel-size", "2", "--target-pipeline-parallel-size", "2"])  # fmt: skip
+    main(["--loader", "megatron", "--load-dir", str(tmp_path / "mg"), "--save-dir", str(tmp_path / "back")])
+    model, _ = load_model_for_inference(str(tmp_path / "back"), device="cpu")
+    with torch.no_grad():
+        torch.testing.assert_close(model(_tokens(127)), saved, rtol=1e-5, atol=1e-5)

@@ -55,6 +55,13 @@ class TransformerConfig:
         default=1.0, metadata={"help": "Fraction of each head's dims rotated by RoPE."}
     )
     rotary_base: int = field(default=10000, metadata={"help": "Base period of the rotary embedding."})
+    use_rope_scaling: bool = field(
+        default=False,
+        metadata={"help": "Llama-3.1's RoPE frequency scaling (low 1, high 4, original context 8192)."},
+    )
+    rope_scaling_factor: float = field(
+        default=8.0, metadata={"help": "Factor of --use-rope-scaling (Llama-3.1: 8, Llama-3.2: 32)."}
+    )
     normalization: Normalization = field(
         default="LayerNorm", metadata={"help": "Norm layer: LayerNorm or RMSNorm."}
     )

@@ -122,7 +122,10 @@ class GPTModel(nn.Module):
         self.rotary_pos_emb = None
         if config.position_embedding_type == "rope":
             self.rotary_pos_emb = RotaryEmbedding(
-                config.kv_channels, config.rotary_percent, config.rotary_base
+                config.kv_channels,
+                config.rotary_percent,
+                config.rotary_base,
+                config.rope_scaling_factor if config.use_rope_scaling else None,
             )
         self.decoder = TransformerBlock(config, sequence_parallel, post_process, init_seed, vp_stage)
         self.output_layer = None

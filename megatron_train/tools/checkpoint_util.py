@@ -1,7 +1,11 @@
-"""Reshard a checkpoint offline to another (TP, PP) layout, as Megatron's tools/checkpoint_util.py:
+"""Convert a checkpoint between formats and reshard it offline, as Megatron's tools/checkpoint/convert.py:
 
     python -m megatron_train.tools.checkpoint_util --model-type GPT --load-dir A --save-dir B \\
-        --target-tensor-parallel-size 2 --target-pipeline-parallel-size 2
+        [--loader flow|hf|megatron --saver flow|hf|megatron] --target-tensor-parallel-size 2 --target-pipeline-parallel-size 2
+
+Another format goes through a loader and a saver (`megatron_train.convert`): weights only, the model config read
+from the source, and the flags to train or serve the result printed at the end. Flow to flow (the default) is
+the resharding below, optimizer state included.
 
 One process, no process groups. The output is written one pipeline stage at a time: each tensor's source TP
 shards are merged, its padded vocabulary re-padded for the new TP size, and the result split for the target
@@ -26,7 +30,8 @@ import time
 import torch
 from tqdm import tqdm
 
-from megatron_train.arguments import config_from_dict, config_to_dict
+from megatron_train import convert
+from megatron_train.arguments import config_from_dict, config_to_argv, config_to_dict
 from megatron_train.checkpointing import (
     FORMAT_VERSION,
     METADATA_FILENAME,
@@ -46,6 +51,8 @@ from megatron_train.checkpointing.layout import (
     split_tp_shard,
     stage_tensor_names,
 )
+from megatron_train.convert import flow, hf, megatron
+from megatron_train.convert.weights import trim_vocab
 from megatron_train.models.transformer import get_layer_range
 from megatron_train.tokenizer import vocab_size_with_padding
 
@@ -203,17 +210,103 @@ def _target_record(
     )
 
 
+def load_weights(
+    loader: str, load_dir: str, iteration: int | None, true_vocab_size: int | None
+) -> convert.ModelWeights:
+    """The model `loader` reads from `load_dir`, its vocabulary cut to `true_vocab_size` when given."""
+    if loader == "flow":
+        return flow.load(load_dir, iteration, true_vocab_size)
+    if loader == "megatron":
+        return megatron.load(load_dir, iteration, true_vocab_size)
+    weights = hf.load(load_dir)
+    if true_vocab_size is not None:
+        if true_vocab_size > weights.true_vocab_size:
+            raise ValueError(
+                f"--true-vocab-size {true_vocab_size} exceeds the {weights.true_vocab_size} vocabulary rows of "
+                f"{load_dir}: pass the size of its tokenizer"
+            )
+        weights.config.model.true_vocab_size = true_vocab_size
+        weights.tensors = trim_vocab(weights.tensors, true_vocab_size)
+    return weights
+
+
+def convert_format(
+    loader: str,
+    saver: str,
+    load_dir: str,
+    save_dir: str,
+    target_tp: int | None = None,
+    target_pp: int | None = None,
+    iteration: int | None = None,
+    true_vocab_size: int | None = None,
+    max_shard_size: int = 5 * 10**9,
+) -> convert.ModelWeights:
+    """Read `load_dir` with `loader`, write it to `save_dir` with `saver` (the flow saver under the target
+    (TP, PP), default 1 x 1); returns what was written (its config records the layout)."""
+    if os.path.realpath(load_dir) == os.path.realpath(save_dir):
+        raise ValueError(f"--save-dir {save_dir} is --load-dir: write the converted checkpoint elsewhere")
+    if saver == "hf" and (target_tp or 1, target_pp or 1) != (1, 1):
+        raise ValueError(
+            "--saver hf writes one unsplit model: leave out --target-tensor/pipeline-parallel-size"
+        )
+    weights = load_weights(loader, load_dir, iteration, true_vocab_size)
+    start = time.perf_counter()
+    if saver in ("flow", "megatron"):
+        {"flow": flow, "megatron": megatron}[saver].save(weights, save_dir, target_tp or 1, target_pp or 1)
+    else:
+        hf.save(weights, save_dir, max_shard_size)
+    logger.info("converted %s (%s) to %s (%s) in %.1f s", load_dir, loader, save_dir, saver,
+                time.perf_counter() - start)  # fmt: skip
+    return weights
+
+
+def usage_lines(saver: str, save_dir: str, weights: convert.ModelWeights) -> list[str]:
+    """How to train or serve what was written."""
+    if saver == "hf":
+        return [
+            f"load it with transformers: AutoModelForCausalLM.from_pretrained({save_dir!r}); "
+            f"serve it with vLLM: vllm serve {save_dir}"
+        ]
+    if saver == "megatron":
+        return [
+            f"load it in Megatron-LM: --load {save_dir} --use-checkpoint-args --transformer-impl local "
+            "--finetune (or --no-load-optim --no-load-rng)"
+        ]
+    flags = " ".join(config_to_argv(weights.config))
+    return [
+        f"finetune: torchrun -m megatron_train.pretrain_gpt {flags} --load {save_dir} --finetune [data and "
+        "training flags]",
+        f"serve: python -m megatron_train.tools.run_text_generation_server --load {save_dir}",
+    ]
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        description="Reshard a Megatron-Flow checkpoint to another tensor/pipeline parallel layout",
+        description="Convert a checkpoint between formats (flow, hf, megatron) and reshard it to another tensor/pipeline "
+        "parallel layout",
         allow_abbrev=False,
     )
     parser.add_argument(
         "--model-type", default="GPT", choices=["GPT"], help="Model family (Megatron's flag)."
     )
-    parser.add_argument("--load-dir", required=True, help="Run directory to read (a training run's --save).")
     parser.add_argument(
-        "--save-dir", required=True, help="Run directory to write the resharded checkpoint to."
+        "--loader", default="flow", choices=convert.FORMATS, help="Format of --load-dir (default: ours)."
+    )
+    parser.add_argument(
+        "--saver",
+        default="flow",
+        choices=convert.FORMATS,
+        help="Format to write --save-dir in (default: ours).",
+    )
+    parser.add_argument(
+        "--load-dir", required=True, help="Checkpoint to read (a training run's --save, an HF folder)."
+    )
+    parser.add_argument("--save-dir", required=True, help="Directory to write the converted checkpoint to.")
+    parser.add_argument(
+        "--max-shard-size",
+        type=int,
+        default=5 * 10**9,
+        help="--saver hf: bytes per safetensors shard (more shards get model.safetensors.index.json).",
     )
     parser.add_argument(
         "--iteration", type=int, default=None, help="Iteration to convert; default: the latest."
@@ -244,6 +337,30 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s] %(levelname)s %(name)s: %(message)s")
     parser = build_parser()
     args = parser.parse_args(argv)
+    if (args.loader, args.saver) != ("flow", "flow"):
+        if args.target_num_layers_per_virtual_pipeline_stage is not None:
+            parser.error(
+                "--target-num-layers-per-virtual-pipeline-stage lays out flow -> flow resharding only"
+            )
+        try:
+            weights = convert_format(
+                args.loader,
+                args.saver,
+                args.load_dir,
+                args.save_dir,
+                args.target_tensor_parallel_size,
+                args.target_pipeline_parallel_size,
+                args.iteration,
+                args.true_vocab_size,
+                args.max_shard_size,
+            )
+        except (ValueError, CheckpointError) as error:
+            parser.error(str(error))
+        print(
+            "\n".join([f"wrote {args.save_dir}", *usage_lines(args.saver, args.save_dir, weights)]),
+            flush=True,
+        )
+        return
     try:
         out_dir = convert_checkpoint(
             args.load_dir,

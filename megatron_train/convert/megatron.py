@@ -1,0 +1,318 @@
+"""The `megatron` loader and saver: Megatron-LM's legacy `torch` checkpoint format.
+
+    <dir>/latest_checkpointed_iteration.txt            an iteration number, or "release"
+    <dir>/iter_0000100/mp_rank_TT[_PPP]/model_optim_rng.pt   (or release/...) one (TP, PP) rank's torch.save
+
+A file holds {"args": argparse.Namespace, "checkpoint_version", "iteration", "model": state dict, optimizer and
+RNG state}. Model names are Megatron-Core's (ours; TransformerEngine's fused `layer_norm_weight` names too) with
+layer numbers local to the pipeline stage, or, in the released GPT-345M files, the older nested
+`language_model.*` names (docs/architecture.md, checkpoints). Reading a pickle could run code, so files load with
+`weights_only=True` and only the few classes these files hold (`ALLOWED_GLOBALS`); a file naming any other is
+refused before it is unpickled.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import io
+import logging
+import os
+import re
+from typing import Any
+
+import numpy as np
+import torch
+from numpy.dtypes import UInt32DType
+
+from megatron_train.arguments import MegatronConfig
+from megatron_train.checkpointing import TRACKER_FILENAME, CheckpointError, checkpoint_dir, model_shard_dir
+from megatron_train.checkpointing.layout import (
+    OUTPUT_WEIGHT,
+    WORD_EMBEDDING,
+    check_layout,
+    merge_tp_shards,
+    split_tp_shard,
+    stage_tensor_names,
+)
+from megatron_train.convert.flow import tokenizer_files
+from megatron_train.convert.weights import (
+    ModelWeights,
+    check_tensor_names,
+    model_shardings,
+    pad_vocab,
+    trim_vocab,
+)
+from megatron_train.data.config import DataConfig
+from megatron_train.models.config import TransformerConfig
+from megatron_train.models.transformer import get_layer_range
+from megatron_train.tokenizer import vocab_size_with_padding
+from megatron_train.training.config import TokenizerConfig
+from storage.atomic import atomic_path, atomic_write_text
+
+logger = logging.getLogger(__name__)
+
+CHECKPOINT_FILE = "model_optim_rng.pt"
+CHECKPOINT_VERSION = 3.0
+
+
+class MegatronEnum:
+    """Stands in for the Megatron enums `args` holds (args.model_type, args.attention_backend, CUDA-graph scopes;
+    an enum unpickles as `Class(value)`): keeps the value, runs nothing."""
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+
+# What Megatron's files hold beyond tensors and containers: args, TE's extra state, numpy RNG states.
+ALLOWED_GLOBALS: list[Any] = [
+    argparse.Namespace,
+    io.BytesIO,
+    bytes,
+    np.ndarray,
+    np.dtype,
+    UInt32DType,
+    (np._core.multiarray._reconstruct, "numpy.core.multiarray._reconstruct"),
+    np._core.multiarray._reconstruct,
+    (MegatronEnum, "megatron.core.enums.ModelType"),
+    (MegatronEnum, "megatron.core.transformer.enums.AttnBackend"),
+    (MegatronEnum, "megatron.core.transformer.enums.CudaGraphModule"),
+    (MegatronEnum, "megatron.core.transformer.enums.InferenceCudaGraphScope"),
+]
+_ALLOWED_NAMES = {
+    entry[1] if isinstance(entry, tuple) else f"{entry.__module__}.{entry.__qualname__}"
+    for entry in ALLOWED_GLOBALS
+}
+
+# Megatron-Core with TransformerEngine fuses the pre-attention / pre-MLP norms into the next linear layer.
+_TE_NAMES = {
+    "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+    "self_attention.linear_qkv.layer_norm_bias": "input_layernorm.bias",
+    "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
+    "mlp.linear_fc1.layer_norm_bias": "pre_mlp_layernorm.bias",
+}
+# The older Megatron-LM GPT (`language_model.*`, checkpoint_version < 3) -> Megatron-Core names.
+_LEGACY_NAMES = [
+    (r"language_model\.embedding\.", "embedding."),
+    (r"language_model\.output_layer\.", "output_layer."),
+    (r"language_model\.(encoder|transformer)\.final_(layer)?norm\.", "decoder.final_layernorm."),
+    (r"language_model\.(encoder|transformer)\.layers\.", "decoder.layers."),
+    (r"\.(self_attention|attention)\.query_key_value\.", ".self_attention.linear_qkv."),
+    (r"\.(self_attention|attention)\.dense\.", ".self_attention.linear_proj."),
+    (r"\.post_attention_(layer)?norm\.", ".pre_mlp_layernorm."),
+    (r"\.input_norm\.", ".input_layernorm."),
+    (r"\.mlp\.dense_h_to_4h\.", ".mlp.linear_fc1."),
+    (r"\.mlp\.dense_4h_to_h\.", ".mlp.linear_fc2."),
+]
+_LOCAL_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
+
+
+def read_checkpoint_file(path: str) -> dict[str, Any]:
+    """One rank's file, unpickled with `weights_only=True` and the allow-list; any other class is refused by
+    name before a byte is unpickled, so a crafted file runs nothing."""
+    if not os.path.exists(path):
+        raise CheckpointError(
+            f"Megatron checkpoint file {path} is missing: the save is incomplete or was moved"
+        )
+    refused = sorted(set(torch.serialization.get_unsafe_globals_in_checkpoint(path)) - _ALLOWED_NAMES)
+    if refused:
+        raise CheckpointError(
+            f"{path} holds pickled objects of {refused}, outside the classes a Megatron checkpoint holds "
+            f"({sorted(_ALLOWED_NAMES)}); unpickling them could run code, so it is not loaded"
+        )
+    with torch.serialization.safe_globals(ALLOWED_GLOBALS):
+        return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def _iteration_dir(load_dir: str, iteration: int | None) -> tuple[str, int]:
+    if iteration is not None:
+        return checkpoint_dir(load_dir, iteration), iteration
+    tracker = os.path.join(load_dir, TRACKER_FILENAME)
+    if not os.path.exists(tracker):
+        raise CheckpointError(f"{load_dir} holds no {TRACKER_FILENAME}: pass --iteration")
+    with open(tracker) as handle:
+        text = handle.read().strip()
+    if text == "release":
+        return os.path.join(load_dir, "release"), 0
+    if not text.isdigit():
+        raise CheckpointError(
+            f"{tracker} should hold an iteration number or 'release' but holds {text[:40]!r}"
+        )
+    return checkpoint_dir(load_dir, int(text)), int(text)
+
+
+def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """A nested legacy state dict ({"language_model": {"embedding": {...}}}) with dotted names."""
+    flat = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            flat |= _flatten(value, f"{prefix}{key}.")
+        else:
+            flat[prefix + key] = value
+    return flat
+
+
+def _legacy_qkv(tensor: torch.Tensor, version: float, heads: int) -> torch.Tensor:
+    """Megatron's fix_query_key_value_ordering: versions 0 ([3, heads, d]) and 1 ([heads, d, 3]) of one TP
+    shard's fused QKV -> [heads, 3, d], Megatron-Core's layout for one query group per head."""
+    rest = tensor.shape[1:]
+    if version == 0:
+        return tensor.view(3, heads, -1, *rest).transpose(0, 1).reshape(tensor.shape)
+    if version == 1:
+        return tensor.view(heads, -1, 3, *rest).transpose(1, 2).reshape(tensor.shape)
+    return tensor
+
+
+def _our_names(state: dict[str, Any], version: float, local_heads: int) -> dict[str, torch.Tensor]:
+    """One rank's model state under our names (layer numbers still local); TE extra state dropped."""
+    tensors = {}
+    for name, value in _flatten(state).items():
+        if name.endswith("_extra_state") or value is None:
+            continue
+        for pattern, replacement in _LEGACY_NAMES:
+            name = re.sub(pattern, replacement, name)
+        for te_name, ours in _TE_NAMES.items():
+            name = name.replace(te_name, ours)
+        if name.endswith(("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias")):
+            value = _legacy_qkv(value, version, local_heads)
+        tensors[name] = value
+    return tensors
+
+
+def _config_from_args(args: argparse.Namespace, true_vocab_size: int | None, where: str) -> MegatronConfig:
+    """Our config from Megatron's args (the same names), the vocabulary from --true-vocab-size or the args."""
+    given = vars(args)
+    if "layernorm_epsilon" in given and "norm_epsilon" not in given:
+        given = {**given, "norm_epsilon": given["layernorm_epsilon"]}
+
+    def section(cls: type) -> dict[str, Any]:
+        return {f.name: given[f.name] for f in dataclasses.fields(cls) if given.get(f.name) is not None}
+
+    model = section(TransformerConfig)
+    true_vocab_size = true_vocab_size or given.get("true_vocab_size")
+    if true_vocab_size is None:
+        true_vocab_size = given["padded_vocab_size"]
+        logger.warning(
+            "%s does not record its tokenizer's vocabulary size: all %d padded rows are kept as tokens; pass "
+            "--true-vocab-size (GPT-2's tokenizer: 50257) to cut the padding", where, true_vocab_size,
+        )  # fmt: skip
+    model["true_vocab_size"] = true_vocab_size
+    return MegatronConfig(
+        model=TransformerConfig(**model),
+        data=DataConfig(),
+        tokenizer=TokenizerConfig(**section(TokenizerConfig)),
+    )
+
+
+def _count_chunks(saved: dict[str, Any]) -> int:
+    return sum(1 for key in saved if re.fullmatch(r"model\d+", key))
+
+
+def load(load_dir: str, iteration: int | None = None, true_vocab_size: int | None = None) -> ModelWeights:
+    """The model of a Megatron-LM checkpoint, its TP shards merged and its stages' layers numbered globally."""
+    iteration_dir, number = _iteration_dir(load_dir, iteration)
+    without_pp = os.path.join(model_shard_dir(iteration_dir, 0, 0, 1), CHECKPOINT_FILE)
+    first_path = (
+        without_pp
+        if os.path.exists(without_pp)
+        else os.path.join(model_shard_dir(iteration_dir, 0, 0, 2), CHECKPOINT_FILE)
+    )
+    first = read_checkpoint_file(first_path)
+    if "args" not in first:
+        raise CheckpointError(
+            f"{first_path} holds no args (saved with --no-save-args?): its model's shape is unknown; re-save it "
+            "with Megatron-LM's args, or load it there and save again"
+        )
+    args = first["args"]
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    config = _config_from_args(args, true_vocab_size, iteration_dir)
+    model = config.model
+    version = float(first.get("checkpoint_version", 0))
+    shards: dict[str, list[torch.Tensor]] = {}
+    for pp_rank in range(pp):
+        for tp_rank in range(tp):
+            path = os.path.join(model_shard_dir(iteration_dir, tp_rank, pp_rank, pp), CHECKPOINT_FILE)
+            saved = first if (tp_rank, pp_rank) == (0, 0) else read_checkpoint_file(path)
+            # an interleaved pipeline saves its model chunks as model0, model1, ...
+            chunks = (
+                [saved["model"]]
+                if "model" in saved
+                else [saved[f"model{i}"] for i in range(_count_chunks(saved))]
+            )
+            virtual_size = len(chunks) if len(chunks) > 1 else None
+            for virtual_rank, chunk in enumerate(chunks):
+                layers = get_layer_range(model.num_layers, pp_rank, pp, virtual_rank, virtual_size)
+                local = _our_names(chunk, version, model.num_attention_heads // tp)
+                for name, tensor in local.items():
+                    match = _LOCAL_LAYER.match(name)
+                    if match:
+                        name = f"decoder.layers.{layers.start + int(match.group(1))}.{match.group(2)}"
+                    elif name == OUTPUT_WEIGHT and not model.untie_embeddings_and_output_weights:
+                        continue  # the last stage's copy of the tied embedding
+                    shards.setdefault(name, []).append(tensor)
+    shardings = model_shardings(config, args.padded_vocab_size)
+    check_tensor_names(shards, list(shardings), iteration_dir)
+    tensors = {name: merge_tp_shards(parts, shardings[name]) for name, parts in shards.items()}
+    files = {name: path for name, path in tokenizer_files(config).items() if os.path.exists(path)}
+    return ModelWeights(config, trim_vocab(tensors, model.true_vocab_size), files, number)
+
+
+def _args(weights: ModelWeights, tp: int, pp: int, padded_vocab_size: int) -> argparse.Namespace:
+    """Megatron's args for the saved model: its model and tokenizer flags under Megatron's names, the layout."""
+    config = weights.config
+    return argparse.Namespace(
+        **dataclasses.asdict(config.model),
+        **dataclasses.asdict(config.tokenizer),
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=None,
+        sequence_parallel=False,
+        padded_vocab_size=padded_vocab_size,
+        params_dtype=config.model.params_dtype,
+        iteration=weights.iteration,
+        consumed_train_samples=0,
+        consumed_valid_samples=0,
+        use_mcore_models=True,
+        transformer_impl="local",  # input_layernorm / pre_mlp_layernorm names, not TE's fused ones
+        ckpt_format="torch",
+    )
+
+
+def save(weights: ModelWeights, save_dir: str, target_tp: int = 1, target_pp: int = 1) -> str:
+    """Write `weights` as a Megatron-LM `torch` checkpoint for (target_tp, target_pp); returns the folder."""
+    config = weights.config
+    padded = vocab_size_with_padding(
+        weights.true_vocab_size, config.tokenizer.make_vocab_size_divisible_by, target_tp
+    )
+    check_layout(config.model, padded, target_tp, target_pp)
+    tensors = pad_vocab(weights.tensors, padded)
+    shardings = model_shardings(config, padded)
+    tied = not config.model.untie_embeddings_and_output_weights
+    args = _args(weights, target_tp, target_pp, padded)
+    iteration_dir = checkpoint_dir(save_dir, weights.iteration)
+    for pp_rank in range(target_pp):
+        layers = get_layer_range(config.model.num_layers, pp_rank, target_pp)
+        last = pp_rank == target_pp - 1
+        names = stage_tensor_names(list(shardings), layers, pp_rank == 0, last)
+        for tp_rank in range(target_tp):
+            state = {}
+            for name in names:
+                local = _LOCAL_LAYER.match(name)
+                key = (
+                    f"decoder.layers.{int(local.group(1)) - layers.start}.{local.group(2)}" if local else name
+                )
+                state[key] = split_tp_shard(tensors[name], shardings[name], target_tp, tp_rank, name)
+            if tied and last and target_pp > 1:  # Megatron-Core's last stage holds a copy of the embedding
+                state[OUTPUT_WEIGHT] = split_tp_shard(
+                    tensors[WORD_EMBEDDING], shardings[WORD_EMBEDDING], target_tp, tp_rank
+                )
+            path = os.path.join(model_shard_dir(iteration_dir, tp_rank, pp_rank, target_pp), CHECKPOINT_FILE)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with atomic_path(path) as tmp:
+                torch.save(
+                    {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": weights.iteration,
+                     "model": state, "num_floating_point_operations_so_far": 0},
+                    tmp,
+                )  # fmt: skip
+    atomic_write_text(os.path.join(save_dir, TRACKER_FILENAME), str(weights.iteration))
+    return iteration_dir

@@ -1,0 +1,198 @@
+"""The converter's `hf` loader and saver: HF GPT-2 and Llama folders in and out, and flow -> hf -> flow round trips."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+import pytest
+import torch
+
+from megatron_train.checkpointing import load_model_for_inference
+from megatron_train.convert import ModelWeights, flow
+from megatron_train.convert.weights import trim_vocab
+from megatron_train.tokenizer.build import tokenizer_from_config
+from megatron_train.tools.checkpoint_util import main
+from tests.convert_models import VOCAB, ids, our_llama, shard_tensors
+
+transformers = pytest.importorskip("transformers")
+
+
+def _save_tokenizer(folder: str) -> None:
+    """A real (word-level) tokenizer.json, so the copy can be checked byte for byte."""
+    from tokenizers import Tokenizer, models
+
+    vocab = {f"w{i}": i for i in range(VOCAB)}
+    Tokenizer(models.WordLevel(vocab, unk_token="w0")).save(os.path.join(folder, "tokenizer.json"))
+
+
+def _hf_gpt2() -> torch.nn.Module:
+    config = transformers.GPT2Config(
+        vocab_size=VOCAB, n_positions=16, n_embd=32, n_layer=2, n_head=4, activation_function="gelu_new",
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(3)
+    return transformers.GPT2LMHeadModel(config).eval()
+
+
+def _hf_llama(untied: bool, rope_type: str) -> torch.nn.Module:
+    rope = {"rope_type": rope_type, "rope_theta": 500000.0}
+    if rope_type == "llama3":
+        rope |= {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                 "original_max_position_embeddings": 8192}  # fmt: skip
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=16384, rms_norm_eps=1e-5, tie_word_embeddings=not untied,
+        rope_parameters=rope, bos_token_id=0, eos_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(4)
+    model = transformers.LlamaForCausalLM(config).eval()
+    with torch.no_grad():  # norms away from 1, so a swapped norm weight shows in the logits
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.add_(torch.randn(param.shape) * 0.1)
+    return model
+
+
+def _hf_mistral() -> torch.nn.Module:
+    config = transformers.MistralConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=16, max_position_embeddings=4096, sliding_window=None, bos_token_id=0,
+        eos_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(6)
+    return transformers.MistralForCausalLM(config).eval()
+
+
+HF_MODELS = {
+    "gpt2": _hf_gpt2,
+    "llama_gqa_untied": lambda: _hf_llama(untied=True, rope_type="default"),
+    "llama_gqa_tied": lambda: _hf_llama(untied=False, rope_type="default"),
+    "llama3_rope_scaling": lambda: _hf_llama(untied=True, rope_type="llama3"),
+    "mistral_head_dim_16": _hf_mistral,  # head_dim * heads != hidden size: --kv-channels from config.json
+}
+
+
+def _convert(*argv: str) -> None:
+    main(["--model-type", "GPT", *argv])
+
+
+def _hf_logits(folder: str, tokens: torch.Tensor, caplog) -> torch.Tensor:
+    """transformers' logits of a saved folder, asserting it loads with no missing or unused weights and no
+    warning (transformers' logger does not propagate: caplog's handler is attached to it)."""
+    caplog.clear()
+    hf_logger = logging.getLogger("transformers")
+    hf_logger.addHandler(caplog.handler)
+    try:
+        model, info = transformers.AutoModelForCausalLM.from_pretrained(folder, output_loading_info=True)
+    finally:
+        hf_logger.removeHandler(caplog.handler)
+    assert {key: value for key, value in info.items() if value} == {}, info
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+    with torch.no_grad():
+        return model.eval()(tokens).logits
+
+
+@pytest.mark.parametrize("name", HF_MODELS)
+def test_hf_model_converted_in_gives_transformers_logits_and_back_out_loads_cleanly(name, tmp_path, caplog):
+    # GPT-2 has 16 positions; Llama's run far enough that Llama-3.1's rope scaling changes the logits
+    hf_model, tokens = HF_MODELS[name](), ids(16 if name == "gpt2" else 1024)
+    hf_model.save_pretrained(tmp_path / "hf")
+    _save_tokenizer(str(tmp_path / "hf"))
+    with torch.no_grad():
+        expected = hf_model(tokens).logits
+    _convert("--loader", "hf", "--saver", "flow", "--load-dir", str(tmp_path / "hf"),
+             "--save-dir", str(tmp_path / "flow"))  # fmt: skip
+    model, config = load_model_for_inference(str(tmp_path / "flow"), device="cpu")
+    assert (model.vocab_size, config.model.true_vocab_size) == (128, VOCAB)
+    assert config.tokenizer.tokenizer_type == "HuggingFaceTokenizer"
+    assert tokenizer_from_config(config.tokenizer).vocab_size == VOCAB  # the copied tokenizer builds
+    with (
+        open(f"{tmp_path}/flow/tokenizer/tokenizer.json", "rb") as a,
+        open(f"{tmp_path}/hf/tokenizer.json", "rb") as b,
+    ):
+        assert a.read() == b.read()
+    with torch.no_grad():
+        logits = model(tokens)
+    torch.testing.assert_close(logits[..., :VOCAB], expected, rtol=1e-5, atol=1e-5)
+    assert torch.isneginf(logits[..., VOCAB:]).all()  # the padding rows are never predicted
+
+    _convert("--loader", "flow", "--saver", "hf", "--load-dir", str(tmp_path / "flow"),
+             "--save-dir", str(tmp_path / "out"))  # fmt: skip
+    torch.testing.assert_close(
+        _hf_logits(str(tmp_path / "out"), tokens, caplog), expected, rtol=1e-5, atol=1e-5
+    )
+    with open(tmp_path / "out" / "config.json") as handle:
+        exported = json.load(handle)
+    assert exported["vocab_size"] == VOCAB  # padding rows trimmed on export
+    assert (exported["bos_token_id"], exported["eos_token_id"]) == (0, 0)  # carried through our checkpoint
+    assert os.path.exists(tmp_path / "out" / "tokenizer.json")
+
+
+@pytest.mark.parametrize("untied", [True, False])
+def test_ours_at_tp2_pp2_converted_out_gives_our_logits_in_sharded_safetensors(untied, tmp_path, caplog):
+    config, model = our_llama(untied)
+    weights = ModelWeights(config, trim_vocab(model.state_dict(), VOCAB))
+    flow.save(weights, str(tmp_path / "flow"), target_tp=2, target_pp=2)
+    assert sorted(os.listdir(tmp_path / "flow" / "iter_0000001"))[1:] == [
+        "mp_rank_00_000", "mp_rank_00_001", "mp_rank_01_000", "mp_rank_01_001",
+    ]  # fmt: skip
+    _convert("--loader", "flow", "--saver", "hf", "--load-dir", str(tmp_path / "flow"),
+             "--save-dir", str(tmp_path / "hf"), "--max-shard-size", "40000")  # fmt: skip
+    with open(tmp_path / "hf" / "model.safetensors.index.json") as handle:
+        shards = set(json.load(handle)["weight_map"].values())
+    assert len(shards) > 1 and shards <= set(os.listdir(tmp_path / "hf"))
+    with torch.no_grad():
+        ours = model(ids())
+    torch.testing.assert_close(_hf_logits(str(tmp_path / "hf"), ids(), caplog), ours[..., :VOCAB])
+
+
+@pytest.mark.parametrize(("tp", "pp"), [(1, 1), (2, 2)])
+def test_flow_to_hf_to_flow_round_trip_is_bitwise(tp, pp, tmp_path, capsys):
+    config, model = our_llama(untied=True)
+    flow.save(ModelWeights(config, trim_vocab(model.state_dict(), VOCAB)), str(tmp_path / "a"), tp, pp)
+    _convert("--saver", "hf", "--load-dir", str(tmp_path / "a"), "--save-dir", str(tmp_path / "hf"))
+    assert "from_pretrained" in capsys.readouterr().out
+    _convert("--loader", "hf", "--load-dir", str(tmp_path / "hf"), "--save-dir", str(tmp_path / "b"),
+             "--target-tensor-parallel-size", str(tp), "--target-pipeline-parallel-size", str(pp))  # fmt: skip
+    printed = capsys.readouterr().out
+    assert f"--load {tmp_path / 'b'} --finetune" in printed and "--swiglu" in printed
+    assert f"run_text_generation_server --load {tmp_path / 'b'}" in printed
+    original, back = (
+        shard_tensors(f"{tmp_path}/a/iter_0000001"),
+        shard_tensors(f"{tmp_path}/b/iter_0000001"),
+    )
+    assert original.keys() == back.keys() and len(original) > 4 * tp * pp
+    for key, value in original.items():
+        assert value == back[key] if key[1] == "metadata" else torch.equal(value, back[key]), key
+
+
+def test_refusals_name_the_setting(tmp_path, capsys):
+    config, model = our_llama(untied=True)
+    flow.save(ModelWeights(config, trim_vocab(model.state_dict(), VOCAB)), str(tmp_path / "a"))
+    with pytest.raises(SystemExit):
+        _convert("--saver", "hf", "--load-dir", str(tmp_path / "a"), "--save-dir", str(tmp_path / "hf"),
+                 "--target-tensor-parallel-size", "2")  # fmt: skip
+    assert "--saver hf writes one unsplit model" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        _convert("--saver", "megatron", "--load-dir", str(tmp_path / "a"), "--save-dir", str(tmp_path / "mg"),
+                 "--target-num-layers-per-virtual-pipeline-stage", "1")  # fmt: skip
+    assert "lays out flow -> flow resharding only" in capsys.readouterr().err
+    os.makedirs(tmp_path / "bert")
+    with open(tmp_path / "bert" / "config.json", "w") as handle:
+        json.dump({"model_type": "bert"}, handle)
+    with pytest.raises(SystemExit):
+        _convert("--loader", "hf", "--load-dir", str(tmp_path / "bert"), "--save-dir", str(tmp_path / "b"))
+    assert "model_type 'bert' is not one the hf loader maps" in capsys.readouterr().err
+    with open(tmp_path / "bert" / "config.json", "w") as handle:  # Llama-2-style linear rope scaling
+        json.dump({"model_type": "llama", "num_attention_heads": 4, "rope_scaling": {"type": "linear",
+                   "factor": 2.0}}, handle)  # fmt: skip
+    with pytest.raises(SystemExit):
+        _convert("--loader", "hf", "--load-dir", str(tmp_path / "bert"), "--save-dir", str(tmp_path / "b"))
+    assert "rope_type 'linear' is not one this model has (default, llama3)" in capsys.readouterr().err
+    with open(tmp_path / "bert" / "config.json", "w") as handle:
+        json.dump({"model_type": "llama", "num_attention_heads": 4}, handle)
+    with pytest.raises(SystemExit):
+        _convert("--loader", "hf", "--load-dir", str(tmp_path / "bert"), "--save-dir", str(tmp_path / "b"))
+    assert "config.json lacks 'num_hidden_layers', which a llama config has" in capsys.readouterr().err
