@@ -1,7 +1,7 @@
 """Dedup at scale: peak memory of every process of the dedup stage as the corpus grows, docs/s at each size,
 recall on planted near duplicates, and datatrove's MinHash pipeline at the largest size in the same run.
 
-Corpus of each size: ~2 KB documents, each a random draw of GCIDE entries and KJV verses (the shared corpora,
+Corpus of each size: ~2 KB documents, each a random draw of lines of GCIDE entries and KJV verses (the shared corpora,
 ../shared/corpora), so documents are distinct however large the corpus; then, after every 10,000 of them,
 near copies of 5% of those with 2 to 5 words changed (Jaccard ~0.85-0.95 on word 5-grams). Written as Parquet
 shards (download stage, 10,000 documents per shard).
@@ -40,14 +40,14 @@ FLAT = 1.2  # the largest size's peak RSS over the smallest's
 
 
 def text_pool() -> list[str]:
-    """GCIDE entries and KJV verses: the pieces documents are drawn from."""
+    """The lines of GCIDE's entries and KJV's verses with five words or more: the pieces documents are drawn
+    from (whole entries would not do: a document of one long entry would repeat wherever that entry is drawn)."""
     pieces = []
     for name in ("gcide.jsonl.xz", "kjv.jsonl.xz"):
         with lzma.open(CORPORA / name, "rt") as f:
             for line in f:
-                text = json.loads(line)["text"]
-                pieces.extend(text.split("\n") if name.startswith("kjv") else [text])
-    return [p for p in pieces if p.strip()]
+                pieces.extend(p for p in json.loads(line)["text"].split("\n") if len(p.split()) >= 5)
+    return pieces
 
 
 def documents(pool: list[str], megabytes: float, seed: int) -> Iterator[list[dict]]:
@@ -102,12 +102,12 @@ def run_child(engine: str, source: dict, workdir: Path, workers: int) -> dict:
 
 def child(engine: str, source_json: str, workdir: str, workers: int) -> None:
     """The body of `--child`: run the engine, print one JSON line."""
-    from benchmarks.dedup import run_datatrove
     from stages import dedup
     from stages.shards import process_pool
     from storage.artifacts import ArtifactStore
 
     source = ArtifactStore(str(Path(workdir) / "unused")).ref(json.loads(source_json))
+    imported = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # the interpreter and libraries
     started = time.perf_counter()
     if engine == "ours":
         store = ArtifactStore(str(Path(workdir) / "ours"))
@@ -115,6 +115,8 @@ def child(engine: str, source_json: str, workdir: str, workers: int) -> None:
         report = pq.read_table(ref.local_path("duplicates.parquet"), columns=["id", "kept"]).to_pylist()
         removed = [row["id"] for row in report if not row["kept"]]
     else:
+        from benchmarks.dedup import run_datatrove
+
         shards = Path(source.url) / "shards"
         n_shards = len(list(shards.glob("*.parquet")))
         removed = sorted(run_datatrove(str(shards), n_shards, Path(workdir) / "datatrove", workers))
@@ -123,6 +125,7 @@ def child(engine: str, source_json: str, workdir: str, workers: int) -> None:
         who: resource.getrusage(which).ru_maxrss / 1024
         for who, which in (("main", resource.RUSAGE_SELF), ("workers", resource.RUSAGE_CHILDREN))
     }
+    rss["imports"] = imported
     print(json.dumps({"seconds": seconds, "removed": removed, "rss_mb": rss}))
 
 
@@ -166,7 +169,7 @@ def main() -> None:
                 print(
                     f"{engine:>9} {megabytes:6.0f} MB: {docs:8d} docs ({text_mb:7.1f} MB text), "
                     f"{result['seconds']:7.1f} s, {docs / result['seconds']:8.0f} docs/s, "
-                    f"peak RSS main {result['rss_mb']['main']:6.0f} MB, workers {result['rss_mb']['workers']:6.0f} MB, "
+                    f"peak RSS main {result['rss_mb']['main']:6.0f} MB (after imports {result['rss_mb']['imports']:.0f}), workers {result['rss_mb']['workers']:6.0f} MB, "
                     f"recall {recall:.4f}, precision {precision:.4f} ({len(planted)} planted)",
                     flush=True,
                 )

@@ -83,7 +83,7 @@ class DedupParams:
     verify: bool = True
     verify_sigmas: float = 3.0
     seed: int = 1
-    # Entries (documents x bands) a bucket task holds: the corpus is cut into as many hash ranges as it takes.
+    # Keys (document, band) a bucket task holds, about: the corpus is cut into as many hash ranges as it takes.
     docs_per_bucket_task: int = 1 << 16
 
     @property
@@ -145,7 +145,7 @@ def hash_range_starts(ranges: int) -> np.ndarray:
 
 
 def bucket_tasks(params: DedupParams, docs: int) -> tuple[int, list[tuple[list[int], int]]]:
-    """The number of hash ranges and the bucket tasks, (bands, hash range) each, so that a task holds at most
+    """The number of hash ranges and the bucket tasks, (bands, hash range) each, so that a task holds about
     `docs_per_bucket_task` keys (one band per task, or several when the whole corpus is smaller than that)."""
     ranges = max(1, math.ceil(docs / params.docs_per_bucket_task))
     bands = list(range(len(params.key_kinds)))
@@ -186,11 +186,13 @@ def minhash_shard(
     order = np.argsort(by_band, axis=1, kind="stable")
     arrays["keys"] = np.take_along_axis(by_band, order, axis=1)
     arrays["rows"] = order.astype(np.uint32)
-    # Flat positions (in keys/rows) where each band's hash range starts, and the end of its last range.
-    starts = np.array([np.searchsorted(k, hash_range_starts(ranges)) for k in arrays["keys"]], dtype=np.int64)
-    ends = np.full((len(by_band), 1), len(texts), dtype=np.int64)
-    starts = np.concatenate([np.zeros_like(ends), starts.reshape(len(by_band), ranges - 1), ends], axis=1)
-    arrays["offsets"] = starts + np.arange(len(by_band), dtype=np.int64)[:, None] * len(texts)
+    # Where each band's hash ranges start, and its end: flat positions in keys/rows (band b starts at b * n).
+    n = len(texts)
+    bounds = [
+        np.concatenate(([0], np.searchsorted(k, hash_range_starts(ranges)), [n])) + band * n
+        for band, k in enumerate(arrays["keys"])
+    ]
+    arrays["offsets"] = np.array(bounds, dtype=np.int64).reshape(len(by_band), ranges + 1)
     files = {}
     for part, array in arrays.items():
         relative = _minhash_files(name)[part]
