@@ -6,9 +6,9 @@ Corpus of each size: ~2 KB documents, each a random draw of lines of GCIDE entri
 near copies of 5% of those with 2 to 5 words changed (Jaccard ~0.85-0.95 on word 5-grams). Written as Parquet
 shards (download stage, 10,000 documents per shard).
 
-Each engine runs in a fresh process (`--child`), which reports its own peak RSS (`ru_maxrss`, the stage's
-process: the cluster step runs there) and the largest of its children's (the pool workers running signature,
-bucket and kept-document tasks). The stage's memory must stay flat (within 20%) from the smallest to the
+Each engine runs in a fresh process (`--child`); its peak RSS (VmHWM, the stage's process: the cluster step
+runs there) and the largest of its descendants' (the pool workers running signature, bucket and kept-document
+tasks) are sampled from /proc. The stage's memory must stay flat (within 20%) from the smallest to the
 largest size. Datatrove: MinhashDedupSignature -> Buckets -> Cluster -> Filter as in `benchmarks/dedup.py`
 (14 buckets x 8 hashes), same workers. Ends with `ratio: <ours/datatrove docs/s at the largest size>`.
 
@@ -20,11 +20,12 @@ from __future__ import annotations
 import argparse
 import json
 import lzma
+import os
 import random
-import resource
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -90,24 +91,64 @@ def build_source(pool: list[str], megabytes: float, workdir: Path):
     return ref, docs, text_bytes / 1e6, planted
 
 
+def descendants(root: int) -> list[int]:
+    """`root` and every process below it, from /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    children.setdefault(int(f.read().rsplit(")", 1)[1].split()[1]), []).append(int(entry))
+            except (OSError, IndexError, ValueError):
+                continue
+    tree, stack = [], [root]
+    while stack:
+        tree.append(stack.pop())
+        stack.extend(children.get(tree[-1], []))
+    return tree
+
+
+def peak_rss_mb(pid: int) -> float:
+    """The process's peak resident memory so far (VmHWM), 0 once it is gone."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return next(int(line.split()[1]) / 1024 for line in f if line.startswith("VmHWM:"))
+    except (OSError, StopIteration):
+        return 0.0
+
+
 def run_child(engine: str, source: dict, workdir: Path, workers: int) -> dict:
-    """Run one engine in a fresh process; its seconds, removed ids and peak RSS (MB) of it and its children."""
+    """Run one engine in a fresh process; its seconds, removed ids, and the peak RSS (MB) of that process and
+    of the largest of its descendants, sampled from /proc every 50 ms."""
     command = [sys.executable, "-m", "benchmarks.dedup_scale", "--child", engine, json.dumps(source)]
     command += [str(workdir), str(workers)]
-    proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{engine} failed:\n{proc.stderr[-3000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    peaks: dict[int, float] = {}
+
+    def sample() -> None:
+        while process.poll() is None:
+            for pid in descendants(process.pid):
+                peaks[pid] = max(peaks.get(pid, 0.0), peak_rss_mb(pid))
+            time.sleep(0.05)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    stdout, stderr = process.communicate()
+    sampler.join()
+    if process.returncode != 0:
+        raise RuntimeError(f"{engine} failed:\n{stderr[-3000:]}")
+    workers_peak = max((mb for pid, mb in peaks.items() if pid != process.pid), default=0.0)
+    rss = {"main": peaks.get(process.pid, 0.0), "workers": workers_peak}
+    return {**json.loads(stdout.strip().splitlines()[-1]), "rss_mb": rss}
 
 
 def child(engine: str, source_json: str, workdir: str, workers: int) -> None:
-    """The body of `--child`: run the engine, print one JSON line."""
+    """The body of `--child`: run the engine, print one JSON line (seconds, removed ids)."""
     from stages import dedup
     from stages.shards import process_pool
     from storage.artifacts import ArtifactStore
 
     source = ArtifactStore(str(Path(workdir) / "unused")).ref(json.loads(source_json))
-    imported = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # the interpreter and libraries
     started = time.perf_counter()
     if engine == "ours":
         store = ArtifactStore(str(Path(workdir) / "ours"))
@@ -120,13 +161,7 @@ def child(engine: str, source_json: str, workdir: str, workers: int) -> None:
         shards = Path(source.url) / "shards"
         n_shards = len(list(shards.glob("*.parquet")))
         removed = sorted(run_datatrove(str(shards), n_shards, Path(workdir) / "datatrove", workers))
-    seconds = time.perf_counter() - started
-    rss = {
-        who: resource.getrusage(which).ru_maxrss / 1024
-        for who, which in (("main", resource.RUSAGE_SELF), ("workers", resource.RUSAGE_CHILDREN))
-    }
-    rss["imports"] = imported
-    print(json.dumps({"seconds": seconds, "removed": removed, "rss_mb": rss}))
+    print(json.dumps({"seconds": time.perf_counter() - started, "removed": removed}))
 
 
 def quality(removed: set[str], planted: set[str]) -> tuple[float, float]:
@@ -169,7 +204,7 @@ def main() -> None:
                 print(
                     f"{engine:>9} {megabytes:6.0f} MB: {docs:8d} docs ({text_mb:7.1f} MB text), "
                     f"{result['seconds']:7.1f} s, {docs / result['seconds']:8.0f} docs/s, "
-                    f"peak RSS main {result['rss_mb']['main']:6.0f} MB (after imports {result['rss_mb']['imports']:.0f}), workers {result['rss_mb']['workers']:6.0f} MB, "
+                    f"peak RSS main {result['rss_mb']['main']:6.0f} MB, workers {result['rss_mb']['workers']:6.0f} MB, "
                     f"recall {recall:.4f}, precision {precision:.4f} ({len(planted)} planted)",
                     flush=True,
                 )

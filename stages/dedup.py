@@ -269,62 +269,59 @@ def bucket_shard(
     return {"pairs": sum(len(p) for p in pairs)}
 
 
-def cluster_shard(
-    writer: ArtifactWriter, source: ArtifactRef, names: list[str], tasks: list[str], params: DedupParams
-) -> dict:
+def union_pairs(pairs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The documents in accepted pairs (sorted ids) and each one's cluster root, the cluster's earliest id."""
+    edges = pairs[pairs[:, 2] != REJECTED_PAIR, :2]
+    members = np.unique(edges)
+    union_find = minhash.UnionFind(len(members))
+    union_find.union_pairs(np.searchsorted(members, edges[:, 0]), np.searchsorted(members, edges[:, 1]))
+    return members, members[union_find.roots()]  # compact indices keep the ids' order
+
+
+def cluster_shard(writer: ArtifactWriter, source: ArtifactRef, names: list[str], tasks: list[str]) -> dict:
     """Union-find over the candidate pairs; the report, one file per input shard, and the cluster counts."""
     pairs = np.concatenate(
         [np.zeros((0, 3), dtype=np.int64)] + [read_committed_npy(writer, f"pairs/{t}.npy") for t in tasks]
     )
     near = np.unique(pairs[pairs[:, 2] != EXACT_PAIR], axis=0)  # a pair found in several bands counts once
-    edges = pairs[pairs[:, 2] != REJECTED_PAIR, :2]
-    members = np.unique(edges)
-    union_find = minhash.UnionFind(len(members))
-    union_find.union_pairs(np.searchsorted(members, edges[:, 0]), np.searchsorted(members, edges[:, 1]))
-    roots = members[union_find.roots()]  # compact indices keep the ids' order: the root is the earliest
-    cluster_root, sizes = np.unique(roots, return_counts=True)
-    size_of = dict(zip(cluster_root.tolist(), sizes.tolist(), strict=True))
-    root_id: dict[int, str] = {}
+    members, roots = union_pairs(pairs)
+    cluster_roots, sizes = np.unique(roots, return_counts=True)
+    size_of = dict(zip(cluster_roots.tolist(), sizes.tolist(), strict=True))
+    root_id: dict[int, str] = {}  # filled shard by shard: a root precedes its members, so it is met first
     root_exact: dict[int, int] = {}
     files, dropped = {}, {"exact": 0, "near": 0}
     for index, name in enumerate(names):
-        in_shard = (members >> ROW_BITS) == index
-        member, root = members[in_shard], roots[in_shard]
-        rows = member & ((1 << ROW_BITS) - 1)
-        ids, exact = [], np.zeros(0, dtype=np.uint64)
-        if len(member):
-            all_ids = read_parquet_columns(source.local_path(shard_file(name)), ["id"]).column("id")
-            ids = all_ids.take(pa.array(rows)).to_pylist()
-            exact = read_committed_npy(writer, _minhash_files(name)["exact"])[rows]
-        kept = member == root
-        for m, doc_id, key in zip(
-            member[kept].tolist(), np.asarray(ids, dtype=object)[kept], exact[kept].tolist(), strict=True
-        ):
-            root_id[m], root_exact[m] = doc_id, key  # a root precedes its members: known before they are met
-        root_list = root.tolist()
+        start, stop = np.searchsorted(members, [index << ROW_BITS, (index + 1) << ROW_BITS])
+        member, root = members[start:stop].tolist(), roots[start:stop].tolist()
+        rows = [m & ((1 << ROW_BITS) - 1) for m in member]
+        ids, exact = [], []
+        if member:
+            ids = read_parquet_columns(source.local_path(shard_file(name)), ["id"]).column("id")
+            ids = ids.take(pa.array(rows)).to_pylist()
+            exact = read_committed_npy(writer, _minhash_files(name)["exact"])[rows].tolist()
+        for m, r, doc_id, key in zip(member, root, ids, exact, strict=True):
+            if m == r:
+                root_id[m], root_exact[m] = doc_id, key
         kind = [
-            None if k else ("exact" if key == root_exact[r] else "near")
-            for k, key, r in zip(kept.tolist(), exact.tolist(), root_list, strict=True)
+            None if m == r else "exact" if key == root_exact[r] else "near"
+            for m, r, key in zip(member, root, exact, strict=True)
         ]
         dropped["exact"] += kind.count("exact")
         dropped["near"] += kind.count("near")
-        table = pa.table(
-            {
-                "id": ids,
-                "shard": [name] * len(member),
-                "row": rows,
-                "cluster": [root_id[r] for r in root_list],
-                "cluster_size": [size_of[r] for r in root_list],
-                "kept": kept,
-                "kind": kind,
-            },
-            schema=REPORT_SCHEMA,
-        )
+        table = {
+            "id": ids,
+            "shard": [name] * len(member),
+            "row": rows,
+            "cluster": [root_id[r] for r in root],
+            "cluster_size": [size_of[r] for r in root],
+            "kept": [m == r for m, r in zip(member, root, strict=True)],
+            "kind": kind,
+        }
         files[report_file(name)] = os.path.join(writer.local_dir, report_file(name))
-        write_parquet_table(table, files[report_file(name)])
+        write_parquet_table(pa.table(table, schema=REPORT_SCHEMA), files[report_file(name)])
     counts = {
         "dropped": dropped,
-        "clusters": len(cluster_root),
+        "clusters": len(cluster_roots),
         "candidate_pairs": len(near),
         "rejected_pairs": int((near[:, 2] == REJECTED_PAIR).sum()),
     }
@@ -387,7 +384,7 @@ class DedupStage(Stage):
             task_names = [bucket_task_name(bands, r) for bands, r in tasks]
             bucket_args = [(writer, names, params, bands, r, ranges) for bands, r in tasks]
             run_shards(writer, bucket_shard, bucket_args, task_names, map_shards)
-            cluster_args = [(writer, source, names, task_names, params)]
+            cluster_args = [(writer, source, names, task_names)]
             run_shards(writer, cluster_shard, cluster_args, [CLUSTERS], map_shards)
             clusters = read_committed_json(writer, stats_file(CLUSTERS))
             run_shards(writer, write_kept_shard, [(writer, source, n) for n in names], names, map_shards)
