@@ -22,6 +22,7 @@ import json
 import lzma
 import os
 import random
+import resource
 import subprocess
 import sys
 import tempfile
@@ -124,6 +125,7 @@ def run_child(engine: str, source: dict, workdir: Path, workers: int) -> dict:
     command += [str(workdir), str(workers)]
     process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     peaks: dict[int, float] = {}
+    cpu_before = _children_cpu_seconds()
 
     def sample() -> None:
         while process.poll() is None:
@@ -139,7 +141,14 @@ def run_child(engine: str, source: dict, workdir: Path, workers: int) -> dict:
         raise RuntimeError(f"{engine} failed:\n{stderr[-3000:]}")
     workers_peak = max((mb for pid, mb in peaks.items() if pid != process.pid), default=0.0)
     rss = {"main": peaks.get(process.pid, 0.0), "workers": workers_peak}
-    return {**json.loads(stdout.strip().splitlines()[-1]), "rss_mb": rss}
+    cpu = _children_cpu_seconds() - cpu_before
+    return {**json.loads(stdout.strip().splitlines()[-1]), "rss_mb": rss, "cpu_seconds": cpu}
+
+
+def _children_cpu_seconds() -> float:
+    """User + system seconds of the finished child processes and their waited-for descendants."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def child(engine: str, source_json: str, workdir: str, workers: int) -> None:
@@ -203,7 +212,8 @@ def main() -> None:
                 }
                 print(
                     f"{engine:>9} {megabytes:6.0f} MB: {docs:8d} docs ({text_mb:7.1f} MB text), "
-                    f"{result['seconds']:7.1f} s, {docs / result['seconds']:8.0f} docs/s, "
+                    f"{result['seconds']:7.1f} s, {docs / result['seconds']:8.0f} docs/s "
+                    f"({docs / result['cpu_seconds']:.0f} per CPU second, interpreter start included), "
                     f"peak RSS main {result['rss_mb']['main']:6.0f} MB, workers {result['rss_mb']['workers']:6.0f} MB, "
                     f"recall {recall:.4f}, precision {precision:.4f} ({len(planted)} planted)",
                     flush=True,
@@ -218,6 +228,9 @@ def main() -> None:
     if ("datatrove", max(sizes)) in results:
         theirs = results["datatrove", max(sizes)]
         print(f"recall at {max(sizes):.0f} MB: ours {large['recall']:.4f}, datatrove {theirs['recall']:.4f}")
+        print(
+            f"docs per CPU second, ours / datatrove: {large['docs_per_cpu_s'] / theirs['docs_per_cpu_s']:.3f}"
+        )
         print(f"ratio: {large['docs_per_s'] / theirs['docs_per_s']:.3f}")
 
 
