@@ -22,7 +22,6 @@ import json
 import lzma
 import os
 import random
-import resource
 import subprocess
 import sys
 import tempfile
@@ -109,6 +108,16 @@ def descendants(root: int) -> list[int]:
     return tree
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds the process has used so far, 0 once it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def peak_rss_mb(pid: int) -> float:
     """The process's peak resident memory so far (VmHWM), 0 once it is gone."""
     try:
@@ -119,18 +128,19 @@ def peak_rss_mb(pid: int) -> float:
 
 
 def run_child(engine: str, source: dict, workdir: Path, workers: int) -> dict:
-    """Run one engine in a fresh process; its seconds, removed ids, and the peak RSS (MB) of that process and
-    of the largest of its descendants, sampled from /proc every 50 ms."""
+    """Run one engine in a fresh process; its seconds, removed ids, the peak RSS (MB) of that process and of the
+    largest of its descendants, and the CPU seconds of them all, sampled from /proc every 50 ms."""
     command = [sys.executable, "-m", "benchmarks.dedup_scale", "--child", engine, json.dumps(source)]
     command += [str(workdir), str(workers)]
     process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     peaks: dict[int, float] = {}
-    cpu_before = _children_cpu_seconds()
+    cpu: dict[int, float] = {}
 
     def sample() -> None:
         while process.poll() is None:
             for pid in descendants(process.pid):
                 peaks[pid] = max(peaks.get(pid, 0.0), peak_rss_mb(pid))
+                cpu[pid] = max(cpu.get(pid, 0.0), cpu_seconds(pid))
             time.sleep(0.05)
 
     sampler = threading.Thread(target=sample)
@@ -141,14 +151,7 @@ def run_child(engine: str, source: dict, workdir: Path, workers: int) -> dict:
         raise RuntimeError(f"{engine} failed:\n{stderr[-3000:]}")
     workers_peak = max((mb for pid, mb in peaks.items() if pid != process.pid), default=0.0)
     rss = {"main": peaks.get(process.pid, 0.0), "workers": workers_peak}
-    cpu = _children_cpu_seconds() - cpu_before
-    return {**json.loads(stdout.strip().splitlines()[-1]), "rss_mb": rss, "cpu_seconds": cpu}
-
-
-def _children_cpu_seconds() -> float:
-    """User + system seconds of the finished child processes and their waited-for descendants."""
-    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return usage.ru_utime + usage.ru_stime
+    return {**json.loads(stdout.strip().splitlines()[-1]), "rss_mb": rss, "cpu_seconds": sum(cpu.values())}
 
 
 def child(engine: str, source_json: str, workdir: str, workers: int) -> None:
@@ -208,12 +211,13 @@ def main() -> None:
                 results[engine, megabytes] = {
                     **result,
                     "docs_per_s": docs / result["seconds"],
+                    "docs_per_cpu_s": docs / result["cpu_seconds"],
                     "recall": recall,
                 }
                 print(
                     f"{engine:>9} {megabytes:6.0f} MB: {docs:8d} docs ({text_mb:7.1f} MB text), "
                     f"{result['seconds']:7.1f} s, {docs / result['seconds']:8.0f} docs/s "
-                    f"({docs / result['cpu_seconds']:.0f} per CPU second, interpreter start included), "
+                    f"({docs / result['cpu_seconds']:.0f} per CPU second, sampled), "
                     f"peak RSS main {result['rss_mb']['main']:6.0f} MB, workers {result['rss_mb']['workers']:6.0f} MB, "
                     f"recall {recall:.4f}, precision {precision:.4f} ({len(planted)} planted)",
                     flush=True,
