@@ -44,6 +44,7 @@ from datatrove.pipeline.writers import ParquetWriter  # noqa: E402
 from datatrove.utils.word_tokenizers import WordTokenizer  # noqa: E402
 
 from stages import dedup, download  # noqa: E402
+from stages.shards import process_pool  # noqa: E402
 from storage.artifacts import ArtifactStore  # noqa: E402
 from storage.documents import write_parquet_shard  # noqa: E402
 
@@ -108,7 +109,9 @@ def quality(removed: set[str], planted: set[str]) -> tuple[float, float]:
 
 
 def run_ours(source, workdir: Path, workers: int) -> set[str]:
-    ref = dedup.run(dedup.DedupParams(), [source], ArtifactStore(str(workdir / "ours")), workers=workers)
+    ref = dedup.run(
+        dedup.DedupParams(), [source], ArtifactStore(str(workdir / "ours")), map_shards=process_pool(workers)
+    )
     report = pq.read_table(ref.local_path("duplicates.parquet")).to_pylist()
     return {row["id"] for row in report if not row["kept"]}
 

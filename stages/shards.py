@@ -106,6 +106,32 @@ def read_committed_npy(writer: ArtifactWriter, name: str) -> np.ndarray:
         return np.load(f)
 
 
+def read_committed_npy_ranges(
+    writer: ArtifactWriter, name: str, starts: Sequence[int], stops: Sequence[int]
+) -> np.ndarray:
+    """Elements [start, stop) of a committed .npy array (flattened, C order) for each range, concatenated.
+
+    Only those bytes are read (ranged GETs on object stores), so a task can take its slice of a large file
+    without loading it.
+    """
+    with writer.fs.open(f"{writer.path}/{name}", "rb") as f:
+        version = np.lib.format.read_magic(f)
+        read_header = (
+            np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+        )
+        _, fortran_order, dtype = read_header(f)
+        if fortran_order:
+            raise ValueError(
+                f"{writer.url}/{name}: Fortran-ordered array; write it with np.save of a C array"
+            )
+        data_start = f.tell()
+        chunks = []
+        for start, stop in zip(starts, stops, strict=True):
+            f.seek(data_start + int(start) * dtype.itemsize)
+            chunks.append(np.frombuffer(f.read((int(stop) - int(start)) * dtype.itemsize), dtype=dtype))
+    return np.concatenate(chunks) if chunks else np.zeros(0, dtype=dtype)
+
+
 def run_shards(
     writer: ArtifactWriter,
     task: Callable[..., dict],

@@ -14,7 +14,7 @@ import pytest
 
 from stages import clean, dedup, download, minhash
 from stages.dedup import DedupParams
-from stages.shards import process_pool
+from stages.shards import process_pool, read_committed_npy_ranges
 from storage.artifacts import ArtifactStore
 from storage.documents import BadRecordError, iter_records
 
@@ -200,6 +200,51 @@ def test_verification_rejects_low_similarity_candidates(corpus_ref, tmp_path):
     assert unverified.manifest()["counts"]["docs_out"] == 1  # everything merged into one cluster
 
 
+def test_bucket_tasks_cut_the_corpus_by_band_and_hash_range():
+    params = DedupParams()  # 20 LSH bands + the exact key, 65,536 keys per task
+    assert dedup.bucket_tasks(params, 1000) == (1, [(list(range(21)), 0)])  # small corpus: one task
+    ranges, tasks = dedup.bucket_tasks(params, 20_000)  # 3 bands per task
+    assert ranges == 1 and [bands for bands, _ in tasks] == [
+        [0, 1, 2],
+        [3, 4, 5],
+        [6, 7, 8],
+        [9, 10, 11],
+        [12, 13, 14],
+        [15, 16, 17],
+        [18, 19, 20],
+    ]
+    ranges, tasks = dedup.bucket_tasks(params, 1_000_000)  # one band per task, 16 hash ranges of ~62,500 docs
+    assert ranges == 16 and len(tasks) == 21 * 16 and tasks[17] == ([1], 1)
+    assert dedup.bucket_tasks(DedupParams(exact=False), 1_000_000)[1][-1] == ([19], 15)
+    starts = dedup.hash_range_starts(4)
+    assert starts.tolist() == [1 << 62, 2 << 62, 3 << 62]
+
+
+def test_many_small_bucket_tasks_find_the_same_duplicates(corpus_ref, tmp_path):
+    whole = dedup.run(DedupParams(), [corpus_ref], ArtifactStore(str(tmp_path / "a")), map_shards=SERIAL)
+    # 57 documents, 8 per bucket task: 8 hash ranges x 21 bands, each task reads its slice of every shard.
+    split_params = DedupParams(docs_per_bucket_task=8)
+    split = dedup.run(split_params, [corpus_ref], ArtifactStore(str(tmp_path / "b")), map_shards=SERIAL)
+    assert split.manifest()["lsh"]["hash_ranges"] == 8 and split.manifest()["lsh"]["bucket_tasks"] == 168
+    assert len(split.files("pairs/")) == 168
+    assert split.manifest()["counts"] == whole.manifest()["counts"]
+    for name in [*whole.files("duplicates.parquet/"), *whole.files("shards/")]:
+        assert Path(split.local_path(name)).read_bytes() == Path(whole.local_path(name)).read_bytes(), name
+
+
+@pytest.mark.parametrize("url", ["local", "memory://ranges"])
+def test_read_committed_npy_ranges(tmp_path, url):
+    store = ArtifactStore(str(tmp_path / "store") if url == "local" else url)
+    writer = store.begin("test", "key")
+    array = np.arange(60, dtype=np.uint64).reshape(6, 10) * 3
+    np.save(tmp_path / "a.npy", array)
+    writer.commit_shard("a", {"a.npy": str(tmp_path / "a.npy")})
+    got = read_committed_npy_ranges(writer, "a.npy", [12, 40, 59], [15, 40, 60])
+    assert got.dtype == np.uint64 and got.tolist() == [36, 39, 42, 177]
+    assert read_committed_npy_ranges(writer, "a.npy", [], []).tolist() == []
+    writer.release(remove=True)
+
+
 def test_parallel_pool_gives_identical_bytes(corpus_ref, tmp_path):
     serial = dedup.run(DedupParams(), [corpus_ref], ArtifactStore(str(tmp_path / "a")), map_shards=SERIAL)
     pooled = dedup.run(
@@ -252,17 +297,25 @@ def commit_then_die(self, name, files):
 ArtifactWriter.commit_shard = commit_then_die
 store = ArtifactStore(sys.argv[1])
 source = store.ref({"stage": "download", "key": sys.argv[2], "url": sys.argv[4]})
-dedup.run(dedup.DedupParams(), [source], store, map_shards=process_pool(1))
+params = dedup.DedupParams(docs_per_bucket_task=int(sys.argv[5]))
+dedup.run(params, [source], store, map_shards=process_pool(1))
 """
 
 
-@pytest.mark.parametrize("kill_after", [2, 7])  # during signatures (5 shards), during kept documents
-def test_sigkill_then_rerun_is_byte_identical(corpus_ref, tmp_path, kill_after):
+# Tasks: 5 signature shards, then bucket tasks (1, or 42 with 32 documents per task), the cluster task, 5 kept shards.
+@pytest.mark.parametrize(
+    "kill_after, docs_per_bucket_task",
+    [(2, 1 << 16), (8, 32), (6, 1 << 16), (9, 1 << 16)],
+    ids=["signatures", "buckets", "cluster", "kept-documents"],
+)
+def test_sigkill_then_rerun_is_byte_identical(corpus_ref, tmp_path, kill_after, docs_per_bucket_task):
     store_dir = tmp_path / "killed"
     store = ArtifactStore(str(store_dir))
     source = corpus_ref
+    params = DedupParams(docs_per_bucket_task=docs_per_bucket_task)
+    killer_args = [str(store_dir), source.key, str(kill_after), source.url, str(docs_per_bucket_task)]
     proc = subprocess.run(
-        [sys.executable, "-c", KILLER, str(store_dir), source.key, str(kill_after), source.url],
+        [sys.executable, "-c", KILLER, *killer_args],
         cwd=ROOT,
         capture_output=True,
     )
@@ -272,10 +325,10 @@ def test_sigkill_then_rerun_is_byte_identical(corpus_ref, tmp_path, kill_after):
     markers = {p.name: p.read_bytes() for p in (key_dirs[0] / "_shards").iterdir()}
     assert len(markers) == kill_after
 
-    resumed = dedup.run(DedupParams(), [source], store, map_shards=SERIAL)
+    resumed = dedup.run(params, [source], store, map_shards=SERIAL)
     assert not resumed.cache_hit
     assert {p: (key_dirs[0] / "_shards" / p).read_bytes() for p in markers} == markers  # not redone
-    clean = dedup.run(DedupParams(), [source], ArtifactStore(str(tmp_path / "clean")), map_shards=SERIAL)
+    clean = dedup.run(params, [source], ArtifactStore(str(tmp_path / "clean")), map_shards=SERIAL)
     assert resumed.key == clean.key
     assert _data_files(resumed.url) == _data_files(clean.url)
     assert resumed.manifest()["counts"] == clean.manifest()["counts"]
