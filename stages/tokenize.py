@@ -44,7 +44,6 @@ from fsspec.implementations.local import LocalFileSystem
 from tqdm import tqdm
 
 from megatron_train.tokenizer import TOKENIZER_TYPES
-from megatron_train.tokenizer.flags import add_tokenizer_args
 from stages.base import Inputs, Stage
 from stages.shards import MapShards, process_pool, read_committed_json, run_shards, write_json
 from stages.tokenize_inputs import WorkUnit, plan_units, resolve_inputs
@@ -195,6 +194,9 @@ key = STAGE.key
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     defaults = TokenizeParams()
+    # Imported here: the flag definitions come with the training config (torch), which the stage does not need.
+    from megatron_train.tokenizer.flags import add_tokenizer_args
+
     parser = argparse.ArgumentParser(prog="python -m stages.tokenize", description=__doc__.split("\n\n")[0])
     group = parser.add_argument_group("input data")
     group.add_argument(
