@@ -18,6 +18,14 @@ from megatron_train.models.config import TransformerConfig
 from megatron_train.models.transformer import pack_qkv
 
 StateDict = dict[str, torch.Tensor]
+REQUIRED_CONFIG_KEYS = (
+    "num_hidden_layers",
+    "hidden_size",
+    "num_attention_heads",
+    "intermediate_size",
+    "max_position_embeddings",
+    "vocab_size",
+)
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 
 
@@ -33,6 +41,9 @@ class LoadedBert:
 
 def transformer_config_from_hf(hf_config: dict, where: str = "config.json") -> TransformerConfig:
     """Our TransformerConfig for a Hugging Face BertConfig dict (the original post-LN BERT layer)."""
+    missing = [key for key in REQUIRED_CONFIG_KEYS if key not in hf_config]
+    if missing:
+        raise ValueError(f"{where}: missing {', '.join(missing)}; is this a Hugging Face BERT config?")
     activation = hf_config.get("hidden_act", "gelu")
     if activation not in ("gelu", "gelu_new"):
         raise ValueError(f"{where}: hidden_act {activation!r} is not supported; BERT uses 'gelu'")
