@@ -14,7 +14,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_train.models.config import TransformerConfig
-from megatron_train.models.gpt import LanguageModelEmbedding, LanguageModule, build_output_layer
+from megatron_train.models.gpt import (
+    LanguageModelEmbedding,
+    LanguageModule,
+    build_output_layer,
+    gathered_logits,
+)
 from megatron_train.models.norms import build_norm
 from megatron_train.models.transformer import (
     BINARY_HEAD_INIT_STREAM,
@@ -24,10 +29,7 @@ from megatron_train.models.transformer import (
     init_method_normal,
 )
 from megatron_train.parallel.cross_entropy import vocab_parallel_cross_entropy
-from megatron_train.parallel.mappings import (
-    gather_from_sequence_parallel_region,
-    gather_from_tensor_model_parallel_region,
-)
+from megatron_train.parallel.mappings import gather_from_sequence_parallel_region
 from megatron_train.parallel.random import initialization_stream
 
 
@@ -180,10 +182,7 @@ class BertModel(LanguageModule):
         logits = self.output_layer(self.lm_head(hidden), weight=self.shared_embedding_or_output_weight())
         true_vocab_size = self.config.true_vocab_size
         if lm_labels is None:
-            logits = gather_from_tensor_model_parallel_region(logits).transpose(0, 1).contiguous()
-            if true_vocab_size is not None:
-                logits[..., true_vocab_size:] = -torch.inf
-            return logits, binary_logits
+            return gathered_logits(logits, true_vocab_size), binary_logits
         losses = vocab_parallel_cross_entropy(logits, lm_labels.clamp(min=0).transpose(0, 1), true_vocab_size)
         return losses.transpose(0, 1).contiguous(), binary_logits
 

@@ -46,6 +46,15 @@ def vocab_init_method(config: TransformerConfig) -> Callable[[torch.Tensor], tor
     return init_rows
 
 
+def gathered_logits(logits: torch.Tensor, true_vocab_size: int | None) -> torch.Tensor:
+    """[s, b, v / TP] logits of this TP rank -> [b, s, v], -inf on the padding rows (never predicted)."""
+    logits = gather_from_tensor_model_parallel_region(logits).transpose(0, 1)
+    if true_vocab_size is None:
+        return logits.contiguous()
+    padding = torch.arange(logits.shape[-1], device=logits.device) >= true_vocab_size
+    return logits.masked_fill(padding, -torch.inf)
+
+
 class LanguageModelEmbedding(nn.Module):
     """Word (+ learned position) (+ token type) embeddings -> [s, b, h], scattered along the sequence under SP,
     normalised with post-LN layers (`config.post_ln`, as BERT), dropout."""
@@ -256,10 +265,7 @@ class GPTModel(LanguageModule):
         logits = self.output_layer(hidden, weight=self.shared_embedding_or_output_weight())  # [s, b, v / TP]
         true_vocab_size = self.config.true_vocab_size
         if labels is None:
-            logits = gather_from_tensor_model_parallel_region(logits).transpose(0, 1).contiguous()
-            if true_vocab_size is not None:  # padding rows are never generated
-                logits[..., true_vocab_size:] = -torch.inf
-            return logits
+            return gathered_logits(logits, true_vocab_size)
         losses = vocab_parallel_cross_entropy(logits, labels.transpose(0, 1), true_vocab_size)
         return losses.transpose(0, 1).contiguous()
 
