@@ -486,7 +486,10 @@ def test_layer_renumbering_and_stage_ownership() -> None:
     assert stage_tensor_names(names, range(2, 4), False, True) == names[3:]
     with pytest.raises(ValueError, match="'mystery.weight' belongs to no known GPT/BERT pipeline stage"):
         stage_tensor_names([*names, "mystery.weight"], range(0, 4), True, True)
-    assert renumber_layer("encoder.layers.1.mlp.linear_fc1.weight", 2) == "encoder.layers.3.mlp.linear_fc1.weight"
+    assert (
+        renumber_layer("encoder.layers.1.mlp.linear_fc1.weight", 2)
+        == "encoder.layers.3.mlp.linear_fc1.weight"
+    )
     bert = ["embedding.tokentype_embeddings.weight", *(f"encoder.layers.{i}.mlp.linear_fc1.weight" for i in range(2)),
             "lm_head.dense.weight", "output_layer.bias", "pooler.dense.weight", "binary_head.weight"]  # fmt: skip
     assert stage_tensor_names(bert, range(0, 1), True, False) == bert[:2]
