@@ -163,3 +163,19 @@ def test_bert_loss_is_the_masked_lm_mean_plus_the_sentence_order_cross_entropy()
     assert loss.item() == pytest.approx(10.0 / 3 + sop.item())
     loss, logged = loss_func(loss_mask, order, (lm_losses, None))
     assert set(logged) == {"lm loss"} and loss.item() == pytest.approx(10.0 / 3)
+
+
+def test_bert_flags_parse_as_megatron_spells_them(tmp_path) -> None:
+    from megatron_train.arguments import parse_args
+    from tests.test_training import tiny_args
+
+    def parsed(*flags: str):
+        return parse_args(tiny_args(str(tmp_path), "--mock-data", "--train-iters", "1", *flags))
+
+    default = parsed()
+    assert default.model.bert_binary_head and not default.model.post_ln and default.data.mask_prob == 0.15
+    assert not parsed("--bert-no-binary-head").model.bert_binary_head
+    assert parsed("--bert-no-binary-head", "--bert-binary-head").model.bert_binary_head
+    flags = parsed("--post-ln", "--mask-prob", "0.2", "--short-seq-prob", "0.05", "--kv-channels", "16")
+    assert flags.model.post_ln and flags.data.mask_prob == 0.2 and flags.data.short_seq_prob == 0.05
+    assert flags.model.kv_channels == 16
