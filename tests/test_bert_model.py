@@ -179,3 +179,27 @@ def test_bert_flags_parse_as_megatron_spells_them(tmp_path) -> None:
     flags = parsed("--post-ln", "--mask-prob", "0.2", "--short-seq-prob", "0.05", "--kv-channels", "16")
     assert flags.model.post_ln and flags.data.mask_prob == 0.2 and flags.data.short_seq_prob == 0.05
     assert flags.model.kv_channels == 16
+
+
+def test_lm_loss_is_the_cross_entropy_of_the_masked_positions_and_zero_elsewhere() -> None:
+    """Only masked positions go through the output layer; their losses and grads equal the full logits'."""
+    torch.manual_seed(0)
+    model = BertModel(tiny_config(true_vocab_size=60), 64)
+    tokens = torch.randint(0, 60, (2, 16))
+    labels = torch.where(torch.rand(2, 16) < 0.3, tokens, -1)
+    losses, _ = model(tokens, lm_labels=labels)
+    losses.sum().backward()
+    grads = {name: param.grad.clone() for name, param in model.named_parameters() if param.grad is not None}
+    model.zero_grad()
+    logits, _ = model(tokens)
+    full = F.cross_entropy(
+        logits[..., :60].reshape(-1, 60), labels.clamp(min=0).reshape(-1), reduction="none"
+    )
+    full = full.view(2, 16) * (labels >= 0)
+    torch.testing.assert_close(losses, full)
+    assert torch.all(losses[labels < 0] == 0) and torch.all(losses[labels >= 0] > 0)
+    full.sum().backward()
+    expected = {name: param.grad for name, param in model.named_parameters() if param.grad is not None}
+    assert "embedding.word_embeddings.weight" in grads and grads.keys() == expected.keys()
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, expected[name], msg=name)

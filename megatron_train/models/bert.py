@@ -104,6 +104,7 @@ class BertModel(LanguageModule):
         self.pre_process = pre_process
         self.post_process = post_process
         self.add_binary_head = add_binary_head
+        self.sequence_parallel = sequence_parallel
         self.share_embeddings_and_output_weights = not config.untie_embeddings_and_output_weights
         self.embedding = (
             LanguageModelEmbedding(config, vocab_size, sequence_parallel, init_seed, num_tokentypes)
@@ -172,18 +173,29 @@ class BertModel(LanguageModule):
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
         """(per-token fp32 LM loss [b, s] with `lm_labels`, else MLM logits [b, s, vocab] gathered across TP
         with -inf on padding rows; binary logits [b, 2] or None) on the last stage; hidden states [s, b, h]
-        (the next stage's input) elsewhere. Labels < 0 (unmasked positions) give a loss the mask drops."""
+        (the next stage's input) elsewhere. Labels < 0 mark the positions outside the loss: their loss is 0."""
         hidden = self.encode(input_ids, attention_mask, tokentype_ids)
         if not self.post_process:
             return hidden
         binary_logits = None
         if self.binary_head is not None:
             binary_logits = self.binary_head(self.pooler(hidden)).float()
-        logits = self.output_layer(self.lm_head(hidden), weight=self.shared_embedding_or_output_weight())
-        true_vocab_size = self.config.true_vocab_size
+        hidden = self.lm_head(hidden)
+        weight, true_vocab_size = self.shared_embedding_or_output_weight(), self.config.true_vocab_size
         if lm_labels is None:
-            return gathered_logits(logits, true_vocab_size), binary_logits
-        losses = vocab_parallel_cross_entropy(logits, lm_labels.clamp(min=0).transpose(0, 1), true_vocab_size)
+            return gathered_logits(self.output_layer(hidden, weight=weight), true_vocab_size), binary_logits
+        labels = lm_labels.transpose(0, 1)
+        if self.sequence_parallel:  # the output layer gathers the sequence shards: every position's logits
+            losses = vocab_parallel_cross_entropy(
+                self.output_layer(hidden, weight=weight), labels.clamp(min=0), true_vocab_size
+            )
+            return (losses * (labels >= 0)).transpose(0, 1).contiguous(), binary_logits
+        # Only the masked positions (labels >= 0, about 15%) go through the output layer, the largest GEMM of
+        # the model; the loss of the others is 0, as the loss mask makes it anyway.
+        masked = labels >= 0
+        logits = self.output_layer(hidden[masked].unsqueeze(1), weight=weight)  # [n, 1, v / TP]
+        masked_losses = vocab_parallel_cross_entropy(logits, labels[masked].unsqueeze(1), true_vocab_size)
+        losses = masked_losses.new_zeros(labels.shape).index_put((masked,), masked_losses.squeeze(1))
         return losses.transpose(0, 1).contiguous(), binary_logits
 
 
