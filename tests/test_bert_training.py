@@ -15,6 +15,7 @@ import torch
 
 from megatron_train.checkpointing import CheckpointError
 from megatron_train.checkpointing.inference import load_model_for_inference
+from megatron_train.inference.checkpoint import build_inference_parser, load_for_inference
 from megatron_train.models.bert import BertModel
 from tests.distributed import run_distributed
 from tests.test_training import ROOT, read_marker, read_metrics, tiny_args
@@ -124,6 +125,11 @@ def test_checkpoint_saved_at_tp2_continues_at_tp1_with_tp2s_losses(tmp_path, cor
     tokens = torch.randint(0, 148, (1, 32))
     logits, binary = model(tokens)
     assert logits.shape == (1, 32, 192) and binary.shape == (1, 2)
+    args = build_inference_parser("generation").parse_args(["--load", split])
+    with pytest.raises(
+        ValueError, match="holds a bert model; generation and language-model evaluation need a GPT"
+    ):
+        load_for_inference(args)
 
 
 def gpt_then_bert_worker(rank: int, world_size: int, gpt_argv: list[str], bert_argv: list[str]) -> str:
