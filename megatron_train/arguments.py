@@ -127,6 +127,15 @@ def add_config_arguments(group: argparse._ActionsContainer, cls: type, seen: set
             continue
         seen.add(f.name)
         group.add_argument(flag_name(f), **_argument_kwargs(f, hints[f.name]))
+        if "opposite_flag" in f.metadata:  # a boolean's explicit other setting (--bert-binary-head)
+            group.add_argument(
+                f.metadata["opposite_flag"],
+                dest=f.name,
+                action="store_const",
+                const=f.default,
+                default=argparse.SUPPRESS,
+                help=f"The opposite of {flag_name(f)}.",
+            )
 
 
 def build_parser() -> argparse.ArgumentParser:

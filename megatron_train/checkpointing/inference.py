@@ -12,15 +12,32 @@ from megatron_train.checkpointing.files import (
     resolve_iteration_dir,
 )
 from megatron_train.checkpointing.load import load_model_weights
+from megatron_train.checkpointing.names import saved_model_type
 from megatron_train.checkpointing.saved import SavedCheckpoint
 from megatron_train.device import get_device
+from megatron_train.models.bert import bert_model_provider
 from megatron_train.models.gpt import GPTModel
+
+
+def build_saved_model(
+    kind: str, config: MegatronConfig, padded_vocab_size: int, where: str
+) -> torch.nn.Module:
+    """The whole (one-process) model of the family a checkpoint recorded: `gpt` or `bert`."""
+    if kind == "gpt":
+        return GPTModel(config.model, padded_vocab_size)
+    if kind == "bert":
+        return bert_model_provider(
+            config.model, padded_vocab_size, add_binary_head=config.model.bert_binary_head
+        )
+    raise CheckpointError(
+        f"checkpoint {where} records model_type {kind!r}; this version builds 'gpt' and 'bert'"
+    )
 
 
 def load_model_for_inference(
     load_dir: str, iteration: int | None = None, device: torch.device | str | None = None
 ) -> tuple[torch.nn.Module, MegatronConfig]:
-    """A GPTModel in eval mode with the checkpoint's weights, and the config it was trained with.
+    """The saved model (GPTModel or BertModel, as the checkpoint records) in eval mode with the checkpoint's weights, and the config it was trained with.
 
     Single process: the TP shards and PP stages of any saved layout are merged into one model; every file is
     verified against its recorded hash, so a damaged checkpoint fails naming the file.
@@ -36,7 +53,9 @@ def load_model_for_inference(
     config.parallel.tensor_model_parallel_size = 1
     config.parallel.pipeline_model_parallel_size = 1
     config.parallel.sequence_parallel = False
-    model = GPTModel(config.model, saved.padded_vocab_size)
+    model = build_saved_model(
+        saved_model_type(saved.metadata), config, saved.padded_vocab_size, iteration_dir
+    )
     names = {name: name for name in model.state_dict()}
     load_model_weights(model, saved, names, saved.padded_vocab_size, tp_size=1, tp_rank=0)
     model.to(device=device or get_device(), dtype=config.model.params_dtype)

@@ -18,9 +18,19 @@ from megatron_train.models.config import TransformerConfig
 
 WORD_EMBEDDING = "embedding.word_embeddings.weight"
 OUTPUT_WEIGHT = "output_layer.weight"
-# Params whose first dim is the padded vocabulary (split across TP along it).
-VOCAB_PARAMS = (WORD_EMBEDDING, OUTPUT_WEIGHT)
-_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+# Params whose first dim is the padded vocabulary (split across TP along it); BERT's output layer has a bias.
+VOCAB_PARAMS = (WORD_EMBEDDING, OUTPUT_WEIGHT, "output_layer.bias")
+# GPT's layer stack is `decoder`, BERT's `encoder` (Megatron-Core's names).
+_LAYER = re.compile(r"^(decoder|encoder)\.layers\.(\d+)\.")
+# Names outside the layer stack held by the last pipeline stage: final norm, output layer, BERT's heads.
+LAST_STAGE_PREFIXES = (
+    "decoder.final_layernorm.",
+    "encoder.final_layernorm.",
+    "output_layer.",
+    "lm_head.",
+    "pooler.",
+    "binary_head.",
+)
 
 
 @dataclass(frozen=True)
@@ -95,9 +105,9 @@ def padded_vocab_sizes_agree(saved: tuple[int, int], ours: tuple[int, int]) -> b
 
 
 def layer_number(name: str) -> int | None:
-    """The layer index in `decoder.layers.<i>.`, None for params outside the layer stack."""
+    """The layer index in `decoder.layers.<i>.` (or `encoder.`), None for params outside the layer stack."""
     match = _LAYER.match(name)
-    return int(match.group(1)) if match else None
+    return int(match.group(2)) if match else None
 
 
 def renumber_layer(name: str, offset: int) -> str:
@@ -105,7 +115,7 @@ def renumber_layer(name: str, offset: int) -> str:
     index = layer_number(name)
     if index is None or offset == 0:
         return name
-    return _LAYER.sub(f"decoder.layers.{index + offset}.", name, count=1)
+    return _LAYER.sub(rf"\g<1>.layers.{index + offset}.", name, count=1)
 
 
 def global_param_name(local_name: str, layer_offset: int, holds_tied_output_copy: bool) -> str:
@@ -141,10 +151,10 @@ def stage_tensor_names(
             owned = index in layers
         elif name.startswith("embedding."):
             owned = pre_process
-        elif name.startswith(("decoder.final_layernorm.", "output_layer.")):
+        elif name.startswith(LAST_STAGE_PREFIXES):
             owned = post_process
         else:
-            raise ValueError(f"checkpoint tensor {name!r} belongs to no known GPT pipeline stage")
+            raise ValueError(f"checkpoint tensor {name!r} belongs to no known GPT/BERT pipeline stage")
         if owned:
             names.append(name)
     return names

@@ -22,7 +22,13 @@ from megatron_train.checkpointing.files import (
     resolve_iteration_dir,
 )
 from megatron_train.checkpointing.layout import padded_vocab_sizes_agree, true_vocab_range
-from megatron_train.checkpointing.names import StageModel, global_names, stage_module
+from megatron_train.checkpointing.names import (
+    StageModel,
+    global_names,
+    model_type,
+    saved_model_type,
+    stage_module,
+)
 from megatron_train.checkpointing.progress import TrainingProgress
 from megatron_train.checkpointing.rng import global_rank, load_rng_state
 from megatron_train.checkpointing.saved import SavedCheckpoint, saved_true_vocab_range
@@ -42,6 +48,8 @@ MODEL_ARGS_TO_CHECK = (
     "max_position_embeddings",
     "position_embedding_type",
     "normalization",
+    "post_ln",
+    "bert_binary_head",
     "swiglu",
     "add_bias_linear",
     "untie_embeddings_and_output_weights",
@@ -123,6 +131,11 @@ def load_checkpoint(
         return TrainingProgress()
     saved = SavedCheckpoint(iteration_dir)
     metadata = saved.metadata
+    if saved_model_type(metadata) != model_type(model):
+        raise CheckpointError(
+            f"checkpoint {iteration_dir} holds a {saved_model_type(metadata)} model but this run trains a "
+            f"{model_type(model)} model: use pretrain_{saved_model_type(metadata)} for it, or another --load"
+        )
     check_compatible(metadata, config, padded_vocab_size, iteration_dir)
     tp_size, tp_rank = state.get_tensor_model_parallel_world_size(), state.get_tensor_model_parallel_rank()
     saved_layout = (saved.tp_size, saved.pp_size)

@@ -38,6 +38,17 @@ def stage_module(model: StageModel) -> torch.nn.Module:
     return parts[0] if len(parts) == 1 else torch.nn.ModuleList(parts)
 
 
+def model_type(model: StageModel) -> str:
+    """The model family of a stage (`GPTModel.model_type`, `BertModel.model_type`), which checkpoints record
+    so that a GPT checkpoint never loads into a BERT model or back."""
+    return getattr(chunks(model)[0], "model_type", "gpt")
+
+
+def saved_model_type(metadata: dict) -> str:
+    """The model family a checkpoint's metadata records; checkpoints from before the record are GPT."""
+    return metadata.get("model_type", "gpt")
+
+
 def global_names(model: StageModel, config: MegatronConfig) -> dict[str, str]:
     """This pipeline stage's state-dict names (`<chunk>.<name>` for several chunks) -> checkpoint names: global
     layer numbers from each chunk's layer range, a tied output layer off the first stage -> the word embedding."""

@@ -38,6 +38,7 @@ from megatron_train.checkpointing.layout import true_vocab_range
 from megatron_train.checkpointing.names import (
     StageModel,
     global_names,
+    model_type,
     owned,
     rename_optimizer_state,
     sharding_records,
@@ -164,7 +165,7 @@ def save_checkpoint(
         write_metadata_and_marker(
             root,
             iteration,
-            _metadata(iteration, opt_param_scheduler, progress, config, padded_vocab_size),
+            _metadata(iteration, opt_param_scheduler, progress, config, padded_vocab_size, model_type(model)),
             files,
         )
     _barrier()
@@ -178,11 +179,14 @@ def _metadata(
     progress: TrainingProgress,
     config: MegatronConfig,
     padded_vocab_size: int,
+    saved_model_type: str,
 ) -> dict[str, Any]:
-    """metadata.json but its file records: progress, vocabulary, layout, scheduler and the run's args."""
+    """metadata.json but its file records: model type, progress, vocabulary, layout, scheduler and the run's
+    args."""
     tp_size = state.get_tensor_model_parallel_world_size()
     return {
         "format_version": FORMAT_VERSION,
+        "model_type": saved_model_type,
         "iteration": iteration,
         "consumed_train_samples": progress.consumed_train_samples,
         "consumed_valid_samples": progress.consumed_valid_samples,

@@ -145,6 +145,13 @@ class DataConfig:
         default=False, metadata={"help": "Exclude end-of-document tokens from the loss."}
     )
 
+    mask_prob: float = field(
+        default=0.15, metadata={"help": "BERT/T5: probability of replacing a token with a mask."}
+    )
+    short_seq_prob: float = field(
+        default=0.1, metadata={"help": "BERT/T5: probability of a sample shorter than --seq-length."}
+    )
+
     def __post_init__(self) -> None:
         if self.reset_attention_mask:
             raise ValueError(

@@ -24,6 +24,7 @@ from megatron_train.checkpointing import (
     resolve_iteration_dir,
     saved_true_vocab_range,
 )
+from megatron_train.checkpointing.names import saved_model_type
 from megatron_train.models.config import TransformerConfig
 from megatron_train.tokenizer import MegatronTokenizer, tokenizer_from_config
 from megatron_train.tokenizer.flags import tokenizer_config_from_args
@@ -98,6 +99,11 @@ def load_for_inference(
             f"nothing saved in {args.load}: no latest marker; pass --ckpt-step or another --load"
         )
     metadata = read_metadata(iteration_dir)
+    if saved_model_type(metadata) != "gpt":
+        raise ValueError(
+            f"checkpoint {iteration_dir} holds a {saved_model_type(metadata)} model; generation and language-model "
+            "evaluation need a GPT checkpoint (pretrain_gpt)"
+        )
     saved = config_from_dict(metadata["args"])
     check_model_flags(args, saved, iteration_dir)
     tokenizer = tokenizer_for(saved, args, iteration_dir)

@@ -66,6 +66,21 @@ class TransformerConfig:
         default="LayerNorm", metadata={"help": "Norm layer: LayerNorm or RMSNorm."}
     )
     norm_epsilon: float = field(default=1e-5, metadata={"help": "Epsilon of the norm layers."})
+    post_ln: bool = field(
+        default=False,
+        metadata={
+            "help": "Original BERT/Transformer layers: norm after each residual add (x = norm(x + f(x))), a norm "
+            "on the embeddings and no final norm, as Hugging Face BERT checkpoints; default Megatron's pre-norm."
+        },
+    )
+    bert_binary_head: bool = field(
+        default=True,
+        metadata={
+            "help": "BERT: the binary (sentence order) head and its loss; --bert-no-binary-head drops it.",
+            "flag": "--bert-no-binary-head",
+            "opposite_flag": "--bert-binary-head",
+        },
+    )
     apply_layernorm_1p: bool = field(
         default=False,
         metadata={"help": "Store norm weights zero-centred (weight - 1); the forward scales by 1 + weight."},

@@ -13,10 +13,12 @@ from torch import nn
 
 from megatron_train.models.config import TransformerConfig
 from megatron_train.models.kv_cache import KVCache
+from megatron_train.models.norms import build_norm
 from megatron_train.models.rotary import RotaryEmbedding
 from megatron_train.models.transformer import (
     OUTPUT_LAYER_INIT_STREAM,
     POSITION_EMBEDDING_INIT_STREAM,
+    TOKENTYPE_EMBEDDING_INIT_STREAM,
     WORD_EMBEDDING_INIT_STREAM,
     TransformerBlock,
     init_method_normal,
@@ -44,8 +46,18 @@ def vocab_init_method(config: TransformerConfig) -> Callable[[torch.Tensor], tor
     return init_rows
 
 
+def gathered_logits(logits: torch.Tensor, true_vocab_size: int | None) -> torch.Tensor:
+    """[s, b, v / TP] logits of this TP rank -> [b, s, v], -inf on the padding rows (never predicted)."""
+    logits = gather_from_tensor_model_parallel_region(logits).transpose(0, 1)
+    if true_vocab_size is None:
+        return logits.contiguous()
+    padding = torch.arange(logits.shape[-1], device=logits.device) >= true_vocab_size
+    return logits.masked_fill(padding, -torch.inf)
+
+
 class LanguageModelEmbedding(nn.Module):
-    """Word (+ learned position) embeddings -> [s, b, h], scattered along the sequence under SP, dropout."""
+    """Word (+ learned position) (+ token type) embeddings -> [s, b, h], scattered along the sequence under SP,
+    normalised with post-LN layers (`config.post_ln`, as BERT), dropout."""
 
     def __init__(
         self,
@@ -53,6 +65,7 @@ class LanguageModelEmbedding(nn.Module):
         vocab_size: int,
         sequence_parallel: bool,
         init_seed: int | None = None,
+        num_tokentypes: int = 0,
     ) -> None:
         super().__init__()
         self.sequence_parallel = sequence_parallel
@@ -70,21 +83,97 @@ class LanguageModelEmbedding(nn.Module):
                     config.max_position_embeddings, config.hidden_size, dtype=config.params_dtype
                 )
                 init_method_normal(config.init_method_std)(self.position_embeddings.weight)
+        self.tokentype_embeddings = None
+        if num_tokentypes:
+            with initialization_stream(init_seed, TOKENTYPE_EMBEDDING_INIT_STREAM):
+                self.tokentype_embeddings = nn.Embedding(
+                    num_tokentypes, config.hidden_size, dtype=config.params_dtype
+                )
+                init_method_normal(config.init_method_std)(self.tokentype_embeddings.weight)
+        self.layernorm = build_norm(config, sequence_parallel) if config.post_ln else None
         self.embedding_dropout = nn.Dropout(config.hidden_dropout)
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        tokentype_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         # Looked up in [s, b] order, so the embeddings come out in the model's layout without a transpose copy.
         embeddings = self.word_embeddings(input_ids.transpose(0, 1))
         if self.position_embeddings is not None:
             embeddings = embeddings + self.position_embeddings(position_ids.transpose(0, 1))
+        if self.tokentype_embeddings is not None:
+            if tokentype_ids is None:
+                raise ValueError("this model has token type embeddings: pass tokentype_ids ([b, s] of 0/1)")
+            embeddings = embeddings + self.tokentype_embeddings(tokentype_ids.transpose(0, 1))
+        if self.sequence_parallel:
+            embeddings = scatter_to_sequence_parallel_region(embeddings)
+        if self.layernorm is not None:
+            embeddings = self.layernorm(embeddings)
         if not self.sequence_parallel:
             return self.embedding_dropout(embeddings)
-        embeddings = scatter_to_sequence_parallel_region(embeddings)
         with get_rng_tracker().fork():  # each TP rank drops out its own sequence shard
             return self.embedding_dropout(embeddings)
 
 
-class GPTModel(nn.Module):
+def build_output_layer(
+    config: TransformerConfig,
+    vocab_size: int,
+    pre_process: bool,
+    sequence_parallel: bool,
+    init_seed: int | None,
+    bias: bool = False,
+) -> ColumnParallelLinear:
+    """The last stage's vocab-parallel output layer; tied to the word embedding unless
+    `config.untie_embeddings_and_output_weights` (no weight of its own when this stage also holds the embedding)."""
+    tied = not config.untie_embeddings_and_output_weights
+    with initialization_stream(init_seed, OUTPUT_LAYER_INIT_STREAM):
+        output_layer = ColumnParallelLinear(
+            config.hidden_size,
+            vocab_size,
+            init_method=vocab_init_method(config),
+            bias=bias,
+            sequence_parallel=sequence_parallel,
+            skip_weight_param_allocation=pre_process and tied,
+            params_dtype=config.params_dtype,
+        )
+    if tied and not pre_process:
+        # Megatron: the last stage's copy starts at zero; the pipeline engine all-reduces it with the
+        # first stage's embedding over the embedding group, before training and after each backward.
+        # `shared`: the grad norm counts this copy once, on the first stage (as Megatron-Core).
+        output_layer.weight.data.zero_()
+        output_layer.weight.shared_embedding = True
+        output_layer.weight.shared = True
+    return output_layer
+
+
+class LanguageModule(nn.Module):
+    """What GPT and BERT share (Megatron-Core's LanguageModule): the word embedding on the first pipeline
+    stage, tied to the output layer on the last. Subclasses set `embedding`, `output_layer` and the flags."""
+
+    pre_process: bool
+    post_process: bool
+    share_embeddings_and_output_weights: bool
+    embedding: LanguageModelEmbedding | None
+    output_layer: ColumnParallelLinear | None
+
+    def mark_first_stage_embedding_copy(self) -> None:
+        """The first stage's copy of the tied word embedding (parallel.tied_embeddings), when the output layer
+        lives on another stage."""
+        if self.share_embeddings_and_output_weights and self.pre_process and not self.post_process:
+            self.embedding.word_embeddings.weight.shared_embedding = True
+
+    def shared_embedding_or_output_weight(self) -> torch.Tensor | None:
+        """The weight tied between the word embedding and the output layer on this stage, if any."""
+        if not self.share_embeddings_and_output_weights:
+            return None
+        if self.pre_process:
+            return self.embedding.word_embeddings.weight
+        return self.output_layer.weight if self.post_process else None
+
+
+class GPTModel(LanguageModule):
     """Decoder-only transformer LM.
 
     `vocab_size` is the padded vocabulary (divisible by the TP size); `config.true_vocab_size` the tokenizer's,
@@ -95,6 +184,8 @@ class GPTModel(nn.Module):
     the rank's stage under the interleaved schedule (it picks the layers). `init_seed` (--use-cpu-initialization)
     draws each part's weights from its own stream of that seed, the same full weights under every layout.
     """
+
+    model_type = "gpt"  # recorded in checkpoints (checkpointing.save)
 
     def __init__(
         self,
@@ -116,9 +207,7 @@ class GPTModel(nn.Module):
         self.embedding = (
             LanguageModelEmbedding(config, vocab_size, sequence_parallel, init_seed) if pre_process else None
         )
-        if self.share_embeddings_and_output_weights and pre_process and not post_process:
-            # The first stage's copy of the tied word embedding (parallel.tied_embeddings).
-            self.embedding.word_embeddings.weight.shared_embedding = True
+        self.mark_first_stage_embedding_copy()
         self.rotary_pos_emb = None
         if config.position_embedding_type == "rope":
             self.rotary_pos_emb = RotaryEmbedding(
@@ -128,39 +217,17 @@ class GPTModel(nn.Module):
                 config.rope_scaling_factor if config.use_rope_scaling else None,
             )
         self.decoder = TransformerBlock(config, sequence_parallel, post_process, init_seed, vp_stage)
-        self.output_layer = None
-        if post_process:
-            with initialization_stream(init_seed, OUTPUT_LAYER_INIT_STREAM):
-                self.output_layer = ColumnParallelLinear(
-                    config.hidden_size,
-                    vocab_size,
-                    init_method=vocab_init_method(config),
-                    bias=False,
-                    sequence_parallel=sequence_parallel,
-                    skip_weight_param_allocation=pre_process and self.share_embeddings_and_output_weights,
-                    params_dtype=config.params_dtype,
-                )
-            if self.share_embeddings_and_output_weights and not pre_process:
-                # Megatron: the last stage's copy starts at zero; the pipeline engine all-reduces it with the
-                # first stage's embedding over the embedding group, before training and after each backward.
-                # `shared`: the grad norm counts this copy once, on the first stage (as Megatron-Core).
-                self.output_layer.weight.data.zero_()
-                self.output_layer.weight.shared_embedding = True
-                self.output_layer.weight.shared = True
+        self.output_layer = (
+            build_output_layer(config, vocab_size, pre_process, sequence_parallel, init_seed)
+            if post_process
+            else None
+        )
 
     def set_input_tensor(self, input_tensor: torch.Tensor | list[torch.Tensor] | None) -> None:
         """Hidden states [s, b, h] from the previous pipeline stage (Megatron's hook; lists are unwrapped)."""
         if isinstance(input_tensor, list):
             input_tensor = input_tensor[0]
         self.decoder.input_tensor = input_tensor
-
-    def shared_embedding_or_output_weight(self) -> torch.Tensor | None:
-        """The weight tied between the word embedding and the output layer on this stage, if any."""
-        if not self.share_embeddings_and_output_weights:
-            return None
-        if self.pre_process:
-            return self.embedding.word_embeddings.weight
-        return self.output_layer.weight if self.post_process else None
 
     def forward(
         self,
@@ -201,10 +268,7 @@ class GPTModel(nn.Module):
         logits = self.output_layer(hidden, weight=self.shared_embedding_or_output_weight())  # [s, b, v / TP]
         true_vocab_size = self.config.true_vocab_size
         if labels is None:
-            logits = gather_from_tensor_model_parallel_region(logits).transpose(0, 1).contiguous()
-            if true_vocab_size is not None:  # padding rows are never generated
-                logits[..., true_vocab_size:] = -torch.inf
-            return logits
+            return gathered_logits(logits, true_vocab_size)
         losses = vocab_parallel_cross_entropy(logits, labels.transpose(0, 1), true_vocab_size)
         return losses.transpose(0, 1).contiguous()
 

@@ -28,9 +28,12 @@ from megatron_train.parallel.random import checkpoint, get_rng_tracker, initiali
 
 Rotary = tuple[torch.Tensor, torch.Tensor] | None
 # --use-cpu-initialization streams (parallel.random.initialization_stream): embeddings and output layer first,
-# then one per layer by global layer number.
+# then one per layer by global layer number; BERT's extra parts count down from the last stream of a seed.
 WORD_EMBEDDING_INIT_STREAM, POSITION_EMBEDDING_INIT_STREAM, OUTPUT_LAYER_INIT_STREAM = 0, 1, 2
 FIRST_LAYER_INIT_STREAM = 3
+TOKENTYPE_EMBEDDING_INIT_STREAM, LM_HEAD_INIT_STREAM, POOLER_INIT_STREAM, BINARY_HEAD_INIT_STREAM = (
+    (1 << 20) - 1 - offset for offset in range(4)
+)
 
 
 def init_method_normal(std: float) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -86,7 +89,10 @@ def get_layer_range(
 
 
 class CoreAttention(nn.Module):
-    """softmax(q k^T / sqrt(d) + causal mask) v, by flash-attn or torch's scaled_dot_product_attention.
+    """softmax(q k^T / sqrt(d) + mask) v, by flash-attn or torch's scaled_dot_product_attention.
+
+    Causal by default; with an `attention_mask` (bool [b, 1, 1, s_k], True where a key may be attended: BERT's
+    padding mask) attention is bidirectional over the unmasked keys, by scaled_dot_product_attention only.
 
     Takes q [b, s_q, heads, d] and k, v [b, s_k, groups, d] (the kernels' layout) with s_k >= s_q: the queries
     are the last s_q positions (a KV cache holds the first s_k - s_q), so the causal mask is aligned
@@ -100,11 +106,19 @@ class CoreAttention(nn.Module):
         self.fork_rng = not sequence_parallel
         self.flash_attn_func = _load_flash_attn() if config.use_flash_attn else None
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attention_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
         dropout_p = self.dropout_p if self.training else 0.0
         rng = get_rng_tracker().fork() if dropout_p > 0 and self.fork_rng else contextlib.nullcontext()
         with rng:
-            if self.flash_attn_func is not None:
+            if attention_mask is not None:
+                if self.flash_attn_func is not None:
+                    raise RuntimeError(
+                        "--use-flash-attn runs causal attention only; drop it for a bidirectional (BERT) model"
+                    )
+                context = self._sdpa(q, k, v, dropout_p, attention_mask)
+            elif self.flash_attn_func is not None:
                 if not q.is_cuda or q.dtype not in (torch.float16, torch.bfloat16):
                     raise RuntimeError(
                         f"--use-flash-attn needs CUDA fp16/bf16 activations, got {q.dtype} on {q.device}; "
@@ -116,15 +130,23 @@ class CoreAttention(nn.Module):
         return context.reshape(*context.shape[:2], -1)
 
     @staticmethod
-    def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float) -> torch.Tensor:
+    def _sdpa(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        dropout_p: float,
+        attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         heads_per_group = q.shape[2] // k.shape[2]
         if heads_per_group > 1:  # query head j attends with key/value head j // heads_per_group
             k = k.repeat_interleave(heads_per_group, dim=2)
             v = v.repeat_interleave(heads_per_group, dim=2)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         s_q, s_k = q.shape[2], k.shape[2]
-        mask, causal = None, s_q == s_k
-        if 1 < s_q < s_k:  # new tokens after cached ones: query i sees keys up to s_k - s_q + i
+        mask, causal = attention_mask, attention_mask is None and s_q == s_k
+        if (
+            attention_mask is None and 1 < s_q < s_k
+        ):  # new tokens after cached ones: query i sees keys up to s_k - s_q + i
             positions = torch.arange(s_k, device=q.device)
             mask = positions[None, :] <= positions[s_k - s_q :, None]
         context = F.scaled_dot_product_attention(
@@ -150,7 +172,8 @@ def _load_flash_attn() -> Callable[..., torch.Tensor]:
 
 
 class SelfAttention(nn.Module):
-    """Causal self-attention with this TP rank's query groups; optional RoPE and KV cache."""
+    """Self-attention with this TP rank's query groups (causal, or over `attention_mask`); optional RoPE and KV
+    cache."""
 
     def __init__(self, config: TransformerConfig, layer_index: int, sequence_parallel: bool) -> None:
         super().__init__()
@@ -181,7 +204,13 @@ class SelfAttention(nn.Module):
             params_dtype=config.params_dtype,
         )
 
-    def forward(self, hidden: torch.Tensor, rotary: Rotary, kv_cache: KVCache | None) -> torch.Tensor:
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        rotary: Rotary,
+        kv_cache: KVCache | None,
+        attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         qkv = self.linear_qkv(hidden)
         s, b = qkv.shape[:2]
         qkv = qkv.view(s, b, self.num_groups, self.heads_per_group + 2, self.head_dim)
@@ -194,9 +223,9 @@ class SelfAttention(nn.Module):
         if kv_cache is not None:
             k, v = kv_cache.update(self.layer_index, k, v)
         if self.recompute_core_attention and self.training and torch.is_grad_enabled():
-            context = checkpoint(self.core_attention, q, k, v)
+            context = checkpoint(self.core_attention, q, k, v, attention_mask)
         else:
-            context = self.core_attention(q, k, v)
+            context = self.core_attention(q, k, v, attention_mask)
         return self.linear_proj(context)
 
 
@@ -237,27 +266,46 @@ class MLP(nn.Module):
 
 
 class TransformerLayer(nn.Module):
-    """Pre-norm residual layer: x + dropout(attn(norm(x))), then x + dropout(mlp(norm(x)))."""
+    """Pre-norm residual layer (Megatron's): x + dropout(attn(norm(x))), then x + dropout(mlp(norm(x))).
+
+    With `config.post_ln` the original Transformer/BERT layer: norm(x + dropout(attn(x))), then
+    norm(x + dropout(mlp(x))), its norms named `post_attention_layernorm` and `post_mlp_layernorm`.
+    """
 
     def __init__(self, config: TransformerConfig, layer_index: int, sequence_parallel: bool) -> None:
         super().__init__()
-        self.input_layernorm = build_norm(config, sequence_parallel)
+        self.post_ln = config.post_ln
+        if not self.post_ln:
+            self.input_layernorm = build_norm(config, sequence_parallel)
         self.self_attention = SelfAttention(config, layer_index, sequence_parallel)
-        self.pre_mlp_layernorm = build_norm(config, sequence_parallel)
+        if self.post_ln:
+            self.post_attention_layernorm = build_norm(config, sequence_parallel)
+        else:
+            self.pre_mlp_layernorm = build_norm(config, sequence_parallel)
         self.mlp = MLP(config, sequence_parallel)
+        if self.post_ln:
+            self.post_mlp_layernorm = build_norm(config, sequence_parallel)
         self.hidden_dropout = nn.Dropout(config.hidden_dropout)
 
     def forward(
-        self, hidden: torch.Tensor, rotary: Rotary = None, kv_cache: KVCache | None = None
+        self,
+        hidden: torch.Tensor,
+        rotary: Rotary = None,
+        kv_cache: KVCache | None = None,
+        attention_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        attention = self.self_attention(self.input_layernorm(hidden), rotary, kv_cache)
+        if self.post_ln:
+            attention = self.self_attention(hidden, rotary, kv_cache, attention_mask)
+            hidden = self.post_attention_layernorm(hidden + self.hidden_dropout(attention))
+            return self.post_mlp_layernorm(hidden + self.hidden_dropout(self.mlp(hidden)))
+        attention = self.self_attention(self.input_layernorm(hidden), rotary, kv_cache, attention_mask)
         hidden = hidden + self.hidden_dropout(attention)
         return hidden + self.hidden_dropout(self.mlp(self.pre_mlp_layernorm(hidden)))
 
 
 class TransformerBlock(nn.Module):
     """This pipeline stage's layers (those of model chunk `vp_stage` when interleaved), the final norm on the
-    last stage, and full-layer recompute."""
+    last stage (none with post-LN layers, which end in a norm), and full-layer recompute."""
 
     def __init__(
         self,
@@ -282,12 +330,19 @@ class TransformerBlock(nn.Module):
             with initialization_stream(init_seed, FIRST_LAYER_INIT_STREAM + global_index):
                 layers.append(TransformerLayer(config, index, sequence_parallel))
         self.layers = nn.ModuleList(layers)
-        self.final_layernorm = build_norm(config, sequence_parallel) if post_process else None
+        self.final_layernorm = (
+            build_norm(config, sequence_parallel) if post_process and not config.post_ln else None
+        )
         self.input_tensor: torch.Tensor | None = None  # from the previous pipeline stage
 
     def forward(
-        self, hidden: torch.Tensor, rotary: Rotary = None, kv_cache: KVCache | None = None
+        self,
+        hidden: torch.Tensor,
+        rotary: Rotary = None,
+        kv_cache: KVCache | None = None,
+        attention_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """`attention_mask`: bool [b, 1, 1, s], True on the keys to attend (bidirectional); None: causal."""
         # Sequence-parallel shards differ across TP ranks, so their dropout draws from the tracked stream.
         rng = get_rng_tracker().fork() if self.sequence_parallel else contextlib.nullcontext()
         with rng:
@@ -295,13 +350,15 @@ class TransformerBlock(nn.Module):
                 self.config.recompute_granularity == "full" and self.training and torch.is_grad_enabled()
             )
             if recompute and kv_cache is None:
-                hidden = self._forward_with_recompute(hidden, rotary)
+                hidden = self._forward_with_recompute(hidden, rotary, attention_mask)
             else:
                 for layer in self.layers:
-                    hidden = layer(hidden, rotary, kv_cache)
+                    hidden = layer(hidden, rotary, kv_cache, attention_mask)
         return hidden if self.final_layernorm is None else self.final_layernorm(hidden)
 
-    def _forward_with_recompute(self, hidden: torch.Tensor, rotary: Rotary) -> torch.Tensor:
+    def _forward_with_recompute(
+        self, hidden: torch.Tensor, rotary: Rotary, attention_mask: torch.Tensor | None
+    ) -> torch.Tensor:
         """'uniform': checkpoint chunks of recompute_num_layers layers; 'block': checkpoint each of the first
         recompute_num_layers layers and run the rest normally."""
         cos, sin = rotary if rotary is not None else (None, None)
@@ -309,16 +366,20 @@ class TransformerBlock(nn.Module):
         for start in range(0, len(self.layers), step):
             layers = self.layers[start : start + step]
             if self.config.recompute_method == "block" and start >= self.config.recompute_num_layers:
-                hidden = self._run_layers(layers, hidden, cos, sin)
+                hidden = self._run_layers(layers, hidden, cos, sin, attention_mask)
             else:
-                hidden = checkpoint(self._run_layers, layers, hidden, cos, sin)
+                hidden = checkpoint(self._run_layers, layers, hidden, cos, sin, attention_mask)
         return hidden
 
     @staticmethod
     def _run_layers(
-        layers: nn.ModuleList, hidden: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None
+        layers: nn.ModuleList,
+        hidden: torch.Tensor,
+        cos: torch.Tensor | None,
+        sin: torch.Tensor | None,
+        attention_mask: torch.Tensor | None = None,
     ):
         rotary = None if cos is None else (cos, sin)
         for layer in layers:
-            hidden = layer(hidden, rotary)
+            hidden = layer(hidden, rotary, None, attention_mask)
         return hidden

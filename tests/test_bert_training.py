@@ -1,0 +1,186 @@
+"""`pretrain_bert` on the training engine: the same losses (`lm loss`, `sop loss`) under TP=2 + SP, DP=2 with
+the distributed optimizer, PP=2 and full recompute as in one process; a SIGKILLed run resumes bitwise; a TP=2
+checkpoint continues at TP=1; checkpoints record the model type."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from megatron_train.checkpointing import CheckpointError
+from megatron_train.checkpointing.inference import load_model_for_inference
+from megatron_train.inference.checkpoint import build_inference_parser, load_for_inference
+from megatron_train.models.bert import BertModel
+from tests.distributed import run_distributed
+from tests.test_training import ROOT, read_marker, read_metrics, tiny_args
+from tests.wordpiece_corpus import build_tokenizer, write_sentence_corpus
+
+LOSS_KEYS = ("lm loss", "sop loss")
+TP2, PP2 = ["--tensor-model-parallel-size", "2"], ["--pipeline-model-parallel-size", "2"]
+RECOMPUTE = [
+    "--recompute-granularity",
+    "full",
+    "--recompute-method",
+    "uniform",
+    "--recompute-num-layers",
+    "1",
+]
+LAYOUTS = {  # name: (world size, flags); the 148-token vocabulary pads to 192 rows at TP=1, 256 at TP=2
+    "tp1": (1, []),
+    "tp1-recompute": (1, RECOMPUTE),
+    "tp2-sp": (2, [*TP2, "--sequence-parallel"]),
+    "dp2-distributed-optimizer": (2, ["--use-distributed-optimizer"]),
+    "pp2": (2, PP2),
+}
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> tuple[str, str]:
+    """(vocab file, --data-path prefix) of a sentence-split WordPiece corpus."""
+    directory = tmp_path_factory.mktemp("bert-data")
+    tokenizer = build_tokenizer(directory)
+    prefix = str(directory / "corpus_text_sentence")
+    write_sentence_corpus(prefix, tokenizer, 300)
+    return str(directory / "vocab.txt"), prefix
+
+
+def bert_argv(run_dir: str, corpus: tuple[str, str], *extra: str) -> list[str]:
+    vocab, data = corpus
+    argv = tiny_args(
+        run_dir, "--seq-length", "32", "--max-position-embeddings", "32", "--tokenizer-type",
+        "BertWordPieceLowerCase", "--vocab-file", vocab, "--make-vocab-size-divisible-by", "64", "--data-path",
+        data, "--split", "90,10,0", "--data-cache-path", os.path.join(run_dir, "cache"), "--train-iters", "4",
+        "--hidden-dropout", "0.0", "--attention-dropout", "0.0", *extra,
+    )  # fmt: skip
+    vocab_flag = argv.index("--vocab-size")  # GPT's NullTokenizer flag: the WordPiece vocabulary decides
+    return argv[:vocab_flag] + argv[vocab_flag + 2 :]
+
+
+def bert_worker(rank: int, world_size: int, runs: list[list[str]]) -> list[list[dict]]:
+    """Run pretrain_bert once per argv in this process group; return each run's training records."""
+    from megatron_train.pretrain_bert import main
+
+    results = []
+    for argv in runs:
+        main(argv)
+        save = argv[argv.index("--save") + 1]
+        records = read_metrics(save) if rank == world_size - 1 else []
+        results.append([r for r in records if "split" not in r])
+    return results
+
+
+def losses(records: list[dict]) -> dict[str, list[float]]:
+    return {key: [r[key] for r in records] for key in LOSS_KEYS}
+
+
+@pytest.fixture(scope="module")
+def layout_losses(tmp_path_factory, corpus) -> dict[str, dict[str, list[float]]]:
+    tmp = tmp_path_factory.mktemp("bert-layouts")
+    results = {}
+    for world_size in sorted({size for size, _ in LAYOUTS.values()}):
+        names = [name for name, (size, _) in LAYOUTS.items() if size == world_size]
+        runs = [
+            bert_argv(str(tmp / name), corpus, *LAYOUTS[name][1], "--use-cpu-initialization")
+            for name in names
+        ]
+        last_rank = run_distributed(bert_worker, world_size, runs, timeout=300)[-1]
+        results |= {name: losses(records) for name, records in zip(names, last_rank, strict=True)}
+    return results
+
+
+@pytest.mark.parametrize("name", [name for name in LAYOUTS if name != "tp1"])
+def test_bert_losses_equal_one_process_under_every_layout(layout_losses, name) -> None:
+    reference = layout_losses["tp1"]
+    for key in LOSS_KEYS:
+        assert len(reference[key]) == 4 and len(set(reference[key])) == 4
+        np.testing.assert_allclose(
+            layout_losses[name][key], reference[key], rtol=1e-5, err_msg=f"{name} {key}"
+        )
+
+
+def test_bert_no_binary_head_logs_only_the_lm_loss(tmp_path, corpus) -> None:
+    (records,) = run_distributed(
+        bert_worker, 1, [bert_argv(str(tmp_path), corpus, "--bert-no-binary-head")], timeout=300
+    )[-1]
+    assert all("sop loss" not in r and np.isfinite(r["lm loss"]) for r in records) and len(records) == 4
+
+
+def test_checkpoint_saved_at_tp2_continues_at_tp1_with_tp2s_losses(tmp_path, corpus) -> None:
+    full, split = str(tmp_path / "full"), str(tmp_path / "split")
+    runs = [bert_argv(full, corpus, *TP2), bert_argv(split, corpus, *TP2, "--exit-interval", "2")]
+    reference, stopped = run_distributed(bert_worker, 2, runs, timeout=300)[-1]
+    assert losses(stopped) == losses(reference[:2])
+    (resumed,) = run_distributed(bert_worker, 1, [bert_argv(split, corpus)], timeout=300)[-1]
+    for key in LOSS_KEYS:
+        np.testing.assert_allclose(losses(resumed[2:])[key], losses(reference[2:])[key], rtol=1e-5)
+
+    model, config = load_model_for_inference(split)
+    assert isinstance(model, BertModel) and model.binary_head is not None and config.model.num_layers == 2
+    tokens = torch.randint(0, 148, (1, 32))
+    logits, binary = model(tokens)
+    assert logits.shape == (1, 32, 192) and binary.shape == (1, 2)
+    args = build_inference_parser("generation").parse_args(["--load", split])
+    with pytest.raises(
+        ValueError, match="holds a bert model; generation and language-model evaluation need a GPT"
+    ):
+        load_for_inference(args)
+
+
+def gpt_then_bert_worker(rank: int, world_size: int, gpt_argv: list[str], bert_argv: list[str]) -> str:
+    from megatron_train.pretrain_bert import main as bert_main
+    from megatron_train.pretrain_gpt import main as gpt_main
+
+    gpt_main(gpt_argv)
+    with pytest.raises(CheckpointError) as error:
+        bert_main(bert_argv)
+    return str(error.value)
+
+
+def test_a_gpt_checkpoint_is_refused_by_pretrain_bert(tmp_path, corpus) -> None:
+    save = str(tmp_path / "gpt")
+    gpt_argv = tiny_args(save, "--mock-data", "--train-iters", "1")
+    (message,) = run_distributed(gpt_then_bert_worker, 1, gpt_argv, bert_argv(save, corpus), timeout=300)
+    assert "holds a gpt model but this run trains a bert model: use pretrain_gpt" in message
+
+
+def _cli(argv: list[str]) -> subprocess.Popen:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
+    return subprocess.Popen(
+        [sys.executable, "-m", "megatron_train.pretrain_bert", *argv],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+
+
+def test_sigkill_and_resume_is_bitwise(tmp_path, corpus) -> None:
+    """With dropout on, a run killed by SIGKILL and resumed with --load logs exactly the uninterrupted losses."""
+    flags = [
+        "--train-iters",
+        "12",
+        "--save-interval",
+        "2",
+        "--hidden-dropout",
+        "0.1",
+        "--attention-dropout",
+        "0.1",
+    ]
+    reference = str(tmp_path / "reference")
+    output, _ = _cli(bert_argv(reference, corpus, *flags)).communicate(timeout=300)
+    assert "sop loss:" in output and read_marker(reference) == 12, output
+    killed = str(tmp_path / "killed")
+    proc = _cli(bert_argv(killed, corpus, *flags))
+    for line in proc.stdout:
+        if line.startswith(" iteration        5/"):  # checkpoints at 2 and 4 are on disk
+            proc.send_signal(signal.SIGKILL)
+            break
+    proc.communicate(timeout=60)
+    assert proc.returncode == -signal.SIGKILL and 4 <= read_marker(killed) < 12
+    output, _ = _cli(bert_argv(killed, corpus, *flags)).communicate(timeout=300)
+    assert read_marker(killed) == 12, output
+    expected = losses([r for r in read_metrics(reference) if "split" not in r])
+    assert losses([r for r in read_metrics(killed) if "split" not in r]) == expected  # bitwise: JSON floats
