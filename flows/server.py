@@ -37,14 +37,17 @@ STARTUP_TIMEOUT_SECONDS = 180.0  # a fresh database's migrations take a minute o
 _SERVER_ENV = {"PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1"}
 
 
-def exit_with_parent(poll_seconds: float = 0.5, grace_seconds: float = 5.0) -> None:
+def exit_with_parent(
+    parent: int | None = None, poll_seconds: float = 0.5, grace_seconds: float = 5.0
+) -> None:
     """Stop this process once its parent is gone: SIGTERM to itself, then a hard exit after `grace_seconds`.
 
     A watchdog thread polls the parent's pid (it changes when the parent dies and the process is re-parented),
     which works whichever thread started the process, unlike Linux's PR_SET_PDEATHSIG. It is picklable as a
-    process pool's `initializer`.
+    process pool's `initializer`; give the parent's pid (`parent`) there, since a worker that starts after its
+    parent died would otherwise take its new parent (init) for the one to watch.
     """
-    parent = os.getppid()
+    parent = os.getppid() if parent is None else parent
 
     def watch() -> None:
         while os.getppid() == parent:

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
+import os
 from collections.abc import Callable, Iterator, Sequence
 from datetime import datetime, timezone
 from typing import Any, Literal
@@ -39,7 +41,9 @@ def make_task_runner(
     if kind == "threads":
         return ThreadPoolTaskRunner(max_workers=workers)
     if kind == "processes":  # workers stop when the flow process dies, even by SIGKILL
-        return ProcessPoolTaskRunner(max_workers=workers, initializer=exit_with_parent)
+        return ProcessPoolTaskRunner(
+            max_workers=workers, initializer=functools.partial(exit_with_parent, os.getpid())
+        )
     if kind == "dask":
         try:
             from prefect_dask import DaskTaskRunner

@@ -30,6 +30,7 @@ docs/architecture.md describes:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import fcntl
 import importlib.metadata
@@ -280,8 +281,13 @@ class ArtifactWriter:
         return described
 
     def commit_shard(self, name: str, files: dict[str, str]) -> None:
-        """Commit a finished unit of work: its files first, then the marker that says it is done."""
-        self._check_not_committed()
+        """Commit a finished unit of work: its files first, then the marker that says it is done. When another
+        writer has committed the artifact meanwhile, the unit's local files are deleted (nothing needs them)."""
+        if self.is_committed():
+            for local in files.values():
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(local)
+            raise AlreadyCommitted(f"{self.url} was committed by another writer")
         placed = {rel: self._place(local, rel) for rel, local in files.items()}
         marker = canonical_json({"shard": name, "files": placed, "committed_at": time.time()}).encode()
         _write_bytes_atomic(self.fs, self._marker(name), marker)
