@@ -4,6 +4,8 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 # requirements.lock pins every package; uv installs it in seconds. Without uv on PATH the lock's own uv pin is
 # bootstrapped into the venv with pip. UV=false installs the same pins with pip alone (slower, no resolver).
+# --compile-bytecode: every test spawns Python processes, and without .pyc files (PYTHONDONTWRITEBYTECODE is set
+# on some machines) each would recompile torch, transformers and prefect on import.
 UV ?= $(shell command -v uv 2>/dev/null || echo $(VENV)/bin/uv)
 LOCK_EXTRAS := --extra dev --extra bench --extra retro
 STORE ?= ./artifacts
@@ -17,7 +19,7 @@ ifeq ($(UV),false)
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps -r requirements.lock -e .
 else
 	test -x $(UV) || $(PY) -m pip install -q --disable-pip-version-check $$(grep '^uv==' requirements.lock)
-	$(UV) pip sync -q --python $(PY) requirements.lock
+	$(UV) pip sync -q --compile-bytecode --python $(PY) requirements.lock
 	$(UV) pip install -q --python $(PY) --no-deps -e .
 endif
 	touch $(STAMP)
