@@ -49,7 +49,7 @@ def vocab_init_method(config: TransformerConfig) -> Callable[[torch.Tensor], tor
 def gathered_logits(logits: torch.Tensor, true_vocab_size: int | None) -> torch.Tensor:
     """[s, b, v / TP] logits of this TP rank -> [b, s, v], -inf on the padding rows (never predicted)."""
     logits = gather_from_tensor_model_parallel_region(logits).transpose(0, 1)
-    if true_vocab_size is None:
+    if true_vocab_size is None or true_vocab_size >= logits.shape[-1]:  # no padding rows: no extra pass
         return logits.contiguous()
     padding = torch.arange(logits.shape[-1], device=logits.device) >= true_vocab_size
     return logits.masked_fill(padding, -torch.inf)
