@@ -20,6 +20,9 @@ artifact, and no task holds per-document state for the whole corpus. A document 
 Memory: a signature or kept task holds one shard, a bucket task one hash range (`docs_per_bucket_task`
 documents per band), the cluster task the candidate pairs and one shard's ids at a time. A rerun after a crash
 reruns only the tasks not committed and writes identical bytes.
+
+One module, over 400 lines, on purpose: its four steps (signatures, buckets, cluster, kept documents) share one
+file layout and id scheme, and each step's task sits beside the step that maps it.
 """
 
 from __future__ import annotations

@@ -26,6 +26,9 @@ docs/architecture.md describes:
   reference as a cache hit without rewriting anything, and it stops placing files once it sees a manifest.
 - A writer that fails while another writer built the artifact (e.g. it read files the winner cleaned up)
   waits for the other live writers on this machine, then returns the committed artifact as a cache hit.
+
+One module, over 400 lines, on purpose: the reference, the writer with its scratch slots and the store are one
+commit protocol; its guarantees (who wins, what a reader may see) only read right together.
 """
 
 from __future__ import annotations

@@ -20,6 +20,9 @@ Data-parallel wrappers (anything with `no_sync()`) reduce grads only during each
 pipelined schedules release `no_sync()` just before that backward, which suits our DDP (it decides per backward)
 but not torch's (it decides at forward time; arguments.py refuses it with pipelining); without pipelining the
 last micro-batch's forward and backward both run outside `no_sync()`, so torch's DDP works there too.
+
+One module, over 400 lines, on purpose: the three schedules share their step helpers and are read side by side
+(as Megatron-Core keeps them in one file); splitting them would scatter one algorithm.
 """
 
 from __future__ import annotations
