@@ -93,14 +93,16 @@ class CoreAttention(nn.Module):
 
     Causal by default; with an `attention_mask` (bool [b, 1, 1, s_k], True where a key may be attended: BERT's
     padding mask) attention is bidirectional over the unmasked keys, by scaled_dot_product_attention only.
+    `causal=False` (cross-attention) attends to every key when no mask is given.
 
     Takes q [b, s_q, heads, d] and k, v [b, s_k, groups, d] (the kernels' layout) with s_k >= s_q: the queries
     are the last s_q positions (a KV cache holds the first s_k - s_q), so the causal mask is aligned
     bottom-right. Returns the context in the model's layout [s_q, b, heads * d].
     """
 
-    def __init__(self, config: TransformerConfig, sequence_parallel: bool) -> None:
+    def __init__(self, config: TransformerConfig, sequence_parallel: bool, causal: bool = True) -> None:
         super().__init__()
+        self.causal = causal
         self.dropout_p = config.attention_dropout
         # Under sequence parallelism the whole block already runs on the tracked RNG stream.
         self.fork_rng = not sequence_parallel
@@ -124,9 +126,10 @@ class CoreAttention(nn.Module):
                         f"--use-flash-attn needs CUDA fp16/bf16 activations, got {q.dtype} on {q.device}; "
                         "pass --bf16/--fp16 on a GPU or drop --use-flash-attn"
                     )
-                context = self.flash_attn_func(q, k, v, dropout_p=dropout_p, causal=True).transpose(0, 1)
+                context = self.flash_attn_func(q, k, v, dropout_p=dropout_p, causal=self.causal)
+                context = context.transpose(0, 1)
             else:
-                context = self._sdpa(q, k, v, dropout_p)
+                context = self._sdpa(q, k, v, dropout_p, causal=self.causal)
         return context.reshape(*context.shape[:2], -1)
 
     @staticmethod
@@ -136,6 +139,7 @@ class CoreAttention(nn.Module):
         v: torch.Tensor,
         dropout_p: float,
         attention_mask: torch.Tensor | None = None,
+        causal: bool = True,
     ) -> torch.Tensor:
         heads_per_group = q.shape[2] // k.shape[2]
         if heads_per_group > 1:  # query head j attends with key/value head j // heads_per_group
@@ -143,14 +147,13 @@ class CoreAttention(nn.Module):
             v = v.repeat_interleave(heads_per_group, dim=2)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         s_q, s_k = q.shape[2], k.shape[2]
-        mask, causal = attention_mask, attention_mask is None and s_q == s_k
-        if (
-            attention_mask is None and 1 < s_q < s_k
-        ):  # new tokens after cached ones: query i sees keys up to s_k - s_q + i
+        causal = causal and attention_mask is None
+        mask, is_causal = attention_mask, causal and s_q == s_k
+        if causal and 1 < s_q < s_k:  # new tokens after cached ones: query i sees keys up to s_k - s_q + i
             positions = torch.arange(s_k, device=q.device)
             mask = positions[None, :] <= positions[s_k - s_q :, None]
         context = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=causal
+            q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal
         )
         return context.permute(2, 0, 1, 3)  # [s_q, b, heads, d]
 
@@ -270,9 +273,17 @@ class TransformerLayer(nn.Module):
 
     With `config.post_ln` the original Transformer/BERT layer: norm(x + dropout(attn(x))), then
     norm(x + dropout(mlp(x))), its norms named `post_attention_layernorm` and `post_mlp_layernorm`.
+    A `cross_attention` module (T5's decoder, Retro's chunked cross-attention) adds a third residual between
+    the two, over the `context` passed to forward: x + dropout(cross(norm(x), context)) (post-LN: norm after).
     """
 
-    def __init__(self, config: TransformerConfig, layer_index: int, sequence_parallel: bool) -> None:
+    def __init__(
+        self,
+        config: TransformerConfig,
+        layer_index: int,
+        sequence_parallel: bool,
+        cross_attention: nn.Module | None = None,
+    ) -> None:
         super().__init__()
         self.post_ln = config.post_ln
         if not self.post_ln:
@@ -280,7 +291,11 @@ class TransformerLayer(nn.Module):
         self.self_attention = SelfAttention(config, layer_index, sequence_parallel)
         if self.post_ln:
             self.post_attention_layernorm = build_norm(config, sequence_parallel)
-        else:
+        self.cross_attention = cross_attention
+        if cross_attention is not None:
+            norm_name = "post_cross_attn_layernorm" if self.post_ln else "pre_cross_attn_layernorm"
+            setattr(self, norm_name, build_norm(config, sequence_parallel))
+        if not self.post_ln:
             self.pre_mlp_layernorm = build_norm(config, sequence_parallel)
         self.mlp = MLP(config, sequence_parallel)
         if self.post_ln:
@@ -293,19 +308,30 @@ class TransformerLayer(nn.Module):
         rotary: Rotary = None,
         kv_cache: KVCache | None = None,
         attention_mask: torch.Tensor | None = None,
+        context: torch.Tensor | None = None,
+        context_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if self.post_ln:
             attention = self.self_attention(hidden, rotary, kv_cache, attention_mask)
             hidden = self.post_attention_layernorm(hidden + self.hidden_dropout(attention))
+            if self.cross_attention is not None:
+                cross = self.cross_attention(hidden, context, context_mask)
+                hidden = self.post_cross_attn_layernorm(hidden + self.hidden_dropout(cross))
             return self.post_mlp_layernorm(hidden + self.hidden_dropout(self.mlp(hidden)))
         attention = self.self_attention(self.input_layernorm(hidden), rotary, kv_cache, attention_mask)
         hidden = hidden + self.hidden_dropout(attention)
+        if self.cross_attention is not None:
+            cross = self.cross_attention(self.pre_cross_attn_layernorm(hidden), context, context_mask)
+            hidden = hidden + self.hidden_dropout(cross)
         return hidden + self.hidden_dropout(self.mlp(self.pre_mlp_layernorm(hidden)))
 
 
 class TransformerBlock(nn.Module):
     """This pipeline stage's layers (those of model chunk `vp_stage` when interleaved), the final norm on the
-    last stage (none with post-LN layers, which end in a norm), and full-layer recompute."""
+    last stage (none with post-LN layers, which end in a norm), and full-layer recompute.
+
+    `cross_attention_for(global_layer_number)` gives a layer its cross-attention module (or None): every layer
+    of T5's decoder, Retro's chunked cross-attention layers."""
 
     def __init__(
         self,
@@ -314,6 +340,7 @@ class TransformerBlock(nn.Module):
         post_process: bool,
         init_seed: int | None = None,
         vp_stage: int = 0,
+        cross_attention_for: Callable[[int], nn.Module | None] | None = None,
     ) -> None:
         super().__init__()
         self.config = config
@@ -328,7 +355,8 @@ class TransformerBlock(nn.Module):
         layers = []
         for index, global_index in enumerate(self.layer_range):
             with initialization_stream(init_seed, FIRST_LAYER_INIT_STREAM + global_index):
-                layers.append(TransformerLayer(config, index, sequence_parallel))
+                cross_attention = cross_attention_for(global_index) if cross_attention_for else None
+                layers.append(TransformerLayer(config, index, sequence_parallel, cross_attention))
         self.layers = nn.ModuleList(layers)
         self.final_layernorm = (
             build_norm(config, sequence_parallel) if post_process and not config.post_ln else None
@@ -341,8 +369,11 @@ class TransformerBlock(nn.Module):
         rotary: Rotary = None,
         kv_cache: KVCache | None = None,
         attention_mask: torch.Tensor | None = None,
+        context: torch.Tensor | None = None,
+        context_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """`attention_mask`: bool [b, 1, 1, s], True on the keys to attend (bidirectional); None: causal."""
+        """`attention_mask`: bool [b, 1, 1, s], True on the keys to attend (bidirectional); None: causal.
+        `context` [s_k, b, h] and `context_mask` [b, 1, 1, s_k] feed the layers' cross-attention."""
         # Sequence-parallel shards differ across TP ranks, so their dropout draws from the tracked stream.
         rng = get_rng_tracker().fork() if self.sequence_parallel else contextlib.nullcontext()
         with rng:
@@ -350,14 +381,19 @@ class TransformerBlock(nn.Module):
                 self.config.recompute_granularity == "full" and self.training and torch.is_grad_enabled()
             )
             if recompute and kv_cache is None:
-                hidden = self._forward_with_recompute(hidden, rotary, attention_mask)
+                hidden = self._forward_with_recompute(hidden, rotary, attention_mask, context, context_mask)
             else:
                 for layer in self.layers:
-                    hidden = layer(hidden, rotary, kv_cache, attention_mask)
+                    hidden = layer(hidden, rotary, kv_cache, attention_mask, context, context_mask)
         return hidden if self.final_layernorm is None else self.final_layernorm(hidden)
 
     def _forward_with_recompute(
-        self, hidden: torch.Tensor, rotary: Rotary, attention_mask: torch.Tensor | None
+        self,
+        hidden: torch.Tensor,
+        rotary: Rotary,
+        attention_mask: torch.Tensor | None,
+        context: torch.Tensor | None,
+        context_mask: torch.Tensor | None,
     ) -> torch.Tensor:
         """'uniform': checkpoint chunks of recompute_num_layers layers; 'block': checkpoint each of the first
         recompute_num_layers layers and run the rest normally."""
@@ -366,9 +402,11 @@ class TransformerBlock(nn.Module):
         for start in range(0, len(self.layers), step):
             layers = self.layers[start : start + step]
             if self.config.recompute_method == "block" and start >= self.config.recompute_num_layers:
-                hidden = self._run_layers(layers, hidden, cos, sin, attention_mask)
+                hidden = self._run_layers(layers, hidden, cos, sin, attention_mask, context, context_mask)
             else:
-                hidden = checkpoint(self._run_layers, layers, hidden, cos, sin, attention_mask)
+                hidden = checkpoint(
+                    self._run_layers, layers, hidden, cos, sin, attention_mask, context, context_mask
+                )
         return hidden
 
     @staticmethod
@@ -378,8 +416,10 @@ class TransformerBlock(nn.Module):
         cos: torch.Tensor | None,
         sin: torch.Tensor | None,
         attention_mask: torch.Tensor | None = None,
+        context: torch.Tensor | None = None,
+        context_mask: torch.Tensor | None = None,
     ):
         rotary = None if cos is None else (cos, sin)
         for layer in layers:
-            hidden = layer(hidden, rotary, None, attention_mask)
+            hidden = layer(hidden, rotary, None, attention_mask, context, context_mask)
         return hidden
