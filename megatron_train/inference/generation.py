@@ -120,7 +120,7 @@ def allocate_kv_cache(model: torch.nn.Module, batch_size: int, max_seq_len: int)
     )
 
 
-def _logits(model, tokens, position_ids, kv_cache, vocab_size: int) -> torch.Tensor | None:
+def vocab_logits(model, tokens, position_ids, kv_cache, vocab_size: int) -> torch.Tensor | None:
     """fp32 logits over the tokenizer's real vocabulary (the model's is padded); None off the last stage."""
     logits = forward_step(model, tokens, position_ids, kv_cache)
     return None if logits is None else logits[..., :vocab_size].float()
@@ -249,7 +249,7 @@ def generate_tokens(
     for context_length in range(int(lengths.min()), total_length):
         # With a cache only the new positions go through the model; without, the whole prefix again.
         start = previous if kv_cache is not None else 0
-        logits = _logits(
+        logits = vocab_logits(
             model,
             tokens[:, start:context_length],
             position_ids[:, start:context_length],
@@ -291,7 +291,7 @@ def score_tokens(
     """Fill `scores` with the log-probability of each token given the ones before it (Megatron's score path)."""
     check_fits(model, tokens)
     position_ids = torch.arange(tokens.size(1), device=tokens.device).expand_as(tokens)
-    logits = _logits(model, tokens, position_ids, None, tokenizer.vocab_size)
+    logits = vocab_logits(model, tokens, position_ids, None, tokenizer.vocab_size)
     if logits is not None:
         scores.record(logits[:, :-1], tokens, 0)
     scores.share()
