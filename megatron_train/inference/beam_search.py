@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_train.inference.forward import broadcast_from_last_stage
-from megatron_train.inference.generation import vocab_logits, allocate_kv_cache, check_fits
+from megatron_train.inference.generation import allocate_kv_cache, check_fits, vocab_logits
 from megatron_train.tokenizer.base import MegatronTokenizer
 
 
