@@ -82,7 +82,9 @@ def load_model_stage_for_inference(
         )
     saved = SavedCheckpoint(iteration_dir)
     if saved_model_type(saved.metadata) != "gpt":
-        raise CheckpointError(f"checkpoint {iteration_dir} holds a {saved_model_type(saved.metadata)} model, not GPT")
+        raise CheckpointError(
+            f"checkpoint {iteration_dir} holds a {saved_model_type(saved.metadata)} model, not GPT"
+        )
     config = config_from_dict(saved.metadata["args"])
     tp_size, tp_rank = state.get_tensor_model_parallel_world_size(), state.get_tensor_model_parallel_rank()
     config.parallel.tensor_model_parallel_size = tp_size
