@@ -121,7 +121,8 @@ def main(argv: list[str] | None = None) -> None:
         try:
             uvicorn.run(app, host=args.host, port=args.port, log_level="info")
         finally:
-            app.state.service.batcher.close()  # the followers return (also when uvicorn could not start)
+            if multi_rank:  # the followers return, also when uvicorn could not start
+                app.state.service.batcher.close()
     finally:
         if multi_rank:
             dist.destroy_process_group()
