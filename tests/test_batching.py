@@ -182,3 +182,31 @@ def test_bad_input_answers_400_never_500(client, path, body):
     assert response.status_code == 400, response.text
     answer = response.json()
     assert (answer.get("message") or answer["error"]["message"]) and json.dumps(answer)
+
+
+class SignalRecorder(ModelRunner):
+    """Records the keep-alives and the stop a batcher sends to the follower ranks."""
+
+    def __init__(self, model, tokenizer) -> None:
+        super().__init__(model, tokenizer)
+        self.signals: list[str] = []
+
+    def keep_alive(self) -> None:
+        self.signals.append("keep-alive")
+
+    def stop(self) -> None:
+        self.signals.append("stop")
+
+
+def test_an_idle_batcher_keeps_followers_alive_and_stops_them_at_shutdown(model, monkeypatch):
+    from megatron_train.inference import batcher as batcher_module
+
+    monkeypatch.setattr(batcher_module, "KEEP_ALIVE_S", 0.05)
+    runner = SignalRecorder(model, CharTokenizer())
+    app = create_app(model, CharTokenizer(), ServerLimits())
+    app.state.service.batcher.close()  # replace the app's batcher by one with the recording runner
+    app.state.service.batcher = Batcher(runner, BatchLimits(16, 10_000, 0.0))
+    with TestClient(app) as client:  # leaving the block shuts the app down (its lifespan)
+        time.sleep(0.3)
+        assert client.put("/api", json={"prompts": ["ab"], "tokens_to_generate": 2}).status_code == 200
+    assert runner.signals.count("keep-alive") >= 2 and runner.signals[-1] == "stop"

@@ -192,3 +192,16 @@ def test_prompts_past_the_models_positions_answer_400(client):
     assert status == 400 and "longer than allowed: 60 + 10 tokens > 64" in body["message"]
     status, body = post(client, "/v1/completions", {"prompt": "a" * 60, "max_tokens": 10})
     assert status == 400 and "longer than allowed" in body["error"]["message"]
+
+
+def test_scoring_a_prompt_returns_its_top_logprobs(client, model):
+    body = {"prompt": "abc", "max_tokens": 0, "echo": True, "logprobs": 2}
+    status, answer = post(client, "/v1/completions", body)
+    logprobs = answer["choices"][0]["logprobs"]
+    assert status == 200 and logprobs["tokens"] == ["a", "b", "c"] and logprobs["top_logprobs"][0] is None
+    with torch.no_grad():
+        logits = model(torch.tensor([CharTokenizer().tokenize("abc")]))[0, :2, : CharTokenizer().vocab_size]
+    best = torch.log_softmax(logits.float(), -1).topk(2).values
+    assert [list(top.values()) for top in logprobs["top_logprobs"][1:]] == pytest.approx(
+        best.tolist(), abs=1e-5
+    )
