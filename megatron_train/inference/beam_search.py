@@ -140,15 +140,15 @@ def _share_finished(
 ) -> tuple[list[list[int]], list[float]]:
     """The last stage's hypotheses on every rank: rows of tokens padded with -1, then the scores."""
     table = None
-    if finished.hypotheses:
-        table = torch.full((beam, total_length), -1, dtype=torch.long, device=device)
-        for row, (_, hypothesis) in enumerate(finished.hypotheses):
+    if finished.hypotheses:  # the last stage
+        table = torch.full((beam, total_length + 1), -1, dtype=torch.long, device=device)
+        for row, (score, hypothesis) in enumerate(finished.hypotheses):
             table[row, : len(hypothesis)] = torch.tensor(hypothesis, device=device)
-        score_row = torch.tensor(
-            [score for score, _ in finished.hypotheses], dtype=torch.float64, device=device
-        )
-        table = torch.cat([table, score_row.view(torch.long).view(-1, 1)], dim=1)
+            table[row, -1] = torch.tensor(score, dtype=torch.float64).view(torch.long)  # the score's bits
     table = broadcast_from_last_stage(table, (beam, total_length + 1), torch.long)
-    scores = table[:, -1].contiguous().view(torch.float64).tolist()
-    rows = [[token for token in row if token >= 0] for row in table[:, :-1].tolist()]
+    count = int(
+        (table[:, 0] >= 0).sum()
+    )  # rows holding a hypothesis (all of them, but for a tiny vocabulary)
+    scores = table[:count, -1].contiguous().view(torch.float64).tolist()
+    rows = [[token for token in row if token >= 0] for row in table[:count, :-1].tolist()]
     return rows, scores
