@@ -7,6 +7,7 @@ import json
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 
 import pytest
 import uvicorn
@@ -66,15 +67,15 @@ def submit_behind_a_running_batch(batcher: Batcher, runner: RecordingRunner, wor
 def test_waiting_requests_run_as_one_batch_and_answer_as_alone(model):
     runner = RecordingRunner(model, CharTokenizer())
     batcher = Batcher(runner, BatchLimits(max_prompts=16, max_tokens=10_000, max_wait_s=0.0))
-    other = GenerationParams(tokens_to_generate=3, top_k=1)  # other params: its own batch
+    shorter = replace(GREEDY, tokens_to_generate=2)  # joins: each prompt keeps its own budget
+    other = GenerationParams(tokens_to_generate=3, top_k=1)  # other params (no logprobs): its own batch
     seeded = GenerationParams(tokens_to_generate=5, temperature=1.5, random_seed=4)  # runs alone
     works = [Work((prompt,), GREEDY) for prompt in PROMPTS[:3]]
-    works += [Work(("xyz",), other)]
+    works += [Work(("xyz",), other), Work(("seed",), seeded), Work(("short",), shorter)]
     works += [Work((prompt,), GREEDY) for prompt in PROMPTS[3:]]
-    works += [Work(("seed",), seeded)]
     outputs = submit_behind_a_running_batch(batcher, runner, works)
     batcher.close()
-    assert runner.batches == [1, 6, 1, 1]
+    assert runner.batches == [1, 7, 1, 1]
     for work, output in zip(works, outputs, strict=True):
         expected = alone(model, work.prompts[0], work.params)
         assert output.tokens == expected.tokens and output.completions == expected.completions

@@ -4,8 +4,8 @@ One thread owns the model (the `ModelRunner`). A request waits in a queue; when 
 one it keeps collecting for up to `max_wait_s` after that request arrived, then runs the oldest request
 together with every waiting request it can share a batch with, within the server's limits (prompts per batch,
 Megatron's batch x (longest prompt + tokens to generate) budget). Requests share a batch when their
-generation parameters are equal, except seeded sampling, whose draws would depend on the other rows:
-it runs alone, as does beam search. Each row of a batch decodes exactly as it would alone (generation.py),
+generation parameters are equal but for the number of tokens to generate (each prompt keeps its own), except
+seeded sampling, whose draws would depend on the other rows: it runs alone, as does beam search. Each row of a batch decodes exactly as it would alone (generation.py),
 so a request's answer does not depend on its neighbours. With `dynamic=False` every request runs alone, in
 arrival order: the one-at-a-time server.
 """
@@ -48,9 +48,15 @@ def _batchable(work: Work) -> bool:
     return isinstance(params, GenerationParams) and (params.random_seed < 0 or params.top_k == 1)
 
 
-def _tokens(requests: list[_Request], tokens_to_generate: int) -> int:
+def _batch_key(params: GenerationParams) -> GenerationParams:
+    """What requests of one batch share: all parameters but the (non-zero) number of tokens to generate."""
+    return dataclasses.replace(params, tokens_to_generate=min(params.tokens_to_generate, 1))
+
+
+def _tokens(requests: list[_Request]) -> int:
+    """Megatron's budget of a batch: rows x its longest row (prompt + tokens to generate)."""
     rows = sum(len(request.work.prompts) for request in requests)
-    return rows * (max(request.longest for request in requests) + tokens_to_generate)
+    return rows * max(request.longest + request.work.params.tokens_to_generate for request in requests)
 
 
 def _rows(output: GenerationOutput, start: int, end: int) -> GenerationOutput:
@@ -127,12 +133,14 @@ class Batcher:
         batch = [pending.pop(0)]
         if not (self.dynamic and _batchable(batch[0].work)):
             return batch
-        params = batch[0].work.params
+        key = _batch_key(batch[0].work.params)
         rows = len(batch[0].work.prompts)
         for request in list(pending):
-            if request.work.params != params or rows + len(request.work.prompts) > self.limits.max_prompts:
+            if not _batchable(request.work) or _batch_key(request.work.params) != key:
                 continue
-            if _tokens([*batch, request], params.tokens_to_generate) > self.limits.max_tokens:
+            if rows + len(request.work.prompts) > self.limits.max_prompts:
+                continue
+            if _tokens([*batch, request]) > self.limits.max_tokens:
                 continue
             batch.append(request)
             pending.remove(request)
@@ -141,9 +149,14 @@ class Batcher:
 
     def _run(self, batch: list[_Request]) -> None:
         prompts = tuple(prompt for request in batch for prompt in request.work.prompts)
+        work = batch[0].work
+        if len(batch) > 1:
+            budgets = tuple(r.work.params.tokens_to_generate for r in batch for _ in r.work.prompts)
+            params = dataclasses.replace(work.params, tokens_to_generate=max(budgets))
+            work = Work(prompts, params, budgets if min(budgets) < max(budgets) else None)
         started = time.perf_counter()
         try:
-            output = self.runner.run(Work(prompts, batch[0].work.params))
+            output = self.runner.run(work)
         except Exception as error:  # noqa: BLE001 - every request of the batch gets it (ValueError: a 400)
             for request in batch:
                 request.future.set_exception(error)

@@ -74,16 +74,17 @@ class GenerationOutput:
 
 
 def tokenize_prompts(
-    tokenizer: MegatronTokenizer, prompts: Sequence[str], tokens_to_generate: int, add_BOS: bool
+    tokenizer: MegatronTokenizer, prompts: Sequence[str], budgets: torch.Tensor, add_BOS: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Prompt ids right-padded with eod to max prompt length + tokens_to_generate [b, s], and the lengths [b]."""
+    """Prompt ids right-padded with eod to the longest prompt + its tokens to generate (`budgets` [b]) [b, s],
+    and the lengths [b]."""
     bos = [tokenizer.eod] if add_BOS else []
     prompt_tokens = [bos + ids for ids in tokenizer.tokenize_batch(list(prompts))]
     for index, ids in enumerate(prompt_tokens):
         if not ids:
             raise ValueError(f"prompt {index} is empty: pass add_BOS=True to generate from an empty prompt")
     lengths = torch.tensor([len(ids) for ids in prompt_tokens], dtype=torch.long)
-    tokens = torch.full((len(prompt_tokens), int(lengths.max()) + tokens_to_generate), tokenizer.eod)
+    tokens = torch.full((len(prompt_tokens), int((lengths + budgets).max())), tokenizer.eod)
     for row, ids in enumerate(prompt_tokens):
         tokens[row, : len(ids)] = torch.tensor(ids)
     return tokens, lengths
@@ -220,10 +221,11 @@ def generate_tokens(
     tokens: torch.Tensor,
     lengths: torch.Tensor,
     params: GenerationParams,
+    budgets: torch.Tensor,
     scores: TokenScores | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Decode into the padded `tokens` [b, s] (Megatron's generate_tokens_probs_and_return_on_first_stage),
-    filling `scores` when given.
+    at most `budgets` [b] new tokens per row, filling `scores` when given.
 
     Returns tokens, each row's final length (prompt + generated), and which rows ended on a stop rule (the
     others ran out of tokens_to_generate)."""
@@ -238,7 +240,7 @@ def generate_tokens(
     if params.random_seed >= 0:
         generator = torch.Generator(device=tokens.device).manual_seed(params.random_seed)
 
-    row_limits = (lengths + params.tokens_to_generate).clamp(max=total_length)
+    row_limits = (lengths + budgets).clamp(max=total_length)
     final_lengths = row_limits.clone()
     done = torch.zeros(batch_size, dtype=torch.bool, device=tokens.device)
     stopped = torch.zeros_like(done)
@@ -314,15 +316,28 @@ def generate(
     tokenizer: MegatronTokenizer,
     prompts: Sequence[str],
     params: GenerationParams = GenerationParams(),
+    tokens_per_prompt: Sequence[int] | None = None,
 ) -> GenerationOutput:
     """Generate continuations of `prompts` (Megatron's generate_and_post_process), on the model's device.
 
+    `tokens_per_prompt` gives each prompt its own number of tokens to generate, from 1 to
+    `params.tokens_to_generate` (the server's batches of requests); by default every prompt gets that many.
     `tokens_to_generate=0` scores the prompts instead (one forward, logprobs only)."""
     params.validate()
     if not prompts:
         raise ValueError("prompts is empty: pass at least one prompt")
+    if tokens_per_prompt is None:
+        tokens_per_prompt = [params.tokens_to_generate] * len(prompts)
+    elif len(tokens_per_prompt) != len(prompts) or not all(
+        0 < n <= params.tokens_to_generate for n in tokens_per_prompt
+    ):
+        raise ValueError(
+            f"tokens_per_prompt needs one count from 1 to tokens_to_generate={params.tokens_to_generate} per "
+            f"prompt; got {list(tokens_per_prompt)} for {len(prompts)} prompts"
+        )
+    budgets = torch.tensor(tokens_per_prompt, dtype=torch.long)
     device = next(model.parameters()).device
-    tokens, lengths = tokenize_prompts(tokenizer, prompts, params.tokens_to_generate, params.add_BOS)
+    tokens, lengths = tokenize_prompts(tokenizer, prompts, budgets, params.add_BOS)
     if params.max_total_length is not None:
         longest = int(lengths.max())
         if longest >= params.max_total_length and params.tokens_to_generate > 0:
@@ -344,7 +359,7 @@ def generate(
                 score_tokens(model, tokenizer, tokens, scores)
         else:
             tokens, final_lengths, stopped = generate_tokens(
-                model, tokenizer, tokens, lengths, params, scores
+                model, tokenizer, tokens, lengths, params, budgets.to(device), scores
             )
     finally:
         model.train(was_training)

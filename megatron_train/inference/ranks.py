@@ -32,6 +32,7 @@ class Work:
 
     prompts: tuple[str, ...]
     params: GenerationParams | BeamSearchParams
+    tokens_per_prompt: tuple[int, ...] | None = None  # a batch of requests: each prompt's own budget
 
 
 def run_work(
@@ -39,7 +40,7 @@ def run_work(
 ) -> GenerationOutput | BeamSearchOutput:
     if isinstance(work.params, BeamSearchParams):
         return beam_search(model, tokenizer, work.prompts[0], work.params)
-    return generate(model, tokenizer, list(work.prompts), work.params)
+    return generate(model, tokenizer, list(work.prompts), work.params, work.tokens_per_prompt)
 
 
 def _is_multi_rank() -> bool:
