@@ -13,13 +13,9 @@ import torch
 import torch.distributed as dist
 
 from megatron_train.device import get_device
+from megatron_train.models.kv_cache import KVCache
 from megatron_train.parallel import state
 from megatron_train.parallel.p2p import P2PCommunicator
-
-
-def is_last_stage() -> bool:
-    """This rank holds the output layer (always true in one process)."""
-    return state.is_pipeline_last_stage()
 
 
 def _model_parallel_size() -> int:
@@ -27,7 +23,7 @@ def _model_parallel_size() -> int:
 
 
 def forward_step(
-    model: torch.nn.Module, tokens: torch.Tensor, position_ids: torch.Tensor, kv_cache
+    model: torch.nn.Module, tokens: torch.Tensor, position_ids: torch.Tensor, kv_cache: KVCache | None
 ) -> torch.Tensor | None:
     """Logits [b, s, padded vocab] of the new `tokens` [b, s] on the last stage; None on the other stages,
     which pass their hidden states [s, b, h] to the next stage."""
@@ -39,16 +35,18 @@ def forward_step(
     model.set_input_tensor(p2p.recv_forward())
     output = model(tokens, position_ids=position_ids, kv_cache=kv_cache)
     model.set_input_tensor(None)
-    if is_last_stage():
+    if state.is_pipeline_last_stage():
         return output
     p2p.send_forward(output)
     return None
 
 
-def broadcast_from_last_stage(tensor: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype):
-    """The last stage's `tensor` on every rank of this model replica (others pass None and get a new tensor
-    of `shape` and `dtype`). The source is the last stage's first TP rank, so TP ranks that sampled on their
-    own also end up with one answer."""
+def broadcast_from_last_stage(
+    tensor: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype
+) -> torch.Tensor:
+    """The last stage's `tensor` on every rank of this model replica; the other ranks pass a tensor of `shape`
+    and `dtype` to overwrite, or None for a new one. The source is the last stage's first TP rank, so TP ranks
+    that sampled on their own also end up with one answer."""
     if _model_parallel_size() == 1:
         return tensor
     tensor = torch.empty(shape, dtype=dtype, device=get_device()) if tensor is None else tensor.contiguous()
