@@ -203,6 +203,19 @@ def test_batch_of_unequal_prompts_equals_each_alone(model, tokenizer):
         assert batched.logprobs is None
 
 
+def test_each_prompt_of_a_batch_keeps_its_own_budget(model, tokenizer):
+    prompts, budgets = ["hello", "ab", "xyz w"], [2, 7, 4]
+    params = GenerationParams(tokens_to_generate=7, top_k=1, return_output_log_probs=True)
+    batch = generate(model, tokenizer, prompts, params, tokens_per_prompt=budgets)
+    for row, (prompt, budget) in enumerate(zip(prompts, budgets, strict=True)):
+        alone = generate(model, tokenizer, [prompt], replace(params, tokens_to_generate=budget))
+        assert batch.tokens[row] == alone.tokens[0] and len(alone.tokens[0]) <= len(prompt) + budget
+        assert batch.logprobs[row] == pytest.approx(alone.logprobs[0], abs=1e-5)
+        assert batch.finish_reasons[row] == alone.finish_reasons[0]
+    with pytest.raises(ValueError, match="tokens_per_prompt needs one count from 1 to tokens_to_generate=7"):
+        generate(model, tokenizer, prompts, params, tokens_per_prompt=[2, 8, 1])
+
+
 def test_logprobs_equal_log_softmax_of_a_full_forward(model, tokenizer):
     params = GenerationParams(tokens_to_generate=8, top_k=1, return_output_log_probs=True)
     out = generate(model, tokenizer, ["short", "a longer prompt"], params)

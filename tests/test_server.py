@@ -119,7 +119,9 @@ API_ERRORS = [
     ({**OK, "random_seed": -5}, "random_seed must be a non-negative integer"),
     ({**OK, "stop_token": "x"}, "stop_token must be an integer"),
     ({**OK, "stop_strings": [""]}, "stop_strings must be a list of non-empty strings"),
-    ({**OK, "beam_width": 2}, "beam_width is not supported"),
+    ({**OK, "beam_width": 0}, "beam_width must be an integer >= 1"),
+    ({"prompts": ["ab", "c"], "beam_width": 2}, "When doing beam_search, batch size must be 1"),
+    ({**OK, "beam_width": 2, "length_penalty": "long"}, "length_penalty must be a float"),
     ({"prompts": ["x" * 40] * 4, "tokens_to_generate": 20}, "Too many tokens.  240 is greater than 200"),
     (
         {"prompts": ["x" * 50], "tokens_to_generate": 20},

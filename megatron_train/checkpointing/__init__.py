@@ -40,7 +40,7 @@ from megatron_train.checkpointing.files import (
     read_metadata,
     resolve_iteration_dir,
 )
-from megatron_train.checkpointing.inference import load_model_for_inference
+from megatron_train.checkpointing.inference import load_model_for_inference, load_model_stage_for_inference
 from megatron_train.checkpointing.load import MODEL_ARGS_TO_CHECK, check_compatible, load_checkpoint
 from megatron_train.checkpointing.names import sharding_record
 from megatron_train.checkpointing.progress import TrainingProgress
@@ -59,6 +59,7 @@ __all__ = [
     "checkpoint_dir",
     "load_checkpoint",
     "load_model_for_inference",
+    "load_model_stage_for_inference",
     "model_shard_dir",
     "read_latest_iteration",
     "read_metadata",

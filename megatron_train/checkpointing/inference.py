@@ -12,11 +12,13 @@ from megatron_train.checkpointing.files import (
     resolve_iteration_dir,
 )
 from megatron_train.checkpointing.load import load_model_weights
-from megatron_train.checkpointing.names import saved_model_type
+from megatron_train.checkpointing.names import global_names, saved_model_type
 from megatron_train.checkpointing.saved import SavedCheckpoint
 from megatron_train.device import get_device
 from megatron_train.models.bert import bert_model_provider
 from megatron_train.models.gpt import GPTModel
+from megatron_train.parallel import state
+from megatron_train.tokenizer import vocab_size_with_padding
 
 
 def build_saved_model(
@@ -61,3 +63,39 @@ def load_model_for_inference(
     model.to(device=device or get_device(), dtype=config.model.params_dtype)
     model.eval()
     return model, config
+
+
+def load_model_stage_for_inference(
+    load_dir: str, iteration: int | None = None, device: torch.device | str | None = None
+) -> tuple[GPTModel, MegatronConfig]:
+    """This rank's part of a saved GPT model under the model-parallel groups already initialised: its TP slice
+    of its pipeline stage's layers (embedding on the first stage, output layer on the last), in eval mode.
+
+    The checkpoint may have been saved under any (TP, PP) layout: each weight is resharded on load; the
+    vocabulary is padded further when this TP size needs it (padding rows are never predicted).
+    """
+    iteration_dir = resolve_iteration_dir(load_dir, iteration)
+    if iteration_dir is None:
+        raise CheckpointError(
+            f"no {TRACKER_FILENAME} in {load_dir} (complete iterations there: {complete_iterations(load_dir)}): "
+            "pass iteration= or a directory with a save"
+        )
+    saved = SavedCheckpoint(iteration_dir)
+    if saved_model_type(saved.metadata) != "gpt":
+        raise CheckpointError(
+            f"checkpoint {iteration_dir} holds a {saved_model_type(saved.metadata)} model, not GPT"
+        )
+    config = config_from_dict(saved.metadata["args"])
+    tp_size, tp_rank = state.get_tensor_model_parallel_world_size(), state.get_tensor_model_parallel_rank()
+    config.parallel.tensor_model_parallel_size = tp_size
+    config.parallel.pipeline_model_parallel_size = state.get_pipeline_model_parallel_world_size()
+    config.parallel.sequence_parallel = False
+    padded_vocab_size = vocab_size_with_padding(
+        saved.padded_vocab_size, config.tokenizer.make_vocab_size_divisible_by, tp_size
+    )
+    model = GPTModel(
+        config.model, padded_vocab_size, state.is_pipeline_first_stage(), state.is_pipeline_last_stage()
+    )
+    load_model_weights(model, saved, global_names(model, config), padded_vocab_size, tp_size, tp_rank)
+    model.to(device=device or get_device(), dtype=config.model.params_dtype)
+    return model.eval(), config

@@ -20,12 +20,14 @@ from megatron_train.checkpointing import (
     MODEL_ARGS_TO_CHECK,
     CheckpointError,
     load_model_for_inference,
+    load_model_stage_for_inference,
     read_metadata,
     resolve_iteration_dir,
     saved_true_vocab_range,
 )
 from megatron_train.checkpointing.names import saved_model_type
 from megatron_train.models.config import TransformerConfig
+from megatron_train.parallel import state
 from megatron_train.tokenizer import MegatronTokenizer, tokenizer_from_config
 from megatron_train.tokenizer.flags import tokenizer_config_from_args
 
@@ -91,7 +93,8 @@ def load_for_inference(
     args: argparse.Namespace, device: torch.device | str | None = None
 ) -> tuple[torch.nn.Module, MegatronTokenizer, MegatronConfig]:
     """(model in eval mode, tokenizer, saved MegatronConfig) from the flags of `build_inference_parser`;
-    the flags and the tokenizer are checked against the checkpoint before its weights are read."""
+    the flags and the tokenizer are checked against the checkpoint before its weights are read. With
+    model-parallel groups initialised the model is this rank's TP slice of its pipeline stage."""
     iteration = getattr(args, "ckpt_step", None)
     iteration_dir = resolve_iteration_dir(args.load, iteration)
     if iteration_dir is None:
@@ -108,5 +111,8 @@ def load_for_inference(
     check_model_flags(args, saved, iteration_dir)
     tokenizer = tokenizer_for(saved, args, iteration_dir)
     check_tokenizer_fits(tokenizer, metadata, iteration_dir)
-    model, config = load_model_for_inference(args.load, iteration=iteration, device=device)
+    if state.model_parallel_is_initialized():  # a multi-rank server: this rank's part of the model
+        model, config = load_model_stage_for_inference(args.load, iteration=iteration, device=device)
+    else:
+        model, config = load_model_for_inference(args.load, iteration=iteration, device=device)
     return model.eval(), tokenizer, config

@@ -15,7 +15,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from megatron_train.inference.forward import broadcast_from_last_stage, forward_step
 from megatron_train.inference.sampling import sample, validate_sampling
+from megatron_train.models.kv_cache import KVCache
+from megatron_train.parallel import state
 from megatron_train.tokenizer.base import MegatronTokenizer
 
 
@@ -26,6 +29,7 @@ class GenerationParams:
     tokens_to_generate: int = 64
     max_total_length: int | None = None  # also cap each row's prompt + generated tokens at this length
     return_output_log_probs: bool = False
+    top_logprobs: int = 0  # also return the n most likely tokens and their logprobs at every position
     top_k: int = 0
     top_p: float = 0.0
     temperature: float = 1.0
@@ -48,6 +52,8 @@ class GenerationParams:
             raise ValueError(f"max_total_length must be >= 1, got {self.max_total_length}")
         if self.random_seed < -1:
             raise ValueError(f"random_seed must be >= 0 (or -1 for unseeded), got {self.random_seed}")
+        if self.top_logprobs < 0:
+            raise ValueError(f"top_logprobs must be >= 0, got {self.top_logprobs}")
         if any(not stop for stop in self.stop_strings):
             raise ValueError("stop_strings must not contain an empty string")
 
@@ -61,22 +67,24 @@ class GenerationOutput:
     texts: list[str]
     segments: list[list[str]]
     logprobs: list[list[float]] | None
+    top_logprobs: list[list[list[tuple[int, float]]]] | None  # [row][j]: the n best (id, logprob) at j + 1
     prompt_lengths: list[int]
     completions: list[str]  # the generated text alone, without the eod token and cut before a stop string
     finish_reasons: list[str]  # "stop" (eod, eol or a stop string) or "length"
 
 
 def tokenize_prompts(
-    tokenizer: MegatronTokenizer, prompts: Sequence[str], tokens_to_generate: int, add_BOS: bool
+    tokenizer: MegatronTokenizer, prompts: Sequence[str], budgets: torch.Tensor, add_BOS: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Prompt ids right-padded with eod to max prompt length + tokens_to_generate [b, s], and the lengths [b]."""
+    """Prompt ids right-padded with eod to the longest prompt + its tokens to generate (`budgets` [b]) [b, s],
+    and the lengths [b]."""
     bos = [tokenizer.eod] if add_BOS else []
     prompt_tokens = [bos + ids for ids in tokenizer.tokenize_batch(list(prompts))]
     for index, ids in enumerate(prompt_tokens):
         if not ids:
             raise ValueError(f"prompt {index} is empty: pass add_BOS=True to generate from an empty prompt")
     lengths = torch.tensor([len(ids) for ids in prompt_tokens], dtype=torch.long)
-    tokens = torch.full((len(prompt_tokens), int(lengths.max()) + tokens_to_generate), tokenizer.eod)
+    tokens = torch.full((len(prompt_tokens), int((lengths + budgets).max())), tokenizer.eod)
     for row, ids in enumerate(prompt_tokens):
         tokens[row, : len(ids)] = torch.tensor(ids)
     return tokens, lengths
@@ -98,27 +106,25 @@ def check_fits(model: torch.nn.Module, tokens: torch.Tensor) -> None:
         )
 
 
-def allocate_kv_cache(model: torch.nn.Module, batch_size: int, max_seq_len: int):
-    """An empty KV cache shaped for this model's attention on this tensor-parallel rank."""
-    from megatron_train.models.kv_cache import KVCache
-    from megatron_train.parallel.state import get_tensor_model_parallel_world_size
-
+def allocate_kv_cache(model: torch.nn.Module, batch_size: int, max_seq_len: int) -> KVCache:
+    """An empty KV cache shaped for this model's attention on this tensor- and pipeline-parallel rank."""
     config = model.config
     weight = next(model.parameters())
     return KVCache(
-        num_layers=config.num_layers,
+        num_layers=config.num_layers // state.get_pipeline_model_parallel_world_size(),  # this stage's layers
         batch_size=batch_size,
         max_seq_len=max_seq_len,
-        num_kv_heads=config.num_query_groups_effective // get_tensor_model_parallel_world_size(),
+        num_kv_heads=config.num_query_groups_effective // state.get_tensor_model_parallel_world_size(),
         head_dim=config.kv_channels,
         dtype=weight.dtype,
         device=weight.device,
     )
 
 
-def _logits(model, tokens, position_ids, kv_cache, vocab_size: int) -> torch.Tensor:
-    """fp32 logits over the tokenizer's real vocabulary (the model's is padded)."""
-    return model(tokens, position_ids=position_ids, kv_cache=kv_cache)[..., :vocab_size].float()
+def vocab_logits(model, tokens, position_ids, kv_cache, vocab_size: int) -> torch.Tensor | None:
+    """fp32 logits over the tokenizer's real vocabulary (the model's is padded); None off the last stage."""
+    logits = forward_step(model, tokens, position_ids, kv_cache)
+    return None if logits is None else logits[..., :vocab_size].float()
 
 
 def _first_token(tokenizer: MegatronTokenizer, text: str) -> int | None:
@@ -164,17 +170,65 @@ class _StopRules:
         return hit
 
 
+class TokenScores:
+    """Log-probabilities of the tokens in a buffer [b, s]: of each token given the ones before it [b, s - 1],
+    and optionally the `top_n` most likely tokens at each position (values and ids [b, s - 1, n]). Filled on the
+    last pipeline stage, then broadcast to every rank (`share`)."""
+
+    def __init__(self, batch_size: int, length: int, top_n: int, device: torch.device) -> None:
+        self.logprobs = torch.zeros(batch_size, length - 1, device=device)
+        self.top_n = top_n
+        self.top_values = torch.zeros(batch_size, length - 1, top_n, device=device)
+        self.top_ids = torch.zeros(batch_size, length - 1, top_n, dtype=torch.long, device=device)
+
+    def record(self, logits: torch.Tensor, tokens: torch.Tensor, start: int) -> None:
+        """`logits` [b, n, v] at positions start .. start + n - 1 score tokens[:, start + 1 : start + n + 1]."""
+        end = start + logits.size(1)
+        log_probs = F.log_softmax(logits, dim=-1)
+        self.logprobs[:, start:end] = log_probs.gather(
+            -1, tokens[:, start + 1 : end + 1].unsqueeze(-1)
+        ).squeeze(-1)
+        if self.top_n:
+            top = log_probs.topk(min(self.top_n, log_probs.size(-1)), dim=-1)
+            self.top_values[:, start:end], self.top_ids[:, start:end] = top.values, top.indices
+
+    def share(self) -> None:
+        for tensor in (self.logprobs, self.top_values, self.top_ids):
+            broadcast_from_last_stage(tensor, tensor.shape, tensor.dtype)
+
+    def rows(
+        self, lengths: Sequence[int]
+    ) -> tuple[list[list[float]], list[list[list[tuple[int, float]]]] | None]:
+        """Per row of final length n: its n - 1 logprobs, and its top-n lists (None without top_n)."""
+        logprobs = [row[: n - 1] for row, n in zip(self.logprobs.tolist(), lengths, strict=True)]
+        if not self.top_n:
+            return logprobs, None
+        top = [
+            [
+                list(zip(ids, values, strict=True))
+                for ids, values in zip(row_ids[: n - 1], row_values[: n - 1], strict=True)
+            ]
+            for row_ids, row_values, n in zip(
+                self.top_ids.tolist(), self.top_values.tolist(), lengths, strict=True
+            )
+        ]
+        return logprobs, top
+
+
 def generate_tokens(
     model: torch.nn.Module,
     tokenizer: MegatronTokenizer,
     tokens: torch.Tensor,
     lengths: torch.Tensor,
     params: GenerationParams,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """Decode into the padded `tokens` [b, s] (Megatron's generate_tokens_probs_and_return_on_first_stage).
+    budgets: torch.Tensor,
+    scores: TokenScores | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Decode into the padded `tokens` [b, s] (Megatron's generate_tokens_probs_and_return_on_first_stage),
+    at most `budgets` [b] new tokens per row, filling `scores` when given.
 
-    Returns tokens, each row's final length (prompt + generated), logprobs [b, s - 1] or None, and which rows
-    ended on a stop rule (the others ran out of tokens_to_generate)."""
+    Returns tokens, each row's final length (prompt + generated), and which rows ended on a stop rule (the
+    others ran out of tokens_to_generate)."""
     check_fits(model, tokens)
     batch_size, total_length = tokens.shape
     vocab_size = tokenizer.vocab_size
@@ -186,13 +240,10 @@ def generate_tokens(
     if params.random_seed >= 0:
         generator = torch.Generator(device=tokens.device).manual_seed(params.random_seed)
 
-    row_limits = (lengths + params.tokens_to_generate).clamp(max=total_length)
+    row_limits = (lengths + budgets).clamp(max=total_length)
     final_lengths = row_limits.clone()
     done = torch.zeros(batch_size, dtype=torch.bool, device=tokens.device)
     stopped = torch.zeros_like(done)
-    logprobs = None
-    if params.return_output_log_probs:
-        logprobs = torch.zeros(batch_size, total_length - 1, device=tokens.device)
     kv_cache = allocate_kv_cache(model, batch_size, total_length) if params.use_kv_cache else None
     position_ids = torch.arange(total_length, device=tokens.device).expand(batch_size, -1)
 
@@ -200,26 +251,27 @@ def generate_tokens(
     for context_length in range(int(lengths.min()), total_length):
         # With a cache only the new positions go through the model; without, the whole prefix again.
         start = previous if kv_cache is not None else 0
-        logits = _logits(
+        logits = vocab_logits(
             model,
             tokens[:, start:context_length],
             position_ids[:, start:context_length],
             kv_cache,
             vocab_size,
-        )[:, previous - start :]
-        last_logits = logits[:, -1]
-        if colon is not None and newline is not None:
-            last_logits = last_logits.clone()
-            last_logits[tokens[:, context_length - 1] == colon, newline] = float("-inf")
-        new_tokens = sample(last_logits, params.top_k, params.top_p, params.temperature, generator)
+        )
+        new_tokens = None
+        if logits is not None:  # the last pipeline stage samples; the others receive its tokens
+            logits = logits[:, previous - start :]
+            last_logits = logits[:, -1]
+            if colon is not None and newline is not None:
+                last_logits = last_logits.clone()
+                last_logits[tokens[:, context_length - 1] == colon, newline] = float("-inf")
+            new_tokens = sample(last_logits, params.top_k, params.top_p, params.temperature, generator)
+        new_tokens = broadcast_from_last_stage(new_tokens, (batch_size,), tokens.dtype)
 
         started = lengths <= context_length
         tokens[:, context_length] = torch.where(started, new_tokens, tokens[:, context_length])
-        if logprobs is not None:
-            targets = tokens[:, previous + 1 : context_length + 1].unsqueeze(-1)
-            logprobs[:, previous:context_length] = (
-                F.log_softmax(logits, dim=-1).gather(-1, targets).squeeze(-1)
-            )
+        if scores is not None and logits is not None:
+            scores.record(logits, tokens, previous)
 
         active = started & ~done
         hit = stop_rules.hits(tokens, lengths, context_length, active)
@@ -230,15 +282,21 @@ def generate_tokens(
         previous = context_length
         if bool(done.all()):
             break
-    return tokens, final_lengths, logprobs, stopped
+    if scores is not None:
+        scores.share()
+    return tokens, final_lengths, stopped
 
 
-def score_tokens(model: torch.nn.Module, tokenizer: MegatronTokenizer, tokens: torch.Tensor) -> torch.Tensor:
-    """Log-probabilities [b, s - 1] of each token given the ones before it (Megatron's score path)."""
+def score_tokens(
+    model: torch.nn.Module, tokenizer: MegatronTokenizer, tokens: torch.Tensor, scores: TokenScores
+) -> None:
+    """Fill `scores` with the log-probability of each token given the ones before it (Megatron's score path)."""
     check_fits(model, tokens)
     position_ids = torch.arange(tokens.size(1), device=tokens.device).expand_as(tokens)
-    logits = _logits(model, tokens, position_ids, None, tokenizer.vocab_size)
-    return F.log_softmax(logits[:, :-1], dim=-1).gather(-1, tokens[:, 1:].unsqueeze(-1)).squeeze(-1)
+    logits = vocab_logits(model, tokens, position_ids, None, tokenizer.vocab_size)
+    if logits is not None:
+        scores.record(logits[:, :-1], tokens, 0)
+    scores.share()
 
 
 def _completion(
@@ -258,15 +316,28 @@ def generate(
     tokenizer: MegatronTokenizer,
     prompts: Sequence[str],
     params: GenerationParams = GenerationParams(),
+    tokens_per_prompt: Sequence[int] | None = None,
 ) -> GenerationOutput:
     """Generate continuations of `prompts` (Megatron's generate_and_post_process), on the model's device.
 
+    `tokens_per_prompt` gives each prompt its own number of tokens to generate, from 1 to
+    `params.tokens_to_generate` (the server's batches of requests); by default every prompt gets that many.
     `tokens_to_generate=0` scores the prompts instead (one forward, logprobs only)."""
     params.validate()
     if not prompts:
         raise ValueError("prompts is empty: pass at least one prompt")
+    if tokens_per_prompt is None:
+        tokens_per_prompt = [params.tokens_to_generate] * len(prompts)
+    elif len(tokens_per_prompt) != len(prompts) or not all(
+        0 < n <= params.tokens_to_generate for n in tokens_per_prompt
+    ):
+        raise ValueError(
+            f"tokens_per_prompt needs one count from 1 to tokens_to_generate={params.tokens_to_generate} per "
+            f"prompt; got {list(tokens_per_prompt)} for {len(prompts)} prompts"
+        )
+    budgets = torch.tensor(tokens_per_prompt, dtype=torch.long)
     device = next(model.parameters()).device
-    tokens, lengths = tokenize_prompts(tokenizer, prompts, params.tokens_to_generate, params.add_BOS)
+    tokens, lengths = tokenize_prompts(tokenizer, prompts, budgets, params.add_BOS)
     if params.max_total_length is not None:
         longest = int(lengths.max())
         if longest >= params.max_total_length and params.tokens_to_generate > 0:
@@ -279,12 +350,16 @@ def generate(
     was_training = model.training
     model.eval()
     try:
+        scores = None
+        if params.return_output_log_probs or params.top_logprobs:
+            scores = TokenScores(tokens.size(0), tokens.size(1), params.top_logprobs, tokens.device)
         if params.tokens_to_generate == 0:
             final_lengths, stopped = lengths, torch.zeros_like(lengths, dtype=torch.bool)
-            logprobs = score_tokens(model, tokenizer, tokens) if params.return_output_log_probs else None
+            if scores is not None:
+                score_tokens(model, tokenizer, tokens, scores)
         else:
-            tokens, final_lengths, logprobs, stopped = generate_tokens(
-                model, tokenizer, tokens, lengths, params
+            tokens, final_lengths, stopped = generate_tokens(
+                model, tokenizer, tokens, lengths, params, budgets.to(device), scores
             )
     finally:
         model.train(was_training)
@@ -292,13 +367,13 @@ def generate(
     termination_id = tokenizer.eod if params.stop_token is None else params.stop_token
     rows = [row[:length] for row, length in zip(tokens.tolist(), final_lengths.tolist(), strict=True)]
     prompt_lengths = lengths.tolist()
+    logprobs, top_logprobs = scores.rows(final_lengths.tolist()) if scores is not None else (None, None)
     return GenerationOutput(
         tokens=rows,
         texts=[tokenizer.detokenize(row) for row in rows],
         segments=[[tokenizer.detokenize([token]) for token in row] for row in rows],
-        logprobs=None
-        if logprobs is None
-        else [row[: len(ids) - 1] for row, ids in zip(logprobs.tolist(), rows, strict=True)],
+        logprobs=logprobs,
+        top_logprobs=top_logprobs,
         prompt_lengths=prompt_lengths,
         completions=[
             _completion(tokenizer, row[start:], termination_id, params.stop_strings)

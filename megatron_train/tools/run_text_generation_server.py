@@ -2,24 +2,35 @@
 
     python -m megatron_train.tools.run_text_generation_server --load CKPT --port 5000 [--host 127.0.0.1] \\
         [Megatron's training flags, e.g. --num-layers 24 --hidden-size 1024 --tokenizer-type ...]
+    torchrun --nproc-per-node N -m megatron_train.tools.run_text_generation_server --load CKPT \\
+        --tensor-model-parallel-size T --pipeline-model-parallel-size P      (N = T x P)
 
 Takes Megatron's whole argument set: model flags are checked against the checkpoint, tokenizer flags replace
-the tokenizer it recorded (which must fit its vocabulary), training-only flags are accepted and unused. The
-model is served in one process, whatever --tensor/--pipeline-model-parallel-size it was saved with.
-Endpoints: PUT /api (Megatron's request and answer), POST /v1/completions (OpenAI-style), GET /health.
+the tokenizer it recorded (which must fit its vocabulary), training-only flags are accepted and unused. Run
+as one process, it serves the whole model whatever layout the checkpoint was saved with (the TP/PP flags are
+then unused). Under torchrun the model is split over the ranks as TP x PP says, the checkpoint resharded on
+load; rank 0 answers HTTP and the other ranks follow it (docs/architecture.md, serving).
+Endpoints: PUT /api (Megatron's request and answer, beam search with beam_width), POST /v1/completions and
+POST /v1/chat/completions (OpenAI-style), GET /health.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 
+import torch.distributed as dist
 import uvicorn
 
 from megatron_train.checkpointing import CheckpointError
 from megatron_train.device import get_device
 from megatron_train.inference.checkpoint import build_inference_parser, load_for_inference
+from megatron_train.inference.ranks import follow
 from megatron_train.inference.server import ServerLimits, create_app
+from megatron_train.parallel import state
+from megatron_train.training.config import TrainingConfig
+from megatron_train.training.setup import initialize_distributed
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -39,6 +50,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="Refuse requests whose prompts x (longest prompt + tokens to generate) exceed this.",
     )
     group.add_argument("--max-request-bytes", type=int, default=defaults.max_request_bytes)
+    group.add_argument(
+        "--no-dynamic-batching",
+        dest="dynamic_batching",
+        action="store_false",
+        help="Run requests one at a time instead of batching those that arrive together.",
+    )
+    group.add_argument(
+        "--max-batch-wait-ms",
+        type=float,
+        default=10.0,
+        help="How long the oldest waiting request waits for others to join its batch.",
+    )
     # Megatron's script takes these too; here every request carries its own sampling settings.
     unused = parser.add_argument_group("accepted for Megatron's scripts (requests set their own sampling)")
     unused.add_argument("--temperature", type=float, default=1.0)
@@ -50,22 +73,59 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def start_model_parallel(args: argparse.Namespace) -> None:
+    """Under torchrun: join the process group and split it into TP x PP (the whole world is one model)."""
+    # Megatron's flags default to "not given" (the checkpoint decides); these have the training defaults.
+    initialize_distributed(
+        getattr(args, "distributed_timeout_minutes", TrainingConfig.distributed_timeout_minutes)
+    )
+    tp = getattr(args, "tensor_model_parallel_size", 1)
+    pp = getattr(args, "pipeline_model_parallel_size", 1)
+    if dist.get_world_size() != tp * pp:
+        raise ValueError(
+            f"torchrun started {dist.get_world_size()} processes but --tensor-model-parallel-size {tp} x "
+            f"--pipeline-model-parallel-size {pp} = {tp * pp}: pass --nproc-per-node {tp * pp}"
+        )
+    state.initialize_model_parallel(tp, pp)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    multi_rank = int(os.environ.get("WORLD_SIZE", "1")) > 1
     try:
+        if multi_rank:
+            start_model_parallel(args)
         model, tokenizer, _ = load_for_inference(args, device=get_device())
     except (ValueError, CheckpointError) as error:
         parser.error(str(error))
-    limits = ServerLimits(
-        max_batch_size=args.max_batch_size,
-        max_tokens_to_generate=args.max_tokens_to_generate,
-        max_tokens_to_oom=args.max_tokens_to_oom,
-        max_request_bytes=args.max_request_bytes,
-    )
-    app = create_app(model, tokenizer, limits, model_name=args.load)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+    try:
+        if multi_rank and dist.get_rank() != 0:
+            follow(model, tokenizer)
+            return
+        limits = ServerLimits(
+            max_batch_size=args.max_batch_size,
+            max_tokens_to_generate=args.max_tokens_to_generate,
+            max_tokens_to_oom=args.max_tokens_to_oom,
+            max_request_bytes=args.max_request_bytes,
+        )
+        app = create_app(
+            model,
+            tokenizer,
+            limits,
+            model_name=args.load,
+            dynamic_batching=args.dynamic_batching,
+            max_batch_wait_s=args.max_batch_wait_ms / 1000,
+        )
+        try:
+            uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+        finally:
+            if multi_rank:  # the followers return, also when uvicorn could not start
+                app.state.service.batcher.close()
+    finally:
+        if multi_rank:
+            dist.destroy_process_group()
 
 
 if __name__ == "__main__":
