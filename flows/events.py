@@ -19,7 +19,7 @@ RESOURCE_PREFIX = "megatron-flow.artifact.tokenize."
 
 def announce_tokenized(tokenize_ref: dict[str, Any]) -> Event | None:
     """Emit `TOKENIZED_EVENT` carrying the artifact reference when the tokenize stage built a new artifact, from a
-flow run that is not part of another."""
+    flow run that is not part of another."""
     context = FlowRunContext.get()
     if tokenize_ref["cache_hit"] or (context is not None and context.flow_run.parent_task_run_id is not None):
         return None

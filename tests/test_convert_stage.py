@@ -50,7 +50,9 @@ def _pretrain_artifact(tmp_path: Path, store: ArtifactStore) -> tuple[ArtifactRe
     model itself."""
     tokenizer = _bpe_files(tmp_path / "tokenizer")
     vocab = tokenizer_from_config(tokenizer).vocab_size
-    config = MegatronConfig(model=tiny_config(seq_length=64, true_vocab_size=vocab), data=DataConfig(), tokenizer=tokenizer)
+    config = MegatronConfig(
+        model=tiny_config(seq_length=64, true_vocab_size=vocab), data=DataConfig(), tokenizer=tokenizer
+    )
     torch.manual_seed(5)
     model = GPTModel(config.model, 512).eval()
     run = tmp_path / "run"
