@@ -3,8 +3,9 @@
 evaluate) with its summary table and evaluation report in Prefect; an unchanged refresh is all Cached and triggers
 nothing; a refresh of a changed source fires the pipeline's trigger, which trains on the announced data.
 
-One test, since the server, the worker and each flow run's process take most of its time (about 2 to 3 minutes);
-the deployments' parameters are `prefect.yaml`'s with a small corpus and a tiny GPT.
+One test, since the server, the worker and each flow run's process take most of its time (about 3 minutes on 2
+cores, twice that when the machine is heavily shared); the deployments' parameters are `prefect.yaml`'s with a
+small corpus and a tiny GPT.
 """
 
 from __future__ import annotations
@@ -155,6 +156,13 @@ def _run_deployment(env: dict[str, str], name: str) -> dict:
     return run
 
 
+def _wait_for_pool(env: dict[str, str], name: str) -> None:
+    deadline = time.monotonic() + 120
+    while httpx.get(f"{env['PREFECT_API_URL']}/work_pools/{name}", timeout=10).status_code != 200:
+        assert time.monotonic() < deadline, f"prefect worker start did not create the pool {name!r} in 120 s"
+        time.sleep(0.5)
+
+
 def _wait_for(env: dict[str, str], flow_name: str, count: int, timeout: float) -> list[dict]:
     """The flow's deployment runs once there are `count` and all are finished."""
     deadline = time.monotonic() + timeout
@@ -177,22 +185,20 @@ def test_deployments_on_a_real_server_and_worker_run_trigger_and_cache(prefect_s
         "tokenize": {"append_eod": True, "workers": 1},
         "task_runner": "threads",
     }
-    _prefect(env, "work-pool", "create", "local", "--type", "process")
-    deployed = _prefect(env, "deploy", "--all", "--prefect-file", str(_deployment_file(tmp_path, corpus)))
-    for name in (
-        "corpus/corpus-refresh",
-        "pretrain/pretrain",
-        "eval/eval",
-        "convert/convert",
-        "pipeline/pipeline",
-    ):
-        assert name in deployed, deployed
     with open(tmp_path / "worker.log", "w") as log:
+        # The worker creates its pool, which the deployments name: it starts first.
         worker = subprocess.Popen(
             [*PREFECT, "worker", "start", "--pool", "local", "--type", "process"],
             env=env, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT,
         )  # fmt: skip
         try:
+            _wait_for_pool(env, "local")
+            deployed = _prefect(
+                env, "deploy", "--all", "--prefect-file", str(_deployment_file(tmp_path, corpus))
+            )
+            for name in ("corpus/corpus-refresh", "pretrain/pretrain", "eval/eval", "convert/convert",
+                         "pipeline/pipeline"):  # fmt: skip
+                assert name in deployed, deployed
             _scenario(env, tmp_path, source)
         except BaseException:
             print((tmp_path / "worker.log").read_text()[-8000:])
