@@ -222,6 +222,8 @@ def _scenario(env: dict[str, str], tmp_path: Path, source: Path) -> None:
     assert "[Loss curves (PNG)](file://" in report["data"]
     converted = tmp_path / "store" / "convert"
     (folder,) = converted.iterdir()
+    link = published["convert-artifact"]["data"]  # every stage's artifact, as a link
+    assert link == f"[{folder}]({folder.as_uri()})"
     assert {"config.json", "model.safetensors", "vocab.json", "merges.txt", "manifest.json"} <= {
         p.name for p in folder.iterdir()
     }
