@@ -1,5 +1,6 @@
 """The deployments as a user runs them: a real `prefect server start`, a process worker, `prefect deploy --all` of
-`prefect.yaml`, then `prefect deployment run`. The pipeline completes end to end (corpus -> pretrain -> convert ->
+`prefect.yaml`, then `prefect deployment run` (the refresh runs through the same REST call, saving a process
+start each). The pipeline completes end to end (corpus -> pretrain -> convert ->
 evaluate) with its summary table and evaluation report in Prefect; an unchanged refresh is all Cached and triggers
 nothing; a refresh of a changed source fires the pipeline's trigger, which trains on the announced data.
 
@@ -156,11 +157,27 @@ def _run_deployment(env: dict[str, str], name: str) -> dict:
     return run
 
 
-def _wait_for_pool(env: dict[str, str], name: str) -> None:
-    deadline = time.monotonic() + 120
-    while httpx.get(f"{env['PREFECT_API_URL']}/work_pools/{name}", timeout=10).status_code != 200:
-        assert time.monotonic() < deadline, f"prefect worker start did not create the pool {name!r} in 120 s"
+def _create_pool(env: dict[str, str], name: str) -> None:
+    """What `prefect work-pool create NAME --type process` does, without starting one more process."""
+    from prefect.workers.process import ProcessWorker
+
+    template = ProcessWorker.get_default_base_job_template()
+    _api(env, "POST", "/work_pools/", {"name": name, "type": "process", "base_job_template": template})
+
+
+def _run_refresh(env: dict[str, str]) -> dict:
+    """A run of the refresh deployment through the REST API (as `prefect deployment run` does), once finished."""
+    deployment = _api(env, "GET", "/deployments/name/corpus/corpus-refresh")
+    run = _api(env, "POST", f"/deployments/{deployment['id']}/create_flow_run", {})
+    deadline = time.monotonic() + 200
+    while run["state"]["type"] not in ("COMPLETED", "FAILED", "CRASHED", "CANCELLED"):
+        assert time.monotonic() < deadline, (
+            f"the refresh run {run['id']} did not finish in 200 s: {run['state']}"
+        )
         time.sleep(0.5)
+        run = _api(env, "GET", f"/flow_runs/{run['id']}")
+    assert run["state"]["type"] == "COMPLETED", run["state"]
+    return run
 
 
 def _wait_for(env: dict[str, str], flow_name: str, count: int, timeout: float) -> list[dict]:
@@ -185,14 +202,13 @@ def test_deployments_on_a_real_server_and_worker_run_trigger_and_cache(prefect_s
         "tokenize": {"append_eod": True, "workers": 1},
         "task_runner": "threads",
     }
+    _create_pool(env, "local")
     with open(tmp_path / "worker.log", "w") as log:
-        # The worker creates its pool, which the deployments name: it starts first.
         worker = subprocess.Popen(
             [*PREFECT, "worker", "start", "--pool", "local", "--type", "process"],
             env=env, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT,
         )  # fmt: skip
         try:
-            _wait_for_pool(env, "local")
             deployed = _prefect(
                 env, "deploy", "--all", "--prefect-file", str(_deployment_file(tmp_path, corpus))
             )
@@ -229,13 +245,13 @@ def _scenario(env: dict[str, str], tmp_path: Path, source: Path) -> None:
     }
 
     # An unchanged source: the refresh's stages are Prefect's Cached on this first rerun, and nothing is announced.
-    refresh = _run_deployment(env, "corpus/corpus-refresh")
+    refresh = _run_refresh(env)
     stages = ["download", "clean", "dedup", "train_tokenizer", "tokenize"]
     assert _stage_states(env, refresh["id"]) == dict.fromkeys(stages, "Cached")
 
     # A changed source: new token data, announced; the trigger starts the pipeline on exactly that data.
     _chapters(source, 30)
-    _run_deployment(env, "corpus/corpus-refresh")
+    _run_refresh(env)
     runs = _wait_for(env, "pipeline", 2, timeout=240)
     events = _api(env, "POST", "/events/filter", {"filter": {"event": {"name": [TOKENIZED_EVENT]}}})["events"]
     assert len(events) == 1, (
