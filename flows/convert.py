@@ -49,20 +49,24 @@ def convert_flow(config: ConvertFlowConfig = ConvertFlowConfig()) -> dict[str, A
     return refs
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse(argv: list[str] | None) -> ConvertFlowConfig:
     own, megatron = split_argv(argv)
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_pretrain_flags(parser)
     parser.add_argument("--saver", default=ConvertParams().saver, choices=SAVERS, help="format to write")
     args = parser.parse_args(own)
-    config = ConvertFlowConfig(
+    return ConvertFlowConfig(
         pretrain=pretrain_config(args, megatron), convert=ConvertParams(saver=args.saver)
     )
+
+
+def main(argv: list[str] | None = None) -> int:
+    config = parse(argv)
     corpus = config.pretrain.corpus
     runner = make_task_runner(corpus.task_runner, corpus.workers, corpus.cluster_address)
     with prefect_api():
         refs = convert_flow.with_options(task_runner=runner)(config)
-    print(f"{args.saver} model: {refs['convert']['url']}")
+    print(f"{config.convert.saver} model: {refs['convert']['url']}")
     return 0
 
 

@@ -162,3 +162,17 @@ def test_processes_per_node_come_from_the_config_else_the_work_pool_job_variable
     assert PretrainFlowConfig().processes_per_node() == 8
     assert PretrainFlowConfig(nproc_per_node=1).processes_per_node() == 1
     assert parse(["--nproc-per-node", "4"]).processes_per_node() == 4 and parse([]).processes_per_node() == 8
+
+
+def test_convert_command_line_takes_the_format_and_megatron_flags():
+    from flows.convert import parse
+    from flows.pretrain import SMALL_GPT_ARGS
+
+    config = parse(
+        ["--store", "s3://b/flow", "--saver", "megatron", "--nproc-per-node", "1", "--", "--num-layers", "8"]
+    )
+    assert config.convert == ConvertParams(saver="megatron") and config.pretrain.corpus.store == "s3://b/flow"
+    assert config.pretrain.megatron_args == (*SMALL_GPT_ARGS, "--num-layers", "8")
+    assert parse([]).convert == ConvertParams() and parse([]).convert.saver == "hf"
+    with pytest.raises(SystemExit):
+        parse(["--saver", "flow"])  # the run's own format: argparse lists the choices
