@@ -42,7 +42,7 @@ bench: setup
 	@for b in benchmarks/*.py; do m=$$(basename $$b .py); echo "== benchmarks.$$m"; $(PY) -m benchmarks.$$m || exit 1; done
 
 corpus: setup
-	$(PY) -m flows.corpus --store $(STORE)
+	$(PY) -m flows.corpus_plan --store $(STORE)
 
 pretrain: setup
 	$(PY) -m flows.pretrain --store $(STORE)

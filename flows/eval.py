@@ -28,17 +28,20 @@ class EvalFlowConfig(BaseModel):
     evaluate: EvaluateParams = EvaluateParams()
 
 
+def evaluate_run(flow_name: str, refs: dict[str, Any], params: EvaluateParams, store: str) -> dict[str, Any]:
+    """The evaluate stage on `refs`' trained run; then the flow's summary, artifact links and report in the UI."""
+    inputs = [refs["pretrain"], refs["tokenize"]]
+    refs = {**refs, "evaluate": stage_ref("evaluate", dataclasses.asdict(params), inputs, store)}
+    get_run_logger().info("report: %s/report.md", refs["evaluate"]["url"])
+    publish_stages(flow_name, refs, store)
+    publish_report(refs["evaluate"], store)
+    return refs
+
+
 @flow(name="eval")
 def eval_flow(config: EvalFlowConfig = EvalFlowConfig()) -> dict[str, Any]:
     """Everything from raw text to the evaluation report; returns every stage's artifact reference."""
-    refs = pretrain_flow(config.pretrain)
-    inputs = [refs["pretrain"], refs["tokenize"]]
-    store = config.pretrain.corpus.store
-    refs["evaluate"] = stage_ref("evaluate", dataclasses.asdict(config.evaluate), inputs, store)
-    get_run_logger().info("report: %s/report.md", refs["evaluate"]["url"])
-    publish_stages("eval", refs, store)
-    publish_report(refs["evaluate"], store)
-    return refs
+    return evaluate_run("eval", pretrain_flow(config.pretrain), config.evaluate, config.pretrain.corpus.store)
 
 
 def parse(argv: list[str] | None) -> EvalFlowConfig:

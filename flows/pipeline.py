@@ -1,10 +1,9 @@
-"""The pipeline flow: corpus -> pretrain -> evaluate, what the `pipeline` deployment in `prefect.yaml` runs when a
-corpus refresh announces new token data (`flows.events.TOKENIZED_EVENT`).
+"""The pipeline flow: corpus -> pretrain -> convert -> evaluate, what the `pipeline` deployment in `prefect.yaml`
+runs when a corpus refresh announces new token data (`flows.events.TOKENIZED_EVENT`).
 
 Every stage is cached, so the corpus part of a triggered run finds the refresh's artifacts when the deployment's
 corpus settings are the refresh's. A run given the announced `tokenize_key` checks that before training, and
-fails with what to align if the settings differ (it would otherwise train on other data than announced). From a
-terminal, `python -m flows.eval` (`make eval`) runs the same path.
+fails with what to align if the settings differ (it would otherwise train on other data than announced).
 """
 
 from __future__ import annotations
@@ -13,15 +12,24 @@ from typing import Any
 
 from prefect import flow
 
+from flows.convert import ConvertFlowConfig, convert_flow
 from flows.corpus import corpus_flow
-from flows.eval import EvalFlowConfig, eval_flow
+from flows.eval import EvalFlowConfig, evaluate_run
+from stages.convert import ConvertParams
+
+
+class PipelineConfig(EvalFlowConfig):
+    """The eval flow's settings and the format the trained run is converted to (a Hugging Face folder)."""
+
+    convert: ConvertParams = ConvertParams()
 
 
 @flow(name="pipeline")
 def pipeline_flow(
-    config: EvalFlowConfig = EvalFlowConfig(), tokenize_key: str | None = None
+    config: PipelineConfig = PipelineConfig(), tokenize_key: str | None = None
 ) -> dict[str, Any]:
-    """Raw text to an evaluated model; `tokenize_key`: the token data a refresh announced, when it triggered."""
+    """Raw text to a converted, evaluated model; `tokenize_key`: the token data a refresh announced, when it
+    triggered."""
     if tokenize_key is not None:
         tokenize = corpus_flow(config.pretrain.corpus)["tokenize"]
         if tokenize["key"] != tokenize_key:
@@ -30,4 +38,5 @@ def pipeline_flow(
                 f"{tokenize['key']} ({tokenize['url']}): give the pipeline deployment's config.pretrain.corpus "
                 "the corpus-refresh deployment's settings in prefect.yaml"
             )
-    return eval_flow(config)
+    refs = convert_flow(ConvertFlowConfig(pretrain=config.pretrain, convert=config.convert))
+    return evaluate_run("pipeline", refs, config.evaluate, config.pretrain.corpus.store)

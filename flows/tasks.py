@@ -9,26 +9,25 @@ machine, a Dask or Ray cluster through prefect-dask / prefect-ray on many), so e
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import logging
 import os
 from collections.abc import Callable, Iterator, Sequence
 from datetime import datetime, timezone
-from typing import Any, Literal
+from typing import Any
 
 from prefect import get_run_logger, task, unmapped
 from prefect.context import TaskRunContext
 from prefect.futures import as_completed
 from prefect.task_runners import ProcessPoolTaskRunner, TaskRunner, ThreadPoolTaskRunner
 
+from flows.corpus_plan import TaskRunnerKind
 from flows.server import exit_with_parent
-from stages.registry import stage_named
-from storage.artifacts import ArtifactRef, ArtifactStore
+from stages.registry import committed_ref, input_refs, stage_named
+from storage.artifacts import ArtifactStore
 from storage.fingerprint import hash_bytes
 
 STAGE_LOGGER = "megatron_flow.stage"
-TaskRunnerKind = Literal["threads", "processes", "dask", "ray"]
 
 # Errors that a retry can cure: network hiccups and object-store timeouts, not bad data or missing files.
 _PERMANENT_OS_ERRORS = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)
@@ -129,21 +128,6 @@ def stage_logs_to_prefect() -> Iterator[None]:
         stage_logger.level, stage_logger.propagate = previous
 
 
-def _inputs(store: ArtifactStore, inputs: Sequence[dict | str]) -> list[ArtifactRef | str]:
-    return [store.ref(i) if isinstance(i, dict) else i for i in inputs]
-
-
-def committed_ref(
-    stage: str, params: dict[str, Any], inputs: Sequence[dict | str], store: ArtifactStore
-) -> tuple[str, dict[str, Any] | None]:
-    """(the stage's key for these params and inputs, its committed artifact in `store` as a cache-hit ref or
-    None), decided from the store alone: nothing runs, no Prefect server is needed."""
-    runner = stage_named(stage)
-    key = runner.key(runner.params_from_dict(params), _inputs(store, inputs))
-    found = store.find(runner.name, key)
-    return key, None if found is None else dataclasses.replace(found, cache_hit=True).to_dict()
-
-
 def _stage_cache_key(context: TaskRunContext, parameters: dict[str, Any]) -> str:
     """Prefect's cache key: the stage's own fingerprint in this store, known before the stage runs, so the first
     run's result is recorded under the key a rerun looks up and the rerun is Cached. The store is part of it: the
@@ -178,7 +162,7 @@ def run_stage_task(
     """Run one stage; returns its ArtifactRef as a plain dict (small, JSON-serialisable)."""
     runner = stage_named(stage)
     store = ArtifactStore(store_url, **(storage_options or {}))
-    typed, refs = runner.params_from_dict(params), _inputs(store, inputs)
+    typed, refs = runner.params_from_dict(params), input_refs(store, inputs)
     with stage_logs_to_prefect():
         if runner.maps_shards:
             ref = runner.run(typed, refs, store, map_shards=prefect_map_shards)

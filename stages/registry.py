@@ -6,13 +6,26 @@ the pretrain and evaluate stages need): a command line with nothing to do stays 
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
+from collections.abc import Sequence
+from typing import Any
 
 from stages.base import Stage
+from storage.artifacts import ArtifactRef, ArtifactStore
 
 STAGE_MODULES: dict[str, str] = {
     name: f"stages.{name}"
-    for name in ("download", "clean", "dedup", "train_tokenizer", "tokenize", "pretrain", "evaluate")
+    for name in (
+        "download",
+        "clean",
+        "dedup",
+        "train_tokenizer",
+        "tokenize",
+        "pretrain",
+        "evaluate",
+        "convert",
+    )
 }
 
 
@@ -21,3 +34,20 @@ def stage_named(name: str) -> Stage:
     if name not in STAGE_MODULES:
         raise ValueError(f"unknown stage {name!r}; stages: {', '.join(STAGE_MODULES)}")
     return importlib.import_module(STAGE_MODULES[name]).STAGE
+
+
+def input_refs(store: ArtifactStore, inputs: Sequence[dict | str]) -> list[ArtifactRef | str]:
+    """A stage's inputs as flows pass them (artifact references as plain dicts, source fingerprints as strings)
+    as the stage takes them."""
+    return [store.ref(i) if isinstance(i, dict) else i for i in inputs]
+
+
+def committed_ref(
+    stage: str, params: dict[str, Any], inputs: Sequence[dict | str], store: ArtifactStore
+) -> tuple[str, dict[str, Any] | None]:
+    """(the stage's key for these params and inputs, its committed artifact in `store` as a cache-hit ref or
+    None), decided from the store alone: nothing runs, no Prefect server is needed."""
+    runner = stage_named(stage)
+    key = runner.key(runner.params_from_dict(params), input_refs(store, inputs))
+    found = store.find(runner.name, key)
+    return key, None if found is None else dataclasses.replace(found, cache_hit=True).to_dict()

@@ -196,11 +196,15 @@ def test_cli_runs_on_process_pool_and_matches_flow(prefect_api_url, corpus, tmp_
     assert {stage: ref["url"] for stage, ref in again.items()} == {s: r["url"] for s, r in reference.items()}
 
     # Nothing left to do: decided from the store, without starting or contacting a Prefect server.
-    monkeypatch.setattr("flows.corpus.prefect_api", _no_server)
+    monkeypatch.setattr("flows.server.prefect_api", _no_server)
     monkeypatch.setattr("flows.corpus.run_corpus", _no_server)
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "cache hits: 5/5 stages" in out and f"tokens: {refs['tokenize'].url}" in out
+    # ... and without importing Prefect (most of a second command line's time, `make corpus`).
+    code = f"import sys; from flows.corpus_plan import main; main({argv!r}); print('prefect' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert "cache hits: 5/5 stages" in done.stdout and done.stdout.split()[-1] == "False"
 
 
 def _no_server(*args, **kwargs):

@@ -29,6 +29,7 @@ def test_registry_names_every_stage_and_says_which_map_shards():
         "tokenize",
         "pretrain",
         "evaluate",
+        "convert",
     ]
     assert {name for name, stage in STAGES.items() if stage.maps_shards} == {"clean", "dedup", "tokenize"}
     for name, stage in STAGES.items():
@@ -53,7 +54,9 @@ def test_registry_imports_a_stage_on_first_look_up_and_names_the_known_ones():
         stage_named("tokenise")
 
 
-@pytest.mark.parametrize("name", ["download", "clean", "dedup", "train_tokenizer", "tokenize", "evaluate"])
+@pytest.mark.parametrize(
+    "name", ["download", "clean", "dedup", "train_tokenizer", "tokenize", "evaluate", "convert"]
+)
 def test_params_load_from_the_json_a_prefect_task_receives(name):
     stage = STAGES[name]
     params = stage.Params()

@@ -1,0 +1,128 @@
+"""The corpus flow's settings and stage DAG without Prefect, and its command line (`make corpus`).
+
+    python -m flows.corpus_plan                              # the embedded King James Bible, defaults
+    python -m flows.corpus_plan --download.source 'data/*.jsonl.zst' --clean.min-words 20 --store s3://b/flow
+
+The command line first asks the store whether every stage's artifact is committed (`committed_corpus`, the same
+DAG walked with a look-up instead of a task): with nothing to do it prints the summary without importing Prefect
+or starting a server, in about a second; otherwise it runs `flows.corpus.corpus_flow`. `python -m flows.corpus`
+is the same command line with Prefect imported up front (docs/architecture.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from collections.abc import Callable
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict
+
+from flows.cli import parse_config
+from flows.summary import summarize, summary_table
+from stages.clean import CleanParams
+from stages.dedup import DedupParams
+from stages.download import DownloadParams
+from stages.registry import committed_ref
+from stages.tokenize import TokenizeParams
+from stages.train_tokenizer import TrainTokenizerParams
+from storage.artifacts import ArtifactStore
+
+TaskRunnerKind = Literal["threads", "processes", "dask", "ray"]
+
+# Tokenizer types whose files the flow can train when none are given.
+_TRAINABLE = {
+    "GPT2BPETokenizer": "bpe",
+    "BertWordPieceLowerCase": "wordpiece",
+    "BertWordPieceCase": "wordpiece",
+}
+
+
+class CorpusConfig(BaseModel):
+    """Everything the corpus flow does, with the defaults of `make corpus`."""
+
+    model_config = ConfigDict(frozen=True)
+
+    store: str = "./artifacts"
+    download: DownloadParams = DownloadParams()
+    clean: CleanParams = CleanParams()
+    dedup: DedupParams = DedupParams()
+    train_tokenizer: TrainTokenizerParams = TrainTokenizerParams(kind="bpe", vocab_size=8192)
+    tokenize: TokenizeParams = TokenizeParams(append_eod=True, workers=2)
+    task_runner: TaskRunnerKind = "processes"
+    workers: int = 2
+    cluster_address: str | None = None
+
+
+def _needs_training(params: TokenizeParams) -> bool:
+    return params.tokenizer_type in _TRAINABLE and params.vocab_file is None
+
+
+def _tokenizer_files(tokenizer_ref: dict[str, Any], kind: str, store_url: str) -> dict[str, str]:
+    ref = ArtifactStore(store_url).ref(tokenizer_ref)
+    if kind == "bpe":
+        return {"vocab_file": ref.local_path("vocab.json"), "merge_file": ref.local_path("merges.txt")}
+    return {"vocab_file": ref.local_path("vocab.txt")}
+
+
+RunStage = Callable[[str, dict[str, Any], list], dict[str, Any]]
+
+
+def corpus_stages(config: CorpusConfig, run: RunStage) -> dict[str, dict[str, Any]]:
+    """The corpus DAG, once: `run(stage, params, inputs)` gives each stage's artifact reference (a Prefect task
+    in the flow, a look-up in the store for `committed_corpus`)."""
+    store = config.store
+    refs: dict[str, dict[str, Any]] = {}
+    refs["download"] = run("download", dataclasses.asdict(config.download), [])
+    refs["clean"] = run("clean", dataclasses.asdict(config.clean), [refs["download"]])
+    refs["dedup"] = run("dedup", dataclasses.asdict(config.dedup), [refs["clean"]])
+    tokenize = config.tokenize
+    if _needs_training(tokenize):
+        kind = _TRAINABLE[tokenize.tokenizer_type]
+        train_params = config.train_tokenizer
+        if kind != train_params.kind:  # the other kind's defaults (vocabulary size, special tokens)
+            train_params = TrainTokenizerParams(kind=kind, text_key=train_params.text_key)
+        refs["train_tokenizer"] = run("train_tokenizer", dataclasses.asdict(train_params), [refs["dedup"]])
+        tokenize = dataclasses.replace(tokenize, **_tokenizer_files(refs["train_tokenizer"], kind, store))
+    refs["tokenize"] = run("tokenize", dataclasses.asdict(tokenize), [refs["dedup"]])
+    return refs
+
+
+class _NotCommitted(Exception):
+    """A stage of the corpus has work to do."""
+
+
+def committed_corpus(config: CorpusConfig) -> dict[str, dict[str, Any]] | None:
+    """Every stage's committed artifact (all cache hits), or None when some stage has work to do; decided from
+    the store alone, so a command line with nothing to do needs no Prefect server."""
+
+    store = ArtifactStore(config.store)
+
+    def find(stage: str, params: dict[str, Any], inputs: list) -> dict[str, Any]:
+        found = committed_ref(stage, params, inputs, store)[1]
+        if found is None:
+            raise _NotCommitted(stage)
+        return found
+
+    try:
+        return corpus_stages(config, find)
+    except _NotCommitted:
+        return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    config = parse_config(CorpusConfig, argv, description=__doc__.split("\n")[0])
+    refs = committed_corpus(config)
+    if refs is None:  # work to do: only now import Prefect and start (or connect to) a server
+        from flows.corpus import run_corpus
+        from flows.server import prefect_api
+
+        with prefect_api():
+            refs = run_corpus(config)
+    print(summary_table(summarize(refs, config.store)))
+    print(f"tokens: {refs['tokenize']['url']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
