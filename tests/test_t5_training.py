@@ -1,0 +1,187 @@
+"""`pretrain_t5` on the training engine: the same `lm loss` under TP=2 + SP and DP=2 with the distributed
+optimizer (and full recompute) as in one process; a SIGKILLed run resumes bitwise; a TP=2 checkpoint continues
+at TP=1; pipeline parallelism is refused naming the flag."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from megatron_train.arguments import parse_args
+from megatron_train.checkpointing.inference import load_model_for_inference
+from megatron_train.models.config import TransformerConfig
+from megatron_train.models.t5 import T5Model
+from megatron_train.pretrain_t5 import check_t5_config
+from tests.distributed import run_distributed
+from tests.test_training import ROOT, read_marker, read_metrics, tiny_args
+from tests.wordpiece_corpus import build_tokenizer, write_sentence_corpus
+
+TP2 = ["--tensor-model-parallel-size", "2"]
+RELATIVE = ["--position-embedding-type", "relative", "--relative-attention-num-buckets", "8"]
+RECOMPUTE = [
+    "--recompute-granularity",
+    "full",
+    "--recompute-method",
+    "uniform",
+    "--recompute-num-layers",
+    "1",
+]
+LAYOUTS = {  # name: (world size, flags); the 158-token vocabulary pads to 192 rows at TP=1, 256 at TP=2
+    "tp1": (1, []),
+    "tp1-recompute": (1, RECOMPUTE),
+    "tp2-sp": (2, [*TP2, "--sequence-parallel"]),
+    "dp2-distributed-optimizer": (2, ["--use-distributed-optimizer"]),
+}
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> tuple[str, str]:
+    """(vocab file, --data-path prefix) of a sentence-split WordPiece corpus."""
+    directory = tmp_path_factory.mktemp("t5-data")
+    tokenizer = build_tokenizer(directory, vocab_extra_ids=10)
+    prefix = str(directory / "corpus_text_sentence")
+    write_sentence_corpus(prefix, tokenizer, 300)
+    return str(directory / "vocab.txt"), prefix
+
+
+def t5_argv(run_dir: str, corpus: tuple[str, str], *extra: str) -> list[str]:
+    """Megatron's T5 flags (encoder/decoder layers and lengths) on the tiny GPT run's other settings."""
+    vocab, data = corpus
+    argv = tiny_args(
+        run_dir, "--tokenizer-type", "BertWordPieceLowerCase", "--vocab-file", vocab, "--vocab-extra-ids", "10",
+        "--make-vocab-size-divisible-by", "64", "--data-path", data, "--split", "90,10,0", "--data-cache-path",
+        os.path.join(run_dir, "cache"), "--train-iters", "4", "--hidden-dropout", "0.0", "--attention-dropout",
+        "0.0", *extra,
+    )  # fmt: skip
+    for flag in ("--num-layers", "--seq-length", "--max-position-embeddings", "--vocab-size"):
+        at = argv.index(flag)  # the GPT run's shape and NullTokenizer size: replaced by T5's
+        argv = argv[:at] + argv[at + 2 :]
+    return [
+        "--encoder-num-layers", "2", "--decoder-num-layers", "2", "--encoder-seq-length", "32",
+        "--decoder-seq-length", "16", "--max-position-embeddings", "32", *argv,
+    ]  # fmt: skip
+
+
+def t5_worker(rank: int, world_size: int, runs: list[list[str]]) -> list[list[float]]:
+    """Run pretrain_t5 once per argv in this process group; return each run's training `lm loss`es."""
+    from megatron_train.pretrain_t5 import main
+
+    results = []
+    for argv in runs:
+        main(argv)
+        save = argv[argv.index("--save") + 1]
+        records = read_metrics(save) if rank == world_size - 1 else []
+        results.append([r["lm loss"] for r in records if "split" not in r])
+    return results
+
+
+@pytest.fixture(scope="module")
+def layout_losses(tmp_path_factory, corpus) -> dict[str, list[float]]:
+    tmp = tmp_path_factory.mktemp("t5-layouts")
+    results = {}
+    for world_size in sorted({size for size, _ in LAYOUTS.values()}):
+        names = [name for name, (size, _) in LAYOUTS.items() if size == world_size]
+        runs = [
+            t5_argv(str(tmp / name), corpus, *LAYOUTS[name][1], *RELATIVE, "--use-cpu-initialization")
+            for name in names
+        ]
+        last_rank = run_distributed(t5_worker, world_size, runs, timeout=300)[-1]
+        results |= dict(zip(names, last_rank, strict=True))
+    return results
+
+
+@pytest.mark.parametrize("name", [name for name in LAYOUTS if name != "tp1"])
+def test_t5_losses_equal_one_process_under_every_layout(layout_losses, name) -> None:
+    reference = layout_losses["tp1"]
+    assert len(reference) == 4 and len(set(reference)) == 4 and reference[-1] < reference[0]
+    np.testing.assert_allclose(layout_losses[name], reference, rtol=1e-5, err_msg=name)
+
+
+def test_checkpoint_saved_at_tp2_continues_at_tp1_with_tp2s_losses(tmp_path, corpus) -> None:
+    full, split = str(tmp_path / "full"), str(tmp_path / "split")
+    runs = [t5_argv(full, corpus, *TP2), t5_argv(split, corpus, *TP2, "--exit-interval", "2")]
+    reference, stopped = run_distributed(t5_worker, 2, runs, timeout=300)[-1]
+    assert stopped == reference[:2]
+    (resumed,) = run_distributed(t5_worker, 1, [t5_argv(split, corpus)], timeout=300)[-1]
+    np.testing.assert_allclose(resumed[2:], reference[2:], rtol=1e-5)
+
+    model, config = load_model_for_inference(split)
+    assert isinstance(model, T5Model) and config.model.num_decoder_layers == 2
+    assert model.output_layer.bias.shape == (192,)  # the TP=2 checkpoint's 256 rows re-padded to TP=1's
+    logits = model(torch.randint(0, 158, (1, 32)), torch.randint(0, 158, (1, 16)))
+    assert logits.shape == (1, 16, 192) and torch.isinf(logits[..., 158:]).all()
+
+
+def _cli(argv: list[str]) -> subprocess.Popen:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
+    return subprocess.Popen(
+        [sys.executable, "-m", "megatron_train.pretrain_t5", *argv],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+
+
+def test_sigkill_and_resume_is_bitwise(tmp_path, corpus) -> None:
+    """With dropout on, a run killed by SIGKILL and resumed with --load logs exactly the uninterrupted losses."""
+    flags = [
+        "--train-iters",
+        "10",
+        "--save-interval",
+        "2",
+        "--hidden-dropout",
+        "0.1",
+        "--attention-dropout",
+        "0.1",
+    ]
+    flags += RELATIVE
+    reference = str(tmp_path / "reference")
+    output, _ = _cli(t5_argv(reference, corpus, *flags)).communicate(timeout=300)
+    assert "lm loss:" in output and read_marker(reference) == 10, output
+    killed = str(tmp_path / "killed")
+    proc = _cli(t5_argv(killed, corpus, *flags))
+    for line in proc.stdout:
+        if line.startswith(" iteration        5/"):  # checkpoints at 2 and 4 are on disk
+            proc.send_signal(signal.SIGKILL)
+            break
+    proc.communicate(timeout=60)
+    assert proc.returncode == -signal.SIGKILL and 4 <= read_marker(killed) < 10
+    output, _ = _cli(t5_argv(killed, corpus, *flags)).communicate(timeout=300)
+    assert read_marker(killed) == 10, output
+    expected = [r["lm loss"] for r in read_metrics(reference) if "split" not in r]
+    assert [
+        r["lm loss"] for r in read_metrics(killed) if "split" not in r
+    ] == expected  # bitwise: JSON floats
+
+
+def test_pipeline_parallel_is_refused_naming_the_flag(tmp_path, corpus, capsys) -> None:
+    argv = t5_argv(str(tmp_path), corpus, "--pipeline-model-parallel-size", "2")
+    with pytest.raises(
+        SystemExit, match="--pipeline-model-parallel-size 2: T5's encoder and decoder are not split"
+    ):
+        check_t5_config(parse_args(argv, world_size=2))
+    with pytest.raises(SystemExit):  # argparse's error: exit status 2, the reason on stderr
+        parse_args(t5_argv(str(tmp_path), corpus, "--pipeline-model-parallel-split-rank", "1"))
+    assert (
+        "--pipeline-model-parallel-split-rank 1: splitting T5's encoder and decoder"
+        in capsys.readouterr().err
+    )
+
+
+def test_encoder_flags_are_other_names_of_num_layers_and_seq_length(tmp_path, corpus) -> None:
+    config = parse_args(t5_argv(str(tmp_path), corpus)).model
+    assert (config.num_layers, config.num_decoder_layers, config.seq_length, config.decoder_seq_length) == (
+        2, 2, 32, 16,
+    )  # fmt: skip
+    shape = dict(hidden_size=32, num_attention_heads=4, encoder_seq_length=32)
+    assert (
+        TransformerConfig(num_layers=3, **shape).num_decoder_layers == 3
+    )  # Megatron: the decoder as the encoder
+    with pytest.raises(ValueError, match="--num-layers 3 and --encoder-num-layers 2 name the same setting"):
+        TransformerConfig(num_layers=3, encoder_num_layers=2, **shape)
+    with pytest.raises(ValueError, match="--decoder-seq-length 64 exceeds --max-position-embeddings 32"):
+        TransformerConfig(num_layers=1, decoder_seq_length=64, **shape)
