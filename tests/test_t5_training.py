@@ -38,6 +38,7 @@ LAYOUTS = {  # name: (world size, flags); the 158-token vocabulary pads to 192 r
     "tp2-sp": (2, [*TP2, "--sequence-parallel"]),
     "dp2-distributed-optimizer": (2, ["--use-distributed-optimizer"]),
 }
+MIXED_PRECISION = {"bf16": ["--bf16"], "fp16": ["--fp16", "--initial-loss-scale", "1024"]}
 
 
 @pytest.fixture(scope="module")
@@ -85,10 +86,11 @@ def t5_worker(rank: int, world_size: int, runs: list[list[str]]) -> list[list[fl
 def layout_losses(tmp_path_factory, corpus) -> dict[str, list[float]]:
     tmp = tmp_path_factory.mktemp("t5-layouts")
     results = {}
-    for world_size in sorted({size for size, _ in LAYOUTS.values()}):
-        names = [name for name, (size, _) in LAYOUTS.items() if size == world_size]
+    layouts = LAYOUTS | {name: (1, flags) for name, flags in MIXED_PRECISION.items()}
+    for world_size in sorted({size for size, _ in layouts.values()}):
+        names = [name for name, (size, _) in layouts.items() if size == world_size]
         runs = [
-            t5_argv(str(tmp / name), corpus, *LAYOUTS[name][1], *RELATIVE, "--use-cpu-initialization")
+            t5_argv(str(tmp / name), corpus, *layouts[name][1], *RELATIVE, "--use-cpu-initialization")
             for name in names
         ]
         last_rank = run_distributed(t5_worker, world_size, runs, timeout=300)[-1]
@@ -101,6 +103,11 @@ def test_t5_losses_equal_one_process_under_every_layout(layout_losses, name) -> 
     reference = layout_losses["tp1"]
     assert len(reference) == 4 and len(set(reference)) == 4 and reference[-1] < reference[0]
     np.testing.assert_allclose(layout_losses[name], reference, rtol=1e-5, err_msg=name)
+
+
+@pytest.mark.parametrize("name", MIXED_PRECISION)
+def test_t5_trains_in_bf16_and_fp16_close_to_fp32(layout_losses, name) -> None:
+    np.testing.assert_allclose(layout_losses[name], layout_losses["tp1"], rtol=1e-3, err_msg=name)
 
 
 def test_checkpoint_saved_at_tp2_continues_at_tp1_with_tp2s_losses(tmp_path, corpus) -> None:
