@@ -18,6 +18,7 @@ from megatron_train.checkpointing.inference import load_model_for_inference
 from megatron_train.models.config import TransformerConfig
 from megatron_train.models.t5 import T5Model
 from megatron_train.pretrain_t5 import check_t5_config
+from megatron_train.tools.checkpoint_util import convert_checkpoint
 from tests.distributed import run_distributed
 from tests.test_training import ROOT, read_marker, read_metrics, tiny_args
 from tests.wordpiece_corpus import build_tokenizer, write_sentence_corpus
@@ -111,18 +112,32 @@ def test_t5_trains_in_bf16_and_fp16_close_to_fp32(layout_losses, name) -> None:
 
 
 def test_checkpoint_saved_at_tp2_continues_at_tp1_with_tp2s_losses(tmp_path, corpus) -> None:
+    """Relative positions: the bias tables are split over TP by head (dim 1), merged back at TP=1."""
     full, split = str(tmp_path / "full"), str(tmp_path / "split")
-    runs = [t5_argv(full, corpus, *TP2), t5_argv(split, corpus, *TP2, "--exit-interval", "2")]
+    runs = [
+        t5_argv(full, corpus, *TP2, *RELATIVE),
+        t5_argv(split, corpus, *TP2, *RELATIVE, "--exit-interval", "2"),
+    ]
     reference, stopped = run_distributed(t5_worker, 2, runs, timeout=300)[-1]
     assert stopped == reference[:2]
-    (resumed,) = run_distributed(t5_worker, 1, [t5_argv(split, corpus)], timeout=300)[-1]
+    (resumed,) = run_distributed(t5_worker, 1, [t5_argv(split, corpus, *RELATIVE)], timeout=300)[-1]
     np.testing.assert_allclose(resumed[2:], reference[2:], rtol=1e-5)
 
-    model, config = load_model_for_inference(split)
+    # Offline (checkpoint_util) the TP=2 checkpoint becomes a TP=1 one holding the same model.
+    convert_checkpoint(full, str(tmp_path / "tp1"), target_tp=1, true_vocab_size=158)
+    (model, config), (converted, _) = (
+        load_model_for_inference(full),
+        load_model_for_inference(str(tmp_path / "tp1")),
+    )
     assert isinstance(model, T5Model) and config.model.num_decoder_layers == 2
-    assert model.output_layer.bias.shape == (192,)  # the TP=2 checkpoint's 256 rows re-padded to TP=1's
-    logits = model(torch.randint(0, 158, (1, 32)), torch.randint(0, 158, (1, 16)))
-    assert logits.shape == (1, 16, 192) and torch.isinf(logits[..., 158:]).all()
+    assert model.encoder_relative_position.weight.shape == (8, 4)
+    # The TP=2 checkpoint pads the 158-token vocabulary to 256 rows, the converted TP=1 one to 192.
+    assert (model.output_layer.bias.shape, converted.output_layer.bias.shape) == ((256,), (192,))
+    encoder_ids, decoder_ids = torch.randint(0, 158, (1, 32)), torch.randint(0, 158, (1, 16))
+    with torch.no_grad():
+        logits, converted_logits = model(encoder_ids, decoder_ids), converted(encoder_ids, decoder_ids)
+    torch.testing.assert_close(converted_logits[..., :158], logits[..., :158], rtol=1e-6, atol=1e-6)
+    assert torch.isinf(converted_logits[..., 158:]).all() and logits.abs()[..., :158].max() > 0.1
 
 
 def _cli(argv: list[str]) -> subprocess.Popen:
@@ -134,7 +149,7 @@ def _cli(argv: list[str]) -> subprocess.Popen:
 
 
 def test_sigkill_and_resume_is_bitwise(tmp_path, corpus) -> None:
-    """With dropout on, a run killed by SIGKILL and resumed with --load logs exactly the uninterrupted losses."""
+    """Learned positions (Megatron's default), dropout on: a run killed by SIGKILL and resumed with --load logs exactly the uninterrupted losses."""
     flags = [
         "--train-iters",
         "10",
