@@ -20,6 +20,7 @@ from megatron_train.models.t5 import T5Model
 from megatron_train.pretrain_t5 import check_t5_config
 from megatron_train.tools.checkpoint_util import convert_checkpoint
 from tests.distributed import run_distributed
+from tests.test_megatron_examples import example_argv
 from tests.test_training import ROOT, read_marker, read_metrics, tiny_args
 from tests.wordpiece_corpus import build_tokenizer, write_sentence_corpus
 
@@ -207,3 +208,22 @@ def test_encoder_flags_are_other_names_of_num_layers_and_seq_length(tmp_path, co
         TransformerConfig(num_layers=3, encoder_num_layers=2, **shape)
     with pytest.raises(ValueError, match="--decoder-seq-length 64 exceeds --max-position-embeddings 32"):
         TransformerConfig(num_layers=1, decoder_seq_length=64, **shape)
+
+
+def test_megatron_t5_example_parses_with_its_t5_settings(tmp_path) -> None:
+    """Megatron's examples/t5/train_t5_220m_distributed.sh, run unchanged: every flag it gives pretrain_t5.py
+    is ours, and the T5 shape lands where pretrain_t5 reads it."""
+    argv = example_argv(
+        "train_t5_220m_distributed.sh", tmp_path, "ckpt", "tb", "vocab.txt", "data", entry="pretrain_t5.py"
+    )
+    config = parse_args(argv, world_size=8)
+    check_t5_config(config)
+    model = config.model
+    assert (model.num_layers, model.num_decoder_layers, model.kv_channels, model.ffn_hidden_size) == (
+        12,
+        12,
+        64,
+        3072,
+    )
+    assert (model.seq_length, model.decoder_seq_length, model.max_position_embeddings) == (512, 128, 512)
+    assert (config.tokenizer.vocab_extra_ids, model.init_method_std, model.bf16) == (100, 0.015, True)
