@@ -22,7 +22,7 @@ from megatron_train.data.t5_dataset import T5DatasetConfig
 from megatron_train.device import get_device
 from megatron_train.models.t5 import T5Model
 from megatron_train.parallel.schedules import LossFunc
-from megatron_train.pretrain_gpt import padded_vocab_size_for
+from megatron_train.pretrain_gpt import loss_func, padded_vocab_size_for
 from megatron_train.tokenizer import MegatronTokenizer, tokenizer_from_config
 from megatron_train.training.loop import get_batch, pretrain
 
@@ -45,17 +45,9 @@ def model_provider(
     )
 
 
-def loss_func(
-    loss_mask: torch.Tensor, output_tensor: torch.Tensor
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Megatron's T5 loss: the decoder's per-token LM loss averaged over its tokens (`lm loss`)."""
-    loss_mask = loss_mask.float()
-    lm_loss = (output_tensor.float() * loss_mask).sum() / loss_mask.sum().clamp(min=1.0)
-    return lm_loss, {"lm loss": lm_loss.detach()}
-
-
 def forward_step(data_iterator: Iterator, model: torch.nn.Module) -> tuple[torch.Tensor, LossFunc]:
-    """Megatron's T5 forward step: per-token decoder LM losses [b, s_dec] and the loss function for them.
+    """Megatron's T5 forward step: per-token decoder LM losses [b, s_dec] and the loss function for them (GPT's:
+    their mean over the decoder tokens, `lm loss`).
 
     The dataset's [enc, enc] mask is the outer product of the encoder's token mask with itself: its diagonal
     is the encoder padding mask the model takes (the decoder is causal, its padding after its tokens)."""
@@ -88,7 +80,9 @@ def check_t5_config(config: MegatronConfig) -> None:
             "too); use --pipeline-model-parallel-size 1 with tensor, sequence and data parallelism"
         )
     if config.model.decoder_seq_length is None:
-        raise SystemExit("pretrain_t5: set --decoder-seq-length (the decoder's input length; Megatron's T5: 128)")
+        raise SystemExit(
+            "pretrain_t5: set --decoder-seq-length (the decoder's input length; Megatron's T5: 128)"
+        )
     if config.training.calculate_per_token_loss:
         raise SystemExit(
             "pretrain_t5: --calculate-per-token-loss is GPT's; Megatron's T5 loss is per micro-batch"

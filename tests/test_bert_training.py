@@ -5,9 +5,7 @@ checkpoint continues at TP=1; checkpoints record the model type."""
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -18,7 +16,7 @@ from megatron_train.checkpointing.inference import load_model_for_inference
 from megatron_train.inference.checkpoint import build_inference_parser, load_for_inference
 from megatron_train.models.bert import BertModel
 from tests.distributed import run_distributed
-from tests.test_training import ROOT, read_marker, read_metrics, tiny_args
+from tests.test_training import read_marker, read_metrics, run_entry_point, sigkill_at_iteration, tiny_args
 from tests.wordpiece_corpus import build_tokenizer, write_sentence_corpus
 
 LOSS_KEYS = ("lm loss", "sop loss")
@@ -150,11 +148,7 @@ def test_a_gpt_checkpoint_is_refused_by_pretrain_bert(tmp_path, corpus) -> None:
 
 
 def _cli(argv: list[str]) -> subprocess.Popen:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
-    return subprocess.Popen(
-        [sys.executable, "-m", "megatron_train.pretrain_bert", *argv],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
+    return run_entry_point("megatron_train.pretrain_bert", argv)
 
 
 def test_sigkill_and_resume_is_bitwise(tmp_path, corpus) -> None:
@@ -173,13 +167,8 @@ def test_sigkill_and_resume_is_bitwise(tmp_path, corpus) -> None:
     output, _ = _cli(bert_argv(reference, corpus, *flags)).communicate(timeout=300)
     assert "sop loss:" in output and read_marker(reference) == 12, output
     killed = str(tmp_path / "killed")
-    proc = _cli(bert_argv(killed, corpus, *flags))
-    for line in proc.stdout:
-        if line.startswith(" iteration        5/"):  # checkpoints at 2 and 4 are on disk
-            proc.send_signal(signal.SIGKILL)
-            break
-    proc.communicate(timeout=60)
-    assert proc.returncode == -signal.SIGKILL and 4 <= read_marker(killed) < 12
+    sigkill_at_iteration(_cli(bert_argv(killed, corpus, *flags)), 5)  # checkpoints at 2 and 4 are on disk
+    assert 4 <= read_marker(killed) < 12
     output, _ = _cli(bert_argv(killed, corpus, *flags)).communicate(timeout=300)
     assert read_marker(killed) == 12, output
     expected = losses([r for r in read_metrics(reference) if "split" not in r])

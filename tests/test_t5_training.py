@@ -5,9 +5,7 @@ at TP=1; pipeline parallelism is refused naming the flag."""
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -21,7 +19,7 @@ from megatron_train.pretrain_t5 import check_t5_config
 from megatron_train.tools.checkpoint_util import convert_checkpoint
 from tests.distributed import run_distributed
 from tests.test_megatron_examples import example_argv
-from tests.test_training import ROOT, read_marker, read_metrics, tiny_args
+from tests.test_training import read_marker, read_metrics, run_entry_point, sigkill_at_iteration, tiny_args
 from tests.wordpiece_corpus import build_tokenizer, write_sentence_corpus
 
 TP2 = ["--tensor-model-parallel-size", "2"]
@@ -142,11 +140,7 @@ def test_checkpoint_saved_at_tp2_continues_at_tp1_with_tp2s_losses(tmp_path, cor
 
 
 def _cli(argv: list[str]) -> subprocess.Popen:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
-    return subprocess.Popen(
-        [sys.executable, "-m", "megatron_train.pretrain_t5", *argv],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
+    return run_entry_point("megatron_train.pretrain_t5", argv)
 
 
 def test_sigkill_and_resume_is_bitwise(tmp_path, corpus) -> None:
@@ -166,13 +160,8 @@ def test_sigkill_and_resume_is_bitwise(tmp_path, corpus) -> None:
     output, _ = _cli(t5_argv(reference, corpus, *flags)).communicate(timeout=300)
     assert "lm loss:" in output and read_marker(reference) == 10, output
     killed = str(tmp_path / "killed")
-    proc = _cli(t5_argv(killed, corpus, *flags))
-    for line in proc.stdout:
-        if line.startswith(" iteration        5/"):  # checkpoints at 2 and 4 are on disk
-            proc.send_signal(signal.SIGKILL)
-            break
-    proc.communicate(timeout=60)
-    assert proc.returncode == -signal.SIGKILL and 4 <= read_marker(killed) < 10
+    sigkill_at_iteration(_cli(t5_argv(killed, corpus, *flags)), 5)  # checkpoints at 2 and 4 are on disk
+    assert 4 <= read_marker(killed) < 10
     output, _ = _cli(t5_argv(killed, corpus, *flags)).communicate(timeout=300)
     assert read_marker(killed) == 10, output
     expected = [r["lm loss"] for r in read_metrics(reference) if "split" not in r]
