@@ -5,7 +5,6 @@ at TP=1; pipeline parallelism is refused naming the flag."""
 from __future__ import annotations
 
 import os
-import subprocess
 
 import numpy as np
 import pytest
@@ -19,7 +18,7 @@ from megatron_train.pretrain_t5 import check_t5_config
 from megatron_train.tools.checkpoint_util import convert_checkpoint
 from tests.distributed import run_distributed
 from tests.test_megatron_examples import example_argv
-from tests.test_training import read_marker, read_metrics, run_entry_point, sigkill_at_iteration, tiny_args
+from tests.test_training import read_metrics, sigkill_and_resume, tiny_args
 from tests.wordpiece_corpus import build_tokenizer, write_sentence_corpus
 
 TP2 = ["--tensor-model-parallel-size", "2"]
@@ -139,12 +138,9 @@ def test_checkpoint_saved_at_tp2_continues_at_tp1_with_tp2s_losses(tmp_path, cor
     assert torch.isinf(converted_logits[..., 158:]).all() and logits.abs()[..., :158].max() > 0.1
 
 
-def _cli(argv: list[str]) -> subprocess.Popen:
-    return run_entry_point("megatron_train.pretrain_t5", argv)
-
-
 def test_sigkill_and_resume_is_bitwise(tmp_path, corpus) -> None:
-    """Learned positions (Megatron's default), dropout on: a run killed by SIGKILL and resumed with --load logs exactly the uninterrupted losses."""
+    """Learned positions (Megatron's default), dropout on: a run killed by SIGKILL and resumed with --load logs
+    exactly the uninterrupted losses."""
     flags = [
         "--train-iters",
         "10",
@@ -155,19 +151,11 @@ def test_sigkill_and_resume_is_bitwise(tmp_path, corpus) -> None:
         "--attention-dropout",
         "0.1",
     ]
-    flags += RELATIVE
-    reference = str(tmp_path / "reference")
-    output, _ = _cli(t5_argv(reference, corpus, *flags)).communicate(timeout=300)
-    assert "lm loss:" in output and read_marker(reference) == 10, output
-    killed = str(tmp_path / "killed")
-    sigkill_at_iteration(_cli(t5_argv(killed, corpus, *flags)), 5)  # checkpoints at 2 and 4 are on disk
-    assert 4 <= read_marker(killed) < 10
-    output, _ = _cli(t5_argv(killed, corpus, *flags)).communicate(timeout=300)
-    assert read_marker(killed) == 10, output
-    expected = [r["lm loss"] for r in read_metrics(reference) if "split" not in r]
-    assert [
-        r["lm loss"] for r in read_metrics(killed) if "split" not in r
-    ] == expected  # bitwise: JSON floats
+    output, expected, resumed = sigkill_and_resume(
+        "megatron_train.pretrain_t5", lambda run: t5_argv(run, corpus, *flags), tmp_path, 10
+    )
+    assert "lm loss:" in output
+    assert [r["lm loss"] for r in resumed] == [r["lm loss"] for r in expected]  # bitwise: JSON floats
 
 
 def test_pipeline_parallel_is_refused_naming_the_flag(tmp_path, corpus, capsys) -> None:

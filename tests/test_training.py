@@ -13,6 +13,8 @@ import re
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -229,6 +231,22 @@ def sigkill_at_iteration(proc: subprocess.Popen, iteration: int) -> None:
             break
     proc.communicate(timeout=60)
     assert proc.returncode == -signal.SIGKILL
+
+
+def sigkill_and_resume(
+    module: str, argv_for: Callable[[str], list[str]], root: Path, iterations: int
+) -> tuple[str, list[dict], list[dict]]:
+    """Train `module` uninterrupted in `root`/reference; train it again in `root`/killed, SIGKILL it at iteration
+    5 (the argv saves every 2 iterations) and rerun it to the end with the same argv (`argv_for(run dir)`).
+    Returns the reference's console output and both runs' training records."""
+    reference, killed = str(root / "reference"), str(root / "killed")
+    output, _ = run_entry_point(module, argv_for(reference)).communicate(timeout=300)
+    assert read_marker(reference) == iterations, output
+    sigkill_at_iteration(run_entry_point(module, argv_for(killed)), 5)  # checkpoints at 2 and 4 are on disk
+    assert 4 <= read_marker(killed) < iterations
+    resumed_output, _ = run_entry_point(module, argv_for(killed)).communicate(timeout=300)
+    assert read_marker(killed) == iterations, resumed_output
+    return output, *([r for r in read_metrics(run) if "split" not in r] for run in (reference, killed))
 
 
 def _cli(argv: list[str], **popen: object) -> subprocess.Popen:
