@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_train.arguments import parse_args
+from megatron_train.arguments import config_to_argv, parse_args
 from megatron_train.checkpointing.inference import load_model_for_inference
 from megatron_train.models.config import TransformerConfig
 from megatron_train.models.t5 import T5Model
@@ -165,7 +165,9 @@ def test_pipeline_parallel_is_refused_naming_the_flag(tmp_path, corpus, capsys) 
 
 
 def test_encoder_flags_are_other_names_of_num_layers_and_seq_length(tmp_path, corpus) -> None:
-    config = parse_args(t5_argv(str(tmp_path), corpus)).model
+    parsed = parse_args(t5_argv(str(tmp_path), corpus))
+    assert parse_args(config_to_argv(parsed)) == parsed  # flows pass configs on as flags: both names agree
+    config = parsed.model
     assert (config.num_layers, config.num_decoder_layers, config.seq_length, config.decoder_seq_length) == (
         2, 2, 32, 16,
     )  # fmt: skip
