@@ -55,6 +55,18 @@ def test_hf_t5_v1_1_gated_mlp_is_refused_naming_the_setting() -> None:
         transformer_config_from_hf_t5({**HF_CONFIG, "feed_forward_proj": "gated-gelu"})
 
 
+def test_missing_files_and_tensors_name_what_is_missing(tmp_path, hf_t5) -> None:
+    with pytest.raises(FileNotFoundError, match="config.json is missing; pass a Hugging Face T5 checkpoint"):
+        load_hf_t5(str(tmp_path))
+    transformers.T5Config(**HF_CONFIG).save_pretrained(str(tmp_path))
+    with pytest.raises(FileNotFoundError, match="no model.safetensors or pytorch_model.bin"):
+        load_hf_t5(str(tmp_path))
+    weights = {k: v for k, v in hf_t5[0].state_dict().items() if "block.1.layer.2" not in k}
+    torch.save(weights, tmp_path / "pytorch_model.bin")
+    with pytest.raises(ValueError, match="lacks 'decoder.block.1.layer.2.layer_norm.weight'"):
+        load_hf_t5(str(tmp_path))
+
+
 def test_relative_position_buckets_are_t5s() -> None:
     relative = torch.arange(-200, 201)[None, :]
     for bidirectional in (True, False):
