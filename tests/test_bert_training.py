@@ -5,9 +5,6 @@ checkpoint continues at TP=1; checkpoints record the model type."""
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -18,7 +15,7 @@ from megatron_train.checkpointing.inference import load_model_for_inference
 from megatron_train.inference.checkpoint import build_inference_parser, load_for_inference
 from megatron_train.models.bert import BertModel
 from tests.distributed import run_distributed
-from tests.test_training import ROOT, read_marker, read_metrics, tiny_args
+from tests.test_training import read_metrics, sigkill_and_resume, tiny_args
 from tests.wordpiece_corpus import build_tokenizer, write_sentence_corpus
 
 LOSS_KEYS = ("lm loss", "sop loss")
@@ -149,14 +146,6 @@ def test_a_gpt_checkpoint_is_refused_by_pretrain_bert(tmp_path, corpus) -> None:
     assert "holds a gpt model but this run trains a bert model: use pretrain_gpt" in message
 
 
-def _cli(argv: list[str]) -> subprocess.Popen:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
-    return subprocess.Popen(
-        [sys.executable, "-m", "megatron_train.pretrain_bert", *argv],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
-
-
 def test_sigkill_and_resume_is_bitwise(tmp_path, corpus) -> None:
     """With dropout on, a run killed by SIGKILL and resumed with --load logs exactly the uninterrupted losses."""
     flags = [
@@ -169,18 +158,8 @@ def test_sigkill_and_resume_is_bitwise(tmp_path, corpus) -> None:
         "--attention-dropout",
         "0.1",
     ]
-    reference = str(tmp_path / "reference")
-    output, _ = _cli(bert_argv(reference, corpus, *flags)).communicate(timeout=300)
-    assert "sop loss:" in output and read_marker(reference) == 12, output
-    killed = str(tmp_path / "killed")
-    proc = _cli(bert_argv(killed, corpus, *flags))
-    for line in proc.stdout:
-        if line.startswith(" iteration        5/"):  # checkpoints at 2 and 4 are on disk
-            proc.send_signal(signal.SIGKILL)
-            break
-    proc.communicate(timeout=60)
-    assert proc.returncode == -signal.SIGKILL and 4 <= read_marker(killed) < 12
-    output, _ = _cli(bert_argv(killed, corpus, *flags)).communicate(timeout=300)
-    assert read_marker(killed) == 12, output
-    expected = losses([r for r in read_metrics(reference) if "split" not in r])
-    assert losses([r for r in read_metrics(killed) if "split" not in r]) == expected  # bitwise: JSON floats
+    output, expected, resumed = sigkill_and_resume(
+        "megatron_train.pretrain_bert", lambda run: bert_argv(run, corpus, *flags), tmp_path, 12
+    )
+    assert "sop loss:" in output
+    assert losses(resumed) == losses(expected)  # bitwise: JSON floats

@@ -25,8 +25,8 @@ LLAMA3 = "train_llama3_8b_h100_fp8.sh"
 FP8_FLAGS = ("--fp8-format", "--fp8-amax-history-len", "--fp8-amax-compute-algo", "--fp8-param-gather")
 
 
-def example_argv(script: str, workdir: Path, *positional: str) -> list[str]:
-    """Run Megatron's example `script` with bash in `workdir`; return what it passes to pretrain_gpt.py."""
+def example_argv(script: str, workdir: Path, *positional: str, entry: str = "pretrain_gpt.py") -> list[str]:
+    """Run Megatron's example `script` with bash in `workdir`; return what it passes to `entry`."""
     bin_dir = workdir / "bin"
     bin_dir.mkdir(parents=True, exist_ok=True)
     torchrun = bin_dir / "torchrun"
@@ -37,7 +37,7 @@ def example_argv(script: str, workdir: Path, *positional: str) -> list[str]:
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "ARGV_RECORD": str(record)}
     subprocess.run(["bash", str(FIXTURES / script), *positional], cwd=workdir, env=env, check=True)
     words = record.read_text().splitlines()
-    return words[words.index("pretrain_gpt.py") + 1 :]
+    return words[words.index(entry) + 1 :]
 
 
 def _value_end(argv: list[str], start: int) -> int:

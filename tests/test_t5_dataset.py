@@ -84,8 +84,9 @@ def test_noise_density_and_mean_span_length_over_10k_samples(corpus, tokenizer, 
         tokens += len(original)
         noise += sum(map(len, sample_spans))
         spans += len(sample_spans)
-    assert abs(noise / tokens - 0.15) < 0.01
-    assert abs(noise / spans - 3.0) < 0.1
+    # Within 1% of the configured rates (measured: noise 0.1507, mean span 2.977 tokens).
+    assert abs(noise / tokens / 0.15 - 1) < 0.01
+    assert abs(noise / spans / 3.0 - 1) < 0.01
 
 
 def test_sample_layout(corpus, tokenizer, tmp_path):

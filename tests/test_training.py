@@ -13,6 +13,8 @@ import re
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -212,12 +214,43 @@ def test_loop_averages_and_logs_every_key_of_the_loss_dict(tmp_path) -> None:
         assert record["half loss PPL"] == pytest.approx(math.exp(record["lm loss"] / 2), rel=1e-6)
 
 
-def _cli(argv: list[str], **popen: object) -> subprocess.Popen:
+def run_entry_point(module: str, argv: list[str], **popen: object) -> subprocess.Popen:
+    """`python -m <module> <argv>` on this checkout, one thread, stdout and stderr merged into `stdout`."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
     return subprocess.Popen(
-        [sys.executable, "-m", "megatron_train.pretrain_gpt", *argv],
+        [sys.executable, "-m", module, *argv],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen,
     )  # fmt: skip
+
+
+def sigkill_at_iteration(proc: subprocess.Popen, iteration: int) -> None:
+    """SIGKILL a training run as soon as its console logs `iteration`, and wait for it to die so."""
+    for line in proc.stdout:
+        if line.startswith(f" iteration {iteration:8d}/"):
+            proc.send_signal(signal.SIGKILL)
+            break
+    proc.communicate(timeout=60)
+    assert proc.returncode == -signal.SIGKILL
+
+
+def sigkill_and_resume(
+    module: str, argv_for: Callable[[str], list[str]], root: Path, iterations: int
+) -> tuple[str, list[dict], list[dict]]:
+    """Train `module` uninterrupted in `root`/reference; train it again in `root`/killed, SIGKILL it at iteration
+    5 (the argv saves every 2 iterations) and rerun it to the end with the same argv (`argv_for(run dir)`).
+    Returns the reference's console output and both runs' training records."""
+    reference, killed = str(root / "reference"), str(root / "killed")
+    output, _ = run_entry_point(module, argv_for(reference)).communicate(timeout=300)
+    assert read_marker(reference) == iterations, output
+    sigkill_at_iteration(run_entry_point(module, argv_for(killed)), 5)  # checkpoints at 2 and 4 are on disk
+    assert 4 <= read_marker(killed) < iterations
+    resumed_output, _ = run_entry_point(module, argv_for(killed)).communicate(timeout=300)
+    assert read_marker(killed) == iterations, resumed_output
+    return output, *([r for r in read_metrics(run) if "split" not in r] for run in (reference, killed))
+
+
+def _cli(argv: list[str], **popen: object) -> subprocess.Popen:
+    return run_entry_point("megatron_train.pretrain_gpt", argv, **popen)
 
 
 def test_cli_mock_data_end_to_end_then_sigkill_and_resume(tmp_path) -> None:
@@ -240,13 +273,7 @@ def test_cli_mock_data_end_to_end_then_sigkill_and_resume(tmp_path) -> None:
     assert read_marker(reference) == 30
 
     killed = str(tmp_path / "killed")
-    proc = _cli(tiny_args(killed, *argv))
-    for line in proc.stdout:
-        if line.startswith(" iteration        5/"):  # checkpoints at 2 and 4 are on disk
-            proc.send_signal(signal.SIGKILL)
-            break
-    proc.communicate(timeout=60)
-    assert proc.returncode == -signal.SIGKILL
+    sigkill_at_iteration(_cli(tiny_args(killed, *argv)), 5)  # checkpoints at 2 and 4 are on disk
     assert 4 <= read_marker(killed) < 30
     proc = _cli(tiny_args(killed, *argv))
     output, _ = proc.communicate(timeout=300)

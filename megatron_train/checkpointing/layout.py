@@ -20,8 +20,10 @@ WORD_EMBEDDING = "embedding.word_embeddings.weight"
 OUTPUT_WEIGHT = "output_layer.weight"
 # Params whose first dim is the padded vocabulary (split across TP along it); BERT's output layer has a bias.
 VOCAB_PARAMS = (WORD_EMBEDDING, OUTPUT_WEIGHT, "output_layer.bias")
-# GPT's layer stack is `decoder`, BERT's `encoder` (Megatron-Core's names).
+# GPT's layer stack is `decoder`, BERT's `encoder`, T5 has both (Megatron-Core's names).
 _LAYER = re.compile(r"^(decoder|encoder)\.layers\.(\d+)\.")
+# Names outside the layer stack held by the first pipeline stage: embeddings, T5's relative position biases.
+FIRST_STAGE_PREFIXES = ("embedding.", "encoder_relative_position.", "decoder_relative_position.")
 # Names outside the layer stack held by the last pipeline stage: final norm, output layer, BERT's heads.
 LAST_STAGE_PREFIXES = (
     "decoder.final_layernorm.",
@@ -61,7 +63,7 @@ def merge_tp_shards(shards: Sequence[torch.Tensor], sharding: TensorSharding) ->
 def split_tp_shard(
     tensor: torch.Tensor, sharding: TensorSharding, tp_size: int, tp_rank: int, name: str = "tensor"
 ) -> torch.Tensor:
-    """TP rank `tp_rank`'s slice of a global tensor (the same cut `_sharded_master_weight` makes at init)."""
+    """TP rank `tp_rank`'s slice of a global tensor (the same cut `sharded_master_weight` makes at init)."""
     if not sharding.is_split or tp_size == 1:
         return tensor
     dim, stride = sharding.partition_dim, sharding.partition_stride
@@ -149,7 +151,7 @@ def stage_tensor_names(
         index = layer_number(name)
         if index is not None:
             owned = index in layers
-        elif name.startswith("embedding."):
+        elif name.startswith(FIRST_STAGE_PREFIXES):
             owned = pre_process
         elif name.startswith(LAST_STAGE_PREFIXES):
             owned = post_process

@@ -53,6 +53,9 @@ MODEL_ARGS_TO_CHECK = (
     "swiglu",
     "add_bias_linear",
     "untie_embeddings_and_output_weights",
+    "activation_func",
+    "decoder_num_layers",
+    "relative_attention_num_buckets",
 )
 
 

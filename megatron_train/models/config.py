@@ -12,15 +12,20 @@ from typing import Literal, get_args
 
 import torch
 
-PositionEmbeddingType = Literal["learned_absolute", "rope"]
+PositionEmbeddingType = Literal["learned_absolute", "rope", "relative"]
 Normalization = Literal["LayerNorm", "RMSNorm"]
+ActivationFunc = Literal["gelu", "relu"]
 RecomputeGranularity = Literal["full", "selective"]
 RecomputeMethod = Literal["uniform", "block"]
 
 
 @dataclass
 class TransformerConfig:
-    num_layers: int = field(metadata={"help": "Number of transformer layers."})
+    num_layers: int | None = field(
+        default=None,
+        kw_only=True,
+        metadata={"help": "Number of transformer layers (T5: the encoder's; default --encoder-num-layers)."},
+    )
     hidden_size: int = field(metadata={"help": "Transformer hidden size."})
     num_attention_heads: int = field(metadata={"help": "Number of attention heads."})
     ffn_hidden_size: int | None = field(
@@ -49,7 +54,10 @@ class TransformerConfig:
         default=None, metadata={"help": "Size of the learned position table; default seq-length."}
     )
     position_embedding_type: PositionEmbeddingType = field(
-        default="learned_absolute", metadata={"help": "Position embedding: learned_absolute or rope."}
+        default="learned_absolute",
+        metadata={
+            "help": "Position embedding: learned_absolute, rope, or relative (T5's bucketed attention bias)."
+        },
     )
     rotary_percent: float = field(
         default=1.0, metadata={"help": "Fraction of each head's dims rotated by RoPE."}
@@ -86,6 +94,12 @@ class TransformerConfig:
         metadata={"help": "Store norm weights zero-centred (weight - 1); the forward scales by 1 + weight."},
     )
     swiglu: bool = field(default=False, metadata={"help": "Use the gated SwiGLU MLP instead of GELU."})
+    activation_func: ActivationFunc = field(
+        default="gelu",
+        metadata={
+            "help": "MLP activation without --swiglu: gelu, or relu (T5 v1.0's, for its Hugging Face weights)."
+        },
+    )
     openai_gelu: bool = field(
         default=False, metadata={"help": "Use OpenAI's tanh approximation of GELU (GPT-2's 'gelu_new')."}
     )
@@ -138,7 +152,34 @@ class TransformerConfig:
     )
     bf16: bool = field(default=False, metadata={"help": "bf16 model with fp32 main params and grads."})
 
+    encoder_num_layers: int | None = field(
+        default=None, metadata={"help": "T5: encoder layers (the same as --num-layers; give one of the two)."}
+    )
+    decoder_num_layers: int | None = field(
+        default=None, metadata={"help": "T5: decoder layers; default the encoder's."}
+    )
+    encoder_seq_length: int | None = field(
+        default=None, metadata={"help": "T5: encoder sequence length (the same as --seq-length; give one)."}
+    )
+    decoder_seq_length: int | None = field(default=None, metadata={"help": "T5: decoder sequence length."})
+    relative_attention_num_buckets: int = field(
+        default=32, metadata={"help": "Buckets of --position-embedding-type relative (T5: 32)."}
+    )
+    relative_attention_max_distance: int = field(
+        default=128,
+        metadata={"help": "Distance from which relative positions share the last bucket (T5: 128)."},
+    )
+
     def __post_init__(self) -> None:
+        # Megatron: --encoder-num-layers / --encoder-seq-length are other names of --num-layers / --seq-length.
+        self.num_layers = _one_of(
+            self.num_layers, self.encoder_num_layers, "--num-layers", "--encoder-num-layers"
+        )
+        self.seq_length = _one_of(
+            self.seq_length, self.encoder_seq_length, "--seq-length", "--encoder-seq-length"
+        )
+        if self.num_layers is None:
+            raise ValueError("set --num-layers (T5: or --encoder-num-layers)")
         if self.recompute_activations:
             self.recompute_granularity = "selective"
         if self.kv_channels is None:
@@ -195,6 +236,17 @@ class TransformerConfig:
                 or self.max_position_embeddings is not None,
                 "learned_absolute position embeddings need --max-position-embeddings or --seq-length",
             ),
+            (
+                self.position_embedding_type != "learned_absolute"
+                or self.max_position_embeddings is None
+                or (self.decoder_seq_length or 0) <= self.max_position_embeddings,
+                f"--decoder-seq-length {self.decoder_seq_length} exceeds --max-position-embeddings "
+                f"{self.max_position_embeddings}; raise --max-position-embeddings",
+            ),
+            (
+                not (self.swiglu and self.activation_func != "gelu"),
+                "--swiglu replaces the MLP activation: drop --activation-func",
+            ),
             (not (self.fp16 and self.bf16), "--fp16 and --bf16 are mutually exclusive"),
             (
                 self.ffn_hidden_size > 0,
@@ -205,6 +257,11 @@ class TransformerConfig:
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
+
+    @property
+    def num_decoder_layers(self) -> int:
+        """T5's decoder layers: --decoder-num-layers, else as many as the encoder."""
+        return self.decoder_num_layers if self.decoder_num_layers is not None else self.num_layers
 
     @property
     def num_query_groups_effective(self) -> int:
@@ -264,3 +321,10 @@ class TransformerConfig:
             seq_length=seq_length,
             **settings,
         )
+
+
+def _one_of(value: int | None, alias: int | None, flag: str, alias_flag: str) -> int | None:
+    """A setting given under either of its two Megatron names; both are allowed only when they agree."""
+    if value is not None and alias is not None and value != alias:
+        raise ValueError(f"{flag} {value} and {alias_flag} {alias} name the same setting: give one of them")
+    return value if value is not None else alias

@@ -199,6 +199,10 @@ class GPTModel(LanguageModule):
         vp_stage: int = 0,
     ) -> None:
         super().__init__()
+        if config.position_embedding_type == "relative":
+            raise ValueError(
+                "--position-embedding-type relative is T5's attention bias; GPT takes learned_absolute or rope"
+            )
         self.config = config
         self.vocab_size = vocab_size
         self.pre_process = pre_process

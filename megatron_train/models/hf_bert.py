@@ -74,7 +74,7 @@ def read_hf_weights(directory: str) -> StateDict:
             break
     else:
         raise FileNotFoundError(
-            f"{directory}: no {' or '.join(WEIGHT_FILES)}; pass a Hugging Face BERT directory"
+            f"{directory}: no {' or '.join(WEIGHT_FILES)}; pass a Hugging Face checkpoint directory"
         )
     if path.endswith(".safetensors"):
         from safetensors.torch import load_file

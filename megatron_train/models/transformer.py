@@ -34,6 +34,9 @@ FIRST_LAYER_INIT_STREAM = 3
 TOKENTYPE_EMBEDDING_INIT_STREAM, LM_HEAD_INIT_STREAM, POOLER_INIT_STREAM, BINARY_HEAD_INIT_STREAM = (
     (1 << 20) - 1 - offset for offset in range(4)
 )
+ENCODER_RELATIVE_BIAS_INIT_STREAM, DECODER_RELATIVE_BIAS_INIT_STREAM = (
+    (1 << 20) - 5 - offset for offset in range(2)
+)
 
 
 def init_method_normal(std: float) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -233,11 +236,12 @@ class SelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    """h -> ffn (GELU) -> h, or SwiGLU: fc1 computes [gate; up] (TP stride 2: each rank has its slice of both)."""
+    """h -> ffn (GELU, or ReLU as T5 v1.0) -> h, or SwiGLU: fc1 computes [gate; up] (TP stride 2: each rank has its slice of both)."""
 
     def __init__(self, config: TransformerConfig, sequence_parallel: bool) -> None:
         super().__init__()
         self.swiglu = config.swiglu
+        self.relu = config.activation_func == "relu"
         self.gelu_approximate = "tanh" if config.openai_gelu else "none"
         fc1_size = 2 * config.ffn_hidden_size if config.swiglu else config.ffn_hidden_size
         self.linear_fc1 = ColumnParallelLinear(
@@ -263,6 +267,8 @@ class MLP(nn.Module):
         if self.swiglu:
             gate, up = x.chunk(2, dim=-1)
             x = F.silu(gate) * up
+        elif self.relu:
+            x = F.relu(x)
         else:
             x = F.gelu(x, approximate=self.gelu_approximate)
         return self.linear_fc2(x)
@@ -331,7 +337,8 @@ class TransformerBlock(nn.Module):
     last stage (none with post-LN layers, which end in a norm), and full-layer recompute.
 
     `cross_attention_for(global_layer_number)` gives a layer its cross-attention module (or None): every layer
-    of T5's decoder, Retro's chunked cross-attention layers."""
+    of T5's decoder, Retro's chunked cross-attention layers. `first_init_stream`: the --use-cpu-initialization
+    stream of layer 0 (T5's decoder starts after the encoder's layers)."""
 
     def __init__(
         self,
@@ -341,6 +348,7 @@ class TransformerBlock(nn.Module):
         init_seed: int | None = None,
         vp_stage: int = 0,
         cross_attention_for: Callable[[int], nn.Module | None] | None = None,
+        first_init_stream: int = FIRST_LAYER_INIT_STREAM,
     ) -> None:
         super().__init__()
         self.config = config
@@ -354,7 +362,7 @@ class TransformerBlock(nn.Module):
         )
         layers = []
         for index, global_index in enumerate(self.layer_range):
-            with initialization_stream(init_seed, FIRST_LAYER_INIT_STREAM + global_index):
+            with initialization_stream(init_seed, first_init_stream + global_index):
                 cross_attention = cross_attention_for(global_index) if cross_attention_for else None
                 layers.append(TransformerLayer(config, index, sequence_parallel, cross_attention))
         self.layers = nn.ModuleList(layers)

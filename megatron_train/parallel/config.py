@@ -26,11 +26,21 @@ class ParallelConfig:
     use_distributed_optimizer: bool = field(
         default=False, metadata={"help": "Shard optimizer state across data parallel ranks."}
     )
+    pipeline_model_parallel_split_rank: int | None = field(
+        default=None,
+        metadata={"help": "Megatron's pipeline rank where T5's decoder starts; refused: T5 runs without PP."},
+    )
 
     def __post_init__(self) -> None:
         for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.pipeline_model_parallel_split_rank is not None:
+            raise ValueError(
+                f"--pipeline-model-parallel-split-rank {self.pipeline_model_parallel_split_rank}: splitting T5's "
+                "encoder and decoder across pipeline stages is not implemented; drop the flag and train T5 with "
+                "tensor, sequence and data parallelism (--pipeline-model-parallel-size 1)"
+            )
 
     def data_parallel_size(self, world_size: int) -> int:
         """world_size / (TP * PP), with an actionable error when it does not divide."""

@@ -45,7 +45,7 @@ def set_tensor_model_parallel_attributes(param: torch.Tensor, partition_dim: int
     param.partition_stride = stride
 
 
-def _sharded_master_weight(
+def sharded_master_weight(
     full_shape: tuple[int, int], partition_dim: int, stride: int, init_method: InitMethod, dtype: torch.dtype
 ) -> nn.Parameter:
     """Initialise the full weight on the CPU, keep this rank's `stride` interleaved chunks along the dim.
@@ -92,7 +92,7 @@ class ColumnParallelLinear(nn.Module):
         self.weight = (
             None
             if skip_weight_param_allocation
-            else _sharded_master_weight((output_size, input_size), 0, stride, init_method, params_dtype)
+            else sharded_master_weight((output_size, input_size), 0, stride, init_method, params_dtype)
         )
         self.bias = None
         if bias:
@@ -136,7 +136,7 @@ class RowParallelLinear(nn.Module):
         self.sequence_parallel = sequence_parallel
         world_size = state.get_tensor_model_parallel_world_size()
         self.input_size_per_partition = divide(input_size, world_size, "input size")
-        self.weight = _sharded_master_weight((output_size, input_size), 1, 1, init_method, params_dtype)
+        self.weight = sharded_master_weight((output_size, input_size), 1, 1, init_method, params_dtype)
         self.bias = None
         if bias:
             self.bias = nn.Parameter(torch.zeros(output_size, dtype=params_dtype))
@@ -175,7 +175,7 @@ class VocabParallelEmbedding(nn.Module):
         per_partition = divide(num_embeddings, world_size, "padded vocabulary size")
         self.vocab_start_index = rank * per_partition
         self.vocab_end_index = self.vocab_start_index + per_partition
-        self.weight = _sharded_master_weight((num_embeddings, embedding_dim), 0, 1, init_method, params_dtype)
+        self.weight = sharded_master_weight((num_embeddings, embedding_dim), 0, 1, init_method, params_dtype)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if state.get_tensor_model_parallel_world_size() == 1:

@@ -1,0 +1,110 @@
+"""Pretrain T5: `torchrun --nproc-per-node N -m megatron_train.pretrain_t5 <Megatron flags>`.
+
+The T5 pieces (encoder-decoder model, span-corruption datasets, decoder LM loss) plugged into the generic
+loop, as Megatron's pretrain_t5.py: `--encoder-num-layers` / `--decoder-num-layers`, `--encoder-seq-length` /
+`--decoder-seq-length`, `--vocab-extra-ids` sentinels, `--split-sentences` data and a WordPiece tokenizer.
+Tensor, sequence and data parallelism, the distributed optimizer, bf16/fp16 and recompute apply; pipeline
+parallelism is refused, as Megatron-Core's pretrain_t5 does.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import sys
+from collections.abc import Iterator
+
+import torch
+
+from megatron_train.arguments import MegatronConfig, parse_args
+from megatron_train.data.builder import build_masked_train_valid_test_datasets
+from megatron_train.data.t5_dataset import T5DatasetConfig
+from megatron_train.device import get_device
+from megatron_train.models.t5 import T5Model
+from megatron_train.parallel.schedules import LossFunc
+from megatron_train.pretrain_gpt import loss_func, padded_vocab_size_for
+from megatron_train.tokenizer import MegatronTokenizer, tokenizer_from_config
+from megatron_train.training.loop import get_batch, pretrain
+
+
+def model_provider(
+    config: MegatronConfig,
+    padded_vocab_size: int,
+    pre_process: bool = True,
+    post_process: bool = True,
+    vp_stage: int = 0,
+) -> T5Model:
+    """The whole T5 model on every rank (no pipeline stages, so `vp_stage` is always 0)."""
+    return T5Model(
+        config.model,
+        padded_vocab_size,
+        pre_process,
+        post_process,
+        sequence_parallel=config.parallel.sequence_parallel,
+        init_seed=config.training.seed if config.training.use_cpu_initialization else None,
+    )
+
+
+def forward_step(data_iterator: Iterator, model: torch.nn.Module) -> tuple[torch.Tensor, LossFunc]:
+    """Megatron's T5 forward step: per-token decoder LM losses [b, s_dec] and the loss function for them (GPT's:
+    their mean over the decoder tokens, `lm loss`).
+
+    The dataset's [enc, enc] mask is the outer product of the encoder's token mask with itself: its diagonal
+    is the encoder padding mask the model takes (the decoder is causal, its padding after its tokens)."""
+    batch = get_batch(data_iterator, get_device())
+    encoder_mask = batch["enc_mask"].diagonal(dim1=1, dim2=2)
+    output_tensor = model(batch["text_enc"], batch["text_dec"], encoder_mask, lm_labels=batch["labels"])
+    return output_tensor, functools.partial(loss_func, batch["loss_mask"])
+
+
+def datasets_provider(
+    config: MegatronConfig, tokenizer: MegatronTokenizer, num_samples: tuple[int, int, int]
+) -> tuple:
+    dataset_config = T5DatasetConfig(
+        seq_length=config.model.seq_length,
+        decoder_seq_length=config.model.decoder_seq_length,
+        seed=config.training.seed,
+        tokenizer=tokenizer,
+        masking_probability=config.data.mask_prob,
+        short_sequence_probability=config.data.short_seq_prob,
+    )
+    return build_masked_train_valid_test_datasets(config.data, dataset_config, num_samples)
+
+
+def check_t5_config(config: MegatronConfig) -> None:
+    """What pretrain_t5 refuses before starting, naming the flag."""
+    if config.parallel.pipeline_model_parallel_size > 1:
+        raise SystemExit(
+            f"pretrain_t5: --pipeline-model-parallel-size {config.parallel.pipeline_model_parallel_size}: T5's "
+            "encoder and decoder are not split across pipeline stages (Megatron-Core's pretrain_t5 refuses it "
+            "too); use --pipeline-model-parallel-size 1 with tensor, sequence and data parallelism"
+        )
+    if config.model.decoder_seq_length is None:
+        raise SystemExit(
+            "pretrain_t5: set --decoder-seq-length (the decoder's input length; Megatron's T5: 128)"
+        )
+    if config.training.calculate_per_token_loss:
+        raise SystemExit(
+            "pretrain_t5: --calculate-per-token-loss is GPT's; Megatron's T5 loss is per micro-batch"
+        )
+
+
+def main(argv: list[str] | None = None) -> None:
+    logging.basicConfig(level=logging.INFO, format="[%(asctime)s] %(levelname)s %(name)s: %(message)s")
+    config = parse_args(argv)
+    check_t5_config(config)
+    try:
+        tokenizer = tokenizer_from_config(config.tokenizer)
+    except ValueError as error:
+        raise SystemExit(f"pretrain_t5: {error}") from None
+    pretrain(
+        config,
+        model_provider,
+        functools.partial(datasets_provider, config, tokenizer),
+        forward_step,
+        padded_vocab_size_for(config, tokenizer),
+    )
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
