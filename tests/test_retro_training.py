@@ -9,6 +9,7 @@ import os
 
 import numpy as np
 import pytest
+import torch
 
 from megatron_train.arguments import parse_args
 from megatron_train.checkpointing import SavedCheckpoint
@@ -159,14 +160,14 @@ def runs(project, tmp_path_factory) -> dict[str, list[dict]]:
         "split": [*dropout, "--exit-interval", "3"],
         "split-resumed": dropout,
         "bf16": [*QUIET, "--bf16"],
-        "gpt": [
-            "--train-iters",
-            "3",
-        ],  # no --retro-add-retriever: the baseline, here a checkpoint to retro-fit
-    }
+        "gpt": ["--train-iters", "3"],  # no --retro-add-retriever: the baseline, here to retro-fit from
+        "retrofit": ["--load", str(tmp / "gpt"), "--finetune", "--retro-fit-freeze-decoder", "--train-iters", "3",
+                     "--save-interval", "1"],
+        "retrofit-unfrozen": ["--load", str(tmp / "gpt"), "--finetune", "--train-iters", "2"],
+    }  # fmt: skip
     saves = {name: str(tmp / name.removesuffix("-resumed")) for name in [*single, *LAYOUTS]}
     argvs = [retro_args(project, saves[name], *flags) for name, flags in single.items()]
-    argvs[-1].remove("--retro-add-retriever")
+    argvs[list(single).index("gpt")].remove("--retro-add-retriever")
     results = dict(zip(single, run_distributed(retro_worker, 1, argvs, timeout=600)[0], strict=True))
     pairs = {name: flags for name, (size, flags) in LAYOUTS.items() if size == 2}
     argvs = [
@@ -200,3 +201,28 @@ def test_the_gpt_baseline_trains_on_the_same_samples_without_retrieval(runs):
     metadata = SavedCheckpoint(glob.glob(os.path.join(runs["gpt-dir"], "iter_*"))[-1]).metadata
     assert metadata["model_type"] == "gpt" and len(_train(runs["gpt"])) == 3
     assert not metadata["args"]["retro"]["retro_add_retriever"]
+
+
+def _weights(save: str, iteration: int) -> dict[str, torch.Tensor]:
+    saved = SavedCheckpoint(os.path.join(save, f"iter_{iteration:07d}"))
+    return {name: saved.global_tensor(name, "model", saved.padded_vocab_size) for name in saved.params}
+
+
+def test_retro_fitting_starts_from_the_gpt_decoder_and_freezing_keeps_it(runs, project, tmp_path):
+    gpt = _weights(runs["gpt-dir"], 3)
+    frozen = {iteration: _weights(runs["retrofit-dir"], iteration) for iteration in (1, 3)}
+    unfrozen = _weights(runs["retrofit-unfrozen-dir"], 2)
+    retro_names = [name for name in frozen[3] if name not in gpt]
+    assert retro_names and all(
+        ".cross_attention." in n or ".pre_cross_attn_layernorm." in n for n in retro_names
+    )
+    assert set(gpt) <= set(frozen[3])
+    for name, tensor in gpt.items():  # the decoder keeps the GPT checkpoint's weights, bit for bit
+        assert torch.equal(frozen[3][name], tensor), name
+    moved = [name for name in retro_names if not torch.equal(frozen[1][name], frozen[3][name])]
+    assert len(moved) == len(retro_names)  # while every Retro weight trains
+    fc1 = "decoder.layers.0.mlp.linear_fc1.weight"
+    assert not torch.equal(unfrozen[fc1], gpt[fc1])  # without the flag the decoder trains too
+    assert [r["iteration"] for r in runs["retrofit"] if "split" not in r] == [1, 2, 3]  # --finetune: from 0
+    with pytest.raises(SystemExit, match="holds a GPT checkpoint .* pass --finetune to retro-fit"):
+        main([*retro_args(project, str(tmp_path)), "--load", runs["gpt-dir"]])
