@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import glob
 import os
+import signal
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -30,7 +33,7 @@ from tests.retro_project import (
     build_project,
     twin_documents,
 )
-from tests.test_training import read_metrics
+from tests.test_training import ROOT, read_marker, read_metrics
 
 QUIET = ["--hidden-dropout", "0.0", "--attention-dropout", "0.0", "--retro-encoder-hidden-dropout", "0.0",
          "--retro-encoder-attention-dropout", "0.0"]  # fmt: skip
@@ -41,6 +44,9 @@ def project(tmp_path_factory) -> str:
     directory = str(tmp_path_factory.mktemp("retro_project"))
     build_project(directory, twin_documents(100), train_samples=64, global_batch_size=4)
     return directory
+
+
+DROPOUT = ["--train-iters", "6", "--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
 
 
 def retro_args(project_dir: str, save: str, *extra: str) -> list[str]:
@@ -153,12 +159,11 @@ LAYOUTS = {  # name: (world size, flags); --use-cpu-initialization: every layout
 def runs(project, tmp_path_factory) -> dict[str, list[dict]]:
     """Every pretrain_retro run of this module, one process group per world size: name -> metrics."""
     tmp = tmp_path_factory.mktemp("retro_runs")
-    dropout = ["--train-iters", "6", "--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
     single = {
         "tp1": [*QUIET, "--use-cpu-initialization"],
-        "first": dropout,
-        "split": [*dropout, "--exit-interval", "3"],
-        "split-resumed": dropout,
+        "first": DROPOUT,
+        "split": [*DROPOUT, "--exit-interval", "3"],
+        "split-resumed": DROPOUT,
         "bf16": [*QUIET, "--bf16"],
         "gpt": ["--train-iters", "3"],  # no --retro-add-retriever: the baseline, here to retro-fit from
         "retrofit": ["--load", str(tmp / "gpt"), "--finetune", "--retro-fit-freeze-decoder", "--train-iters", "3",
@@ -189,6 +194,26 @@ def test_retro_resumes_bitwise(runs):
     assert len(reference) == 6 and len(set(reference)) == 6
     assert _train(runs["split"]) == reference[:3]
     assert _train(runs["split-resumed"]) == reference  # metrics.jsonl holds the whole history
+
+
+def test_retro_killed_mid_run_resumes_with_the_same_losses(runs, project, tmp_path):
+    """`python -m megatron_train.pretrain_retro` SIGKILLed after its iteration-4 checkpoint, then rerun: the losses
+    are bit for bit those of the uninterrupted run (dropout on: the RNG states resume too)."""
+    save = str(tmp_path / "killed")
+    argv = [sys.executable, "-m", "megatron_train.pretrain_retro",
+            *retro_args(project, save, *DROPOUT, "--save-interval", "2")]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
+    popen = dict(cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    with subprocess.Popen(argv, **popen) as proc:
+        for line in proc.stdout:
+            if line.startswith(" iteration        5/"):
+                proc.send_signal(signal.SIGKILL)
+                break
+        proc.communicate(timeout=120)
+    assert proc.returncode == -signal.SIGKILL and read_marker(save) == 4
+    finished = subprocess.run(argv, **popen, timeout=300)
+    assert finished.returncode == 0, finished.stdout
+    assert _train(read_metrics(save)) == _train(runs["first"])
 
 
 def test_retro_trains_in_bf16(runs):
