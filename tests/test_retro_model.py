@@ -171,13 +171,28 @@ def _tensor_parallel_worker(rank: int, world_size: int) -> dict[str, tuple[float
                 retro_grads,
             )
             state.destroy_model_parallel()
+    state.initialize_model_parallel(tensor_model_parallel_size=2)
+    dropout = dict(hidden_dropout=0.1, attention_dropout=0.1)
+    noisy = _retro_config(retro_encoder_hidden_dropout=0.1, retro_encoder_attention_dropout=0.1)
+    runs = []
+    for config in (
+        tiny_config(num_layers=6, seq_length=SEQ, **dropout),
+        tiny_config(num_layers=6, seq_length=SEQ, **dropout, **recompute),
+    ):
+        model_parallel_seed(99)
+        runs.append(_loss_and_grads(config, noisy, True))
+    (loss, grads), (recomputed_loss, recomputed_grads) = runs
+    grad_error = max(_relative_error(recomputed_grads[key], grads[key]) for key in grads)
+    results["sp_dropout_recompute"] = (_relative_error(recomputed_loss, loss), grad_error, True)
+    state.destroy_model_parallel()
     return results
 
 
 def test_retro_under_tensor_and_sequence_parallel_equals_one_process():
-    """Loss and every gradient (chunked cross-attention and encoder included) within 1e-5 of one process."""
+    """Loss and every gradient (chunked cross-attention and encoder included) within 1e-5 of one process; with
+    dropout under SP, full recompute replays the masks of the first forward (the encoder's included)."""
     results = run_distributed(_tensor_parallel_worker, 2)[0]
-    assert len(results) == 6
+    assert len(results) == 7
     for case, (loss_error, grad_error, retro_grads) in results.items():
         assert loss_error < 1e-5, case
         assert grad_error < 1e-5, case
