@@ -3,8 +3,8 @@
 The GPT data is NullTokenizer ids (--vocab-size 127, EOD 127); documents come in identical pairs of random
 tokens, so a chunk's nearest other-document neighbour is its twin and the twin's continuation holds the
 tokens that follow: Retro can copy them, a GPT cannot predict them. The index is exact (`IndexFlatL2`) over a
-bag-of-tokens embedding; the chunk database, neighbour query and config.json are `retro.db`, `retro.query`
-and `retro.project` (docs/architecture.md, Retro preprocessing).
+bag-of-tokens embedding, saved where generation with retrieval reads it; the chunk database, neighbour query
+and config.json are `retro.db`, `retro.query` and `retro.project` (docs/architecture.md, Retro preprocessing).
 """
 
 from __future__ import annotations
@@ -19,8 +19,9 @@ from megatron_train.tokenizer.bert import BertWordPieceTokenizer
 from megatron_train.tokenizer.null import NullTokenizer
 from retro.config import ChunkDatabaseConfig, QueryConfig
 from retro.db import build_chunk_database
-from retro.project import DATA_DIR, RetroProject, db_dir
+from retro.project import DATA_DIR, RetroProject, db_dir, index_path
 from retro.query import query_pretraining_neighbours
+from storage.atomic import atomic_path
 from tests.retro_corpus import write_corpus
 from tests.wordpiece_corpus import write_vocab
 
@@ -95,6 +96,9 @@ def build_project(
     )
     index = faiss.IndexFlatL2(EMBED_DIM)
     index.add(bag_of_tokens(db.chunk_texts(range(len(db)), gpt_tokenizer)))
+    os.makedirs(os.path.dirname(index_path(project_dir)), exist_ok=True)
+    with atomic_path(index_path(project_dir)) as tmp:
+        faiss.write_index(index, tmp)
     data = DataConfig(
         data_path=project.data_path(project_dir),
         split=split,

@@ -1,6 +1,6 @@
 """pretrain_retro on a Retro project: RetroDataset samples, the project's settings, layouts (TP=2 + SP, DP=2 +
 distributed optimizer) equal to one process, bitwise resume, bf16, retro-fitting a GPT checkpoint with the
-decoder frozen, and Retro beating the GPT baseline on text whose continuation the database holds."""
+decoder frozen, and generation with retrieval from a saved Retro checkpoint."""
 
 from __future__ import annotations
 
@@ -15,14 +15,16 @@ import pytest
 import torch
 
 from megatron_train.arguments import parse_args
-from megatron_train.checkpointing import SavedCheckpoint
+from megatron_train.checkpointing import SavedCheckpoint, load_model_for_inference
 from megatron_train.data import DataConfig, build_train_valid_test_datasets
 from megatron_train.data.retro_dataset import RetroDataset
+from megatron_train.models.retro import RetroModel
 from megatron_train.pretrain_retro import datasets_provider, main, with_project_settings
 from megatron_train.tokenizer.null import NullTokenizer
 from retro.db import ChunkDatabase
 from retro.project import db_dir
 from retro.query import load_neighbours
+from retro.retrieval import Retriever, generate_with_retrieval, sequence_chunks
 from tests.distributed import run_distributed
 from tests.retro_project import (
     CHUNK_LENGTH,
@@ -30,6 +32,7 @@ from tests.retro_project import (
     NUM_SAVED_NEIGHBOURS,
     SEQ_LENGTH,
     VOCAB_SIZE,
+    bag_of_tokens,
     build_project,
     twin_documents,
 )
@@ -251,3 +254,35 @@ def test_retro_fitting_starts_from_the_gpt_decoder_and_freezing_keeps_it(runs, p
     assert [r["iteration"] for r in runs["retrofit"] if "split" not in r] == [1, 2, 3]  # --finetune: from 0
     with pytest.raises(SystemExit, match="holds a GPT checkpoint .* pass --finetune to retro-fit"):
         main([*retro_args(project, str(tmp_path)), "--load", runs["gpt-dir"]])
+
+
+def test_retrieval_cuts_text_into_the_models_chunks():
+    assert sequence_chunks(8, 4) == [(0, 4), (4, 8)]
+    assert sequence_chunks(10, 4) == [(0, 2), (2, 6), (6, 10)]  # the last chunk ends at the newest token
+    assert sequence_chunks(3, 4) == [(0, 3)]
+
+
+def test_generation_retrieves_for_the_text_so_far_from_a_saved_retro_checkpoint(runs, project):
+    model, config = load_model_for_inference(runs["tp1-dir"], device="cpu")
+    assert isinstance(model, RetroModel) and config.retro.retro_chunk_length == CHUNK_LENGTH
+    tokenizer = NullTokenizer(VOCAB_SIZE)
+    retriever = Retriever.from_project(project, model, bag_of_tokens, tokenizer, nprobe=1, ef_search=1)
+    db = ChunkDatabase(db_dir(project))
+    document = next(d for d in map(db.datasets[0].get, range(50)) if len(d) > 2 * CHUNK_LENGTH)
+    prompt = document[: 2 * CHUNK_LENGTH].tolist()  # the document's first two database chunks
+    ids = retriever.neighbour_ids(prompt)
+    assert ids.shape == (2, 2)
+    for chunk, found in enumerate(ids):  # found as itself or as its twin: the same tokens
+        np.testing.assert_array_equal(
+            db.chunk_tokens(int(found[0])), prompt[chunk * CHUNK_LENGTH :][:CHUNK_LENGTH]
+        )
+    prompt = document[: 2 * CHUNK_LENGTH + 1].tolist()  # chunks [0, 1), [1, 5), [5, 9)
+    neighbours = retriever(prompt)
+    assert neighbours.shape == (3, 2, 2 * CHUNK_LENGTH)
+    generated = generate_with_retrieval(model, retriever, prompt, 4)
+    assert 1 <= len(generated) <= 4
+    text = prompt + generated[:1]
+    logits = model(torch.tensor([prompt]), neighbor_tokens=torch.as_tensor(neighbours)[None])
+    assert (
+        int(logits[0, -1].argmax()) == text[-1]
+    )  # the first token is the model's choice given the retrieval

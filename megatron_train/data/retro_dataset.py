@@ -76,18 +76,21 @@ class RetroDataset(torch.utils.data.Dataset):
     def __getitem__(self, idx: int) -> dict[str, np.ndarray]:
         first = idx * self.chunks_per_sample
         ids = self.neighbours[first : first + self.chunks_per_sample, : self.num_neighbors]
-        return {**self.gpt_dataset[idx], "neighbor_tokens": self.neighbor_tokens(ids)}
+        tokens = neighbor_tokens(self.db, ids, self.chunk_length, self.num_retrieved_chunks, self.eod)
+        return {**self.gpt_dataset[idx], "neighbor_tokens": tokens}
 
-    def neighbor_tokens(self, neighbour_ids: np.ndarray) -> np.ndarray:
-        """int64 [..., r] tokens of neighbour ids [...] (-1: EOD only)."""
-        length = self.num_retrieved_chunks * self.chunk_length
-        tokens = np.full((*neighbour_ids.shape, length), self.eod, dtype=np.int64)
-        for position in np.ndindex(neighbour_ids.shape):
-            neighbour = int(neighbour_ids[position])
-            if neighbour < 0:
-                continue
-            for i in range(self.num_retrieved_chunks):
-                chunk = self.db.chunk_tokens((neighbour + i) % len(self.db))
-                start = i * self.chunk_length
-                tokens[position][start : start + len(chunk)] = chunk
-        return tokens
+
+def neighbor_tokens(
+    db: ChunkDatabase, neighbour_ids: np.ndarray, chunk_length: int, num_retrieved_chunks: int, eod: int
+) -> np.ndarray:
+    """int64 [..., num_retrieved_chunks * chunk_length]: the tokens of each neighbour id in [...] and its
+    continuation (see the module doc); -1 gives EOD tokens only."""
+    tokens = np.full((*neighbour_ids.shape, num_retrieved_chunks * chunk_length), eod, dtype=np.int64)
+    for position in np.ndindex(neighbour_ids.shape):
+        neighbour = int(neighbour_ids[position])
+        if neighbour < 0:
+            continue
+        for i in range(num_retrieved_chunks):
+            chunk = db.chunk_tokens((neighbour + i) % len(db))
+            tokens[position][i * chunk_length : i * chunk_length + len(chunk)] = chunk
+    return tokens
