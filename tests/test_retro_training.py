@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_train.arguments import parse_args
+from megatron_train.arguments import config_to_argv, parse_args
 from megatron_train.checkpointing import SavedCheckpoint, load_model_for_inference
 from megatron_train.data import DataConfig, build_train_valid_test_datasets
 from megatron_train.data.retro_dataset import RetroDataset
@@ -132,6 +132,16 @@ def test_the_project_fixes_the_data_settings(project, tmp_path):
     assert with_project_settings(
         [*retro_args(project, str(tmp_path)), "--seq-length", "16"]
     )  # repeating: fine
+    retro_flags = [
+        "--retro-fit-freeze-decoder",
+        "--retro-no-verify-neighbor-count",
+        "--retro-num-neighbors",
+        "3",
+    ]
+    config = parse_args(with_project_settings([*retro_args(project, str(tmp_path)), *retro_flags]), 1)
+    assert config.retro.retro_fit_freeze_decoder and not config.retro.retro_verify_neighbor_count
+    assert (config.retro.retro_num_neighbors, config.retro.retro_chunk_length) == (3, CHUNK_LENGTH)
+    assert parse_args(config_to_argv(config), 1) == config  # how the pretrain stage launches a run
     for flag, value in (("--seq-length", "32"), ("--retro-chunk-length", "8"), ("--seed", "8"),
                         ("--data-path", str(tmp_path / "other"))):  # fmt: skip
         with pytest.raises(ValueError, match=f"{flag} .* differs from the Retro project's"):
