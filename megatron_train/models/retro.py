@@ -41,6 +41,7 @@ from torch import nn
 from megatron_train.models.config import TransformerConfig
 from megatron_train.models.cross_attention import CrossAttention
 from megatron_train.models.gpt import GPTModel
+from megatron_train.models.kv_cache import KVCache
 from megatron_train.models.retro_config import RetroConfig
 from megatron_train.models.rotary import RotaryEmbedding
 from megatron_train.models.transformer import TransformerBlock
@@ -269,7 +270,7 @@ class RetroModel(GPTModel):
         position_ids: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
         neighbor_tokens: torch.Tensor | None = None,
-        kv_cache: None = None,
+        kv_cache: KVCache | None = None,
     ) -> torch.Tensor:
         if kv_cache is not None:
             raise ValueError("RetroModel has no KV cache: generate by running the whole sequence each step")
