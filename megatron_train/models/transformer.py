@@ -382,7 +382,8 @@ class TransformerBlock(nn.Module):
         context_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """`attention_mask`: bool [b, 1, 1, s], True on the keys to attend (bidirectional); None: causal.
-        `context` [s_k, b, h] and `context_mask` [b, 1, 1, s_k] feed the layers' cross-attention."""
+        `context` [s_k, b, h] and `context_mask` [b, 1, 1, s_k] feed the layers' cross-attention; a layer may
+        hand the layers after it another context (see `TransformerLayer`)."""
         # Sequence-parallel shards differ across TP ranks, so their dropout draws from the tracked stream.
         rng = get_rng_tracker().fork() if self.sequence_parallel else contextlib.nullcontext()
         with rng:
