@@ -188,6 +188,9 @@ def runs(project, tmp_path_factory) -> dict[str, list[dict]]:
     argvs[list(single).index("gpt")].remove("--retro-add-retriever")
     results = dict(zip(single, run_distributed(retro_worker, 1, argvs, timeout=600)[0], strict=True))
     pairs = {name: flags for name, (size, flags) in LAYOUTS.items() if size == 2}
+    # the TP=1 GPT checkpoint retro-fitted at TP=2 + SP: its weights resharded, the decoder frozen
+    pairs["retrofit-tp2-sp"] = [*LAYOUTS["tp2-sp"][1], *single["retrofit"][:4], "--train-iters", "2"]
+    saves["retrofit-tp2-sp"] = str(tmp / "retrofit-tp2-sp")
     argvs = [
         retro_args(project, saves[name], *QUIET, "--use-cpu-initialization", *f) for name, f in pairs.items()
     ]
@@ -247,8 +250,10 @@ def _weights(save: str, iteration: int) -> dict[str, torch.Tensor]:
 
 
 def test_retro_fitting_starts_from_the_gpt_decoder_and_freezing_keeps_it(runs, project, tmp_path):
+    """Also when the TP=1 GPT checkpoint is retro-fitted at TP=2 with sequence parallelism."""
     gpt = _weights(runs["gpt-dir"], 3)
     frozen = {iteration: _weights(runs["retrofit-dir"], iteration) for iteration in (1, 3)}
+    frozen_tp2 = _weights(runs["retrofit-tp2-sp-dir"], 2)
     unfrozen = _weights(runs["retrofit-unfrozen-dir"], 2)
     retro_names = [name for name in frozen[3] if name not in gpt]
     assert retro_names and all(
@@ -257,6 +262,7 @@ def test_retro_fitting_starts_from_the_gpt_decoder_and_freezing_keeps_it(runs, p
     assert set(gpt) <= set(frozen[3])
     for name, tensor in gpt.items():  # the decoder keeps the GPT checkpoint's weights, bit for bit
         assert torch.equal(frozen[3][name], tensor), name
+        assert torch.equal(frozen_tp2[name][: len(tensor)], tensor), name  # TP=2 pads the vocabulary further
     moved = [name for name in retro_names if not torch.equal(frozen[1][name], frozen[3][name])]
     assert len(moved) == len(retro_names)  # while every Retro weight trains
     fc1 = "decoder.layers.0.mlp.linear_fc1.weight"
