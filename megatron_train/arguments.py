@@ -21,6 +21,7 @@ import torch
 
 from megatron_train.data.config import DataConfig
 from megatron_train.models.config import TransformerConfig
+from megatron_train.models.retro_config import RetroConfig
 from megatron_train.parallel.config import ParallelConfig
 from megatron_train.training.config import (
     CheckpointConfig,
@@ -46,6 +47,7 @@ class MegatronConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     compat: CompatibilityConfig = field(default_factory=CompatibilityConfig)
+    retro: RetroConfig = field(default_factory=RetroConfig)
 
 
 SECTIONS: dict[str, type] = {
@@ -58,6 +60,7 @@ SECTIONS: dict[str, type] = {
     "logging": LoggingConfig,
     "tokenizer": TokenizerConfig,
     "compat": CompatibilityConfig,
+    "retro": RetroConfig,
 }
 
 # What each accepted-only flag means here; parse_args logs the line of every one the command line gives.

@@ -17,6 +17,7 @@ from megatron_train.checkpointing.saved import SavedCheckpoint
 from megatron_train.device import get_device
 from megatron_train.models.bert import bert_model_provider
 from megatron_train.models.gpt import GPTModel
+from megatron_train.models.retro import RetroModel
 from megatron_train.models.t5 import T5Model
 from megatron_train.parallel import state
 from megatron_train.tokenizer import vocab_size_with_padding
@@ -34,15 +35,18 @@ def build_saved_model(
         )
     if kind == "t5":
         return T5Model(config.model, padded_vocab_size)
+    if kind == "retro":
+        return RetroModel(config.model, config.retro, padded_vocab_size)
     raise CheckpointError(
-        f"checkpoint {where} records model_type {kind!r}; this version builds 'gpt', 'bert' and 't5'"
+        f"checkpoint {where} records model_type {kind!r}; this version builds 'gpt', 'bert', 't5' and 'retro'"
     )
 
 
 def load_model_for_inference(
     load_dir: str, iteration: int | None = None, device: torch.device | str | None = None
 ) -> tuple[torch.nn.Module, MegatronConfig]:
-    """The saved model (GPTModel, BertModel or T5Model, as the checkpoint records) in eval mode with the checkpoint's weights, and the config it was trained with.
+    """The saved model (GPTModel, BertModel, T5Model or RetroModel, as the checkpoint records) in eval mode
+    with the checkpoint's weights, and the config it was trained with.
 
     Single process: the TP shards and PP stages of any saved layout are merged into one model; every file is
     verified against its recorded hash, so a damaged checkpoint fails naming the file.

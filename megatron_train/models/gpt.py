@@ -183,6 +183,8 @@ class GPTModel(LanguageModule):
     `set_input_tensor`. `sequence_parallel` is `--sequence-parallel`; `vp_stage` the model chunk this is of
     the rank's stage under the interleaved schedule (it picks the layers). `init_seed` (--use-cpu-initialization)
     draws each part's weights from its own stream of that seed, the same full weights under every layout.
+    `cross_attention_for(global layer number)` gives layers a cross-attention module (Retro's chunked
+    cross-attention), which attends to the `context` passed to forward.
     """
 
     model_type = "gpt"  # recorded in checkpoints (checkpointing.save)
@@ -197,6 +199,7 @@ class GPTModel(LanguageModule):
         sequence_parallel: bool = False,
         init_seed: int | None = None,
         vp_stage: int = 0,
+        cross_attention_for: Callable[[int], nn.Module | None] | None = None,
     ) -> None:
         super().__init__()
         if config.position_embedding_type == "relative":
@@ -220,7 +223,9 @@ class GPTModel(LanguageModule):
                 config.rotary_base,
                 config.rope_scaling_factor if config.use_rope_scaling else None,
             )
-        self.decoder = TransformerBlock(config, sequence_parallel, post_process, init_seed, vp_stage)
+        self.decoder = TransformerBlock(
+            config, sequence_parallel, post_process, init_seed, vp_stage, cross_attention_for
+        )
         self.output_layer = (
             build_output_layer(config, vocab_size, pre_process, sequence_parallel, init_seed)
             if post_process
@@ -239,11 +244,14 @@ class GPTModel(LanguageModule):
         position_ids: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
         kv_cache: KVCache | None = None,
+        context: torch.Tensor | None = None,
+        context_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Per-token fp32 loss [b, s] with labels; else logits [b, s, vocab] (gathered across TP).
 
         A stage without post_process returns its hidden states [s, b, h] (the next stage's input).
         With a KV cache, input_ids are the new tokens only; positions continue from the cache's offset.
+        `context` / `context_mask` go to the layers' cross-attention (Megatron-Core's extra_block_kwargs).
         """
         batch, seq = input_ids.shape
         offset = 0 if kv_cache is None else kv_cache.seq_len_offset
@@ -263,7 +271,7 @@ class GPTModel(LanguageModule):
         else:
             hidden = self.decoder.input_tensor
         rotary = None if self.rotary_pos_emb is None else self.rotary_pos_emb(position_ids)
-        hidden = self.decoder(hidden, rotary, kv_cache)
+        hidden = self.decoder(hidden, rotary, kv_cache, context=context, context_mask=context_mask)
         if kv_cache is not None:
             kv_cache.seq_len_offset += seq
         if not self.post_process:

@@ -281,6 +281,9 @@ class TransformerLayer(nn.Module):
     norm(x + dropout(mlp(x))), its norms named `post_attention_layernorm` and `post_mlp_layernorm`.
     A `cross_attention` module (T5's decoder, Retro's chunked cross-attention) adds a third residual between
     the two, over the `context` passed to forward: x + dropout(cross(norm(x), context)) (post-LN: norm after).
+    Forward returns (hidden, context) as Megatron-Core's layer: a cross-attention module may return
+    (output, new context), which the following layers then get (Retro's first chunked cross-attention layer
+    hands on its encoder's output); otherwise the context passes through unchanged.
     """
 
     def __init__(
@@ -316,20 +319,26 @@ class TransformerLayer(nn.Module):
         attention_mask: torch.Tensor | None = None,
         context: torch.Tensor | None = None,
         context_mask: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self.post_ln:
             attention = self.self_attention(hidden, rotary, kv_cache, attention_mask)
             hidden = self.post_attention_layernorm(hidden + self.hidden_dropout(attention))
             if self.cross_attention is not None:
-                cross = self.cross_attention(hidden, context, context_mask)
+                cross, context = self._cross_attend(hidden, context, context_mask)
                 hidden = self.post_cross_attn_layernorm(hidden + self.hidden_dropout(cross))
-            return self.post_mlp_layernorm(hidden + self.hidden_dropout(self.mlp(hidden)))
+            return self.post_mlp_layernorm(hidden + self.hidden_dropout(self.mlp(hidden))), context
         attention = self.self_attention(self.input_layernorm(hidden), rotary, kv_cache, attention_mask)
         hidden = hidden + self.hidden_dropout(attention)
         if self.cross_attention is not None:
-            cross = self.cross_attention(self.pre_cross_attn_layernorm(hidden), context, context_mask)
+            cross, context = self._cross_attend(self.pre_cross_attn_layernorm(hidden), context, context_mask)
             hidden = hidden + self.hidden_dropout(cross)
-        return hidden + self.hidden_dropout(self.mlp(self.pre_mlp_layernorm(hidden)))
+        return hidden + self.hidden_dropout(self.mlp(self.pre_mlp_layernorm(hidden))), context
+
+    def _cross_attend(
+        self, hidden: torch.Tensor, context: torch.Tensor | None, context_mask: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        output = self.cross_attention(hidden, context, context_mask)
+        return output if isinstance(output, tuple) else (output, context)
 
 
 class TransformerBlock(nn.Module):
@@ -381,7 +390,8 @@ class TransformerBlock(nn.Module):
         context_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """`attention_mask`: bool [b, 1, 1, s], True on the keys to attend (bidirectional); None: causal.
-        `context` [s_k, b, h] and `context_mask` [b, 1, 1, s_k] feed the layers' cross-attention."""
+        `context` [s_k, b, h] and `context_mask` [b, 1, 1, s_k] feed the layers' cross-attention; a layer may
+        hand the layers after it another context (see `TransformerLayer`)."""
         # Sequence-parallel shards differ across TP ranks, so their dropout draws from the tracked stream.
         rng = get_rng_tracker().fork() if self.sequence_parallel else contextlib.nullcontext()
         with rng:
@@ -392,7 +402,7 @@ class TransformerBlock(nn.Module):
                 hidden = self._forward_with_recompute(hidden, rotary, attention_mask, context, context_mask)
             else:
                 for layer in self.layers:
-                    hidden = layer(hidden, rotary, kv_cache, attention_mask, context, context_mask)
+                    hidden, context = layer(hidden, rotary, kv_cache, attention_mask, context, context_mask)
         return hidden if self.final_layernorm is None else self.final_layernorm(hidden)
 
     def _forward_with_recompute(
@@ -410,9 +420,11 @@ class TransformerBlock(nn.Module):
         for start in range(0, len(self.layers), step):
             layers = self.layers[start : start + step]
             if self.config.recompute_method == "block" and start >= self.config.recompute_num_layers:
-                hidden = self._run_layers(layers, hidden, cos, sin, attention_mask, context, context_mask)
+                hidden, context = self._run_layers(
+                    layers, hidden, cos, sin, attention_mask, context, context_mask
+                )
             else:
-                hidden = checkpoint(
+                hidden, context = checkpoint(
                     self._run_layers, layers, hidden, cos, sin, attention_mask, context, context_mask
                 )
         return hidden
@@ -426,8 +438,8 @@ class TransformerBlock(nn.Module):
         attention_mask: torch.Tensor | None = None,
         context: torch.Tensor | None = None,
         context_mask: torch.Tensor | None = None,
-    ):
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         rotary = None if cos is None else (cos, sin)
         for layer in layers:
-            hidden = layer(hidden, rotary, None, attention_mask, context, context_mask)
-        return hidden
+            hidden, context = layer(hidden, rotary, None, attention_mask, context, context_mask)
+        return hidden, context

@@ -44,6 +44,7 @@ class RNGStatesTracker:
 
     def __init__(self) -> None:
         self.states: dict[str, torch.Tensor] = {}
+        self._running: set[str] = set()  # streams a fork() is on now
 
     def reset(self) -> None:
         self.states = {}
@@ -65,16 +66,23 @@ class RNGStatesTracker:
     @contextlib.contextmanager
     def fork(self, name: str = MODEL_PARALLEL_RNG) -> Iterator[None]:
         """Run the block on stream `name`, then restore the outer stream. The default stream, when never
-        seeded, is seeded from `torch.initial_seed()` as `model_parallel_seed` would."""
+        seeded, is seeded from `torch.initial_seed()` as `model_parallel_seed` would. A fork inside a fork of
+        the same stream (a sequence-parallel block inside another: Retro's encoder) continues that stream
+        instead of replaying it from the outer fork's start."""
+        if name in self._running:
+            yield
+            return
         if name not in self.states:
             if name != MODEL_PARALLEL_RNG:
                 raise KeyError(f"RNG state {name!r} was never added to the tracker")
             self.add(name, _tensor_parallel_seed(torch.initial_seed()))
         outer = _get_state()
         _set_state(self.states[name])
+        self._running.add(name)
         try:
             yield
         finally:
+            self._running.discard(name)
             self.states[name] = _get_state()
             _set_state(outer)
 
@@ -123,17 +131,20 @@ _INIT_STREAM_BITS = 20  # streams per seed: seeds 7 and 8 share no stream
 
 def checkpoint(function: Callable[..., Any], *args: Any) -> Any:
     """Activation checkpointing (torch.utils.checkpoint, use_reentrant=False) that also replays the tracked
-    RNG streams, so dropout inside `fork()` draws the same masks when the block is recomputed."""
-    saved = _TRACKER.get_states()
+    RNG streams, so dropout inside `fork()` draws the same masks when the block is recomputed (forks that
+    were running when the block was first run are running again while it is recomputed)."""
+    saved, running = _TRACKER.get_states(), set(_TRACKER._running)
 
     @contextlib.contextmanager
     def replay_tracked_states() -> Iterator[None]:
-        current = _TRACKER.get_states()
+        current, current_running = _TRACKER.get_states(), _TRACKER._running
         _TRACKER.set_states(saved)
+        _TRACKER._running = set(running)
         try:
             yield
         finally:
             _TRACKER.set_states(current)
+            _TRACKER._running = current_running
 
     return torch.utils.checkpoint.checkpoint(
         function,

@@ -1,0 +1,280 @@
+"""Pretrain Retro: `torchrun --nproc-per-node N -m megatron_train.pretrain_retro --retro-project-dir DIR
+--retro-add-retriever <Megatron flags>`, as Megatron's pretrain_retro.py.
+
+The project directory (`retro.project`) fixes what the neighbours were queried for: sequence length, chunk
+length, data blend, split, seed and GPT tokenizer come from its config.json (a flag that disagrees is an
+error naming it), and the sample counts (--train-samples, --global-batch-size, --eval-interval, --eval-iters)
+default to the project's. The datasets are built with the project's sample counts, so sample i is the one whose
+chunks have neighbour rows i * l .. i * l + l - 1. Without --retro-add-retriever the same samples train a
+plain GPT (Megatron's baseline).
+
+Retro-fitting: `--load <GPT checkpoint> --finetune` starts the Retro model from a GPT checkpoint of the same
+decoder (its weights map one to one; the chunked cross-attention and the encoder start freshly initialised);
+`--retro-fit-freeze-decoder` then trains only those. TP, SP, DP, the distributed optimizer, mixed precision and
+recompute work as for GPT; pipeline parallelism is refused, as Megatron did. This is the one training entry
+point that reads a Retro project (`retro.project`, `retro.db`, `retro.query`); see docs/architecture.md.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from megatron_train.arguments import MegatronConfig, build_parser, parse_args
+from megatron_train.checkpointing import (
+    CheckpointError,
+    SavedCheckpoint,
+    check_compatible,
+    resolve_iteration_dir,
+)
+from megatron_train.checkpointing.names import global_names, saved_model_type
+from megatron_train.data.builder import build_train_valid_test_datasets
+from megatron_train.data.retro_dataset import RetroDataset
+from megatron_train.device import get_device
+from megatron_train.models.retro import RetroModel, is_retro_parameter
+from megatron_train.parallel import state
+from megatron_train.parallel.schedules import LossFunc
+from megatron_train.pretrain_gpt import gpt_model_provider, loss_func, padded_vocab_size_for
+from megatron_train.tokenizer import MegatronTokenizer, tokenizer_from_config
+from megatron_train.training.loop import get_batch, pretrain
+from retro.db import ChunkDatabase
+from retro.project import RetroProject, db_dir
+from retro.query import SPLIT_NAMES, load_neighbours
+
+logger = logging.getLogger(__name__)
+
+# Settings the neighbours were queried for: taken from the project; a flag may only repeat them.
+FIXED_FLAGS = {
+    "seq_length": "--seq-length",
+    "retro_chunk_length": "--retro-chunk-length",
+    "data_path": "--data-path",
+    "split": "--split",
+    "seed": "--seed",
+    "tokenizer_type": "--tokenizer-type",
+    "vocab_file": "--vocab-file",
+    "merge_file": "--merge-file",
+    "tokenizer_model": "--tokenizer-model",
+}
+# The project's defaults for the run's length and evaluation (a flag may change them within the queried samples).
+DEFAULT_FLAGS = {
+    "train_samples": "--train-samples",
+    "global_batch_size": "--global-batch-size",
+    "eval_interval": "--eval-interval",
+    "eval_iters": "--eval-iters",
+    "data_cache_path": "--data-cache-path",
+}
+PATH_SETTINGS = ("vocab_file", "merge_file", "tokenizer_model", "data_cache_path")
+
+
+def project_settings(project: RetroProject, project_dir: str) -> dict[str, Any]:
+    """The flag values (by dest) a Retro project implies (Megatron's `load_retro_args`)."""
+    return {
+        "seq_length": project.retro_gpt_seq_length,
+        "retro_chunk_length": project.retro_gpt_chunk_length,
+        "data_path": project.data_path(project_dir),
+        "split": project.retro_gpt_split,
+        "seed": project.retro_gpt_seed,
+        "tokenizer_type": project.retro_gpt_tokenizer_type,
+        "vocab_file": project.path(project_dir, project.retro_gpt_vocab_file),
+        "merge_file": project.path(project_dir, project.retro_gpt_merge_file),
+        "tokenizer_model": project.path(project_dir, project.retro_gpt_tokenizer_model),
+        "train_samples": project.retro_gpt_train_samples,
+        "global_batch_size": project.retro_gpt_global_batch_size,
+        "eval_interval": project.retro_gpt_eval_interval,
+        "eval_iters": project.retro_gpt_eval_iters,
+        "data_cache_path": project.retro_gpt_data_cache_path,
+    }
+
+
+def _normalised(dest: str, value: Any) -> Any:
+    if value is None:
+        return None
+    if dest in PATH_SETTINGS:
+        return os.path.realpath(value)
+    if dest == "data_path":  # weights as numbers, prefixes as real paths
+        return [float(v) if v.replace(".", "", 1).isdigit() else os.path.realpath(v) for v in value]
+    return value
+
+
+def with_project_settings(argv: list[str]) -> list[str]:
+    """`argv` plus the flags its --retro-project-dir implies; a flag that contradicts the project is an error."""
+    given = vars(build_parser().parse_args(argv))
+    project_dir = given.get("retro_project_dir")
+    if project_dir is None:
+        raise ValueError(
+            "give --retro-project-dir: the Retro project (config.json, data, neighbours) to train on"
+        )
+    settings = project_settings(RetroProject.load(project_dir), project_dir)
+    for dest, flag in FIXED_FLAGS.items():
+        if dest in given and _normalised(dest, given[dest]) != _normalised(dest, settings[dest]):
+            raise ValueError(
+                f"{flag} {given[dest]} differs from the Retro project's {settings[dest]} "
+                f"({os.path.join(project_dir, 'config.json')}): the neighbours were queried for the project's "
+                f"setting; drop {flag}"
+            )
+    if "mock_data" in given or any(f"{split}_data_path" in given for split in ("train", "valid", "test")):
+        raise ValueError(
+            "pretrain_retro trains on the Retro project's --data-path blend: drop --mock-data and the "
+            "per-split --*-data-path flags"
+        )
+    if "train_iters" in given:
+        settings.pop("train_samples")
+    extra: list[str] = []
+    for dest, flag in {**FIXED_FLAGS, **DEFAULT_FLAGS}.items():
+        value = settings.get(dest)
+        if dest not in given and value is not None:
+            extra += [flag, *(str(v) for v in value)] if isinstance(value, list) else [flag, str(value)]
+    return [*argv, *extra]
+
+
+def retro_model_provider(
+    config: MegatronConfig,
+    padded_vocab_size: int,
+    pre_process: bool = True,
+    post_process: bool = True,
+    vp_stage: int = 0,
+    gpt_checkpoint: str | None = None,
+) -> torch.nn.Module:
+    """The Retro model (or, without --retro-add-retriever, the GPT baseline); retro-fitted from
+    `gpt_checkpoint` when given, its decoder frozen with --retro-fit-freeze-decoder."""
+    if not config.retro.retro_add_retriever:
+        return gpt_model_provider(config, padded_vocab_size, pre_process, post_process, vp_stage)
+    model = RetroModel(
+        config.model,
+        config.retro,
+        padded_vocab_size,
+        pre_process,
+        post_process,
+        sequence_parallel=config.parallel.sequence_parallel,
+        init_seed=config.training.seed if config.training.use_cpu_initialization else None,
+        vp_stage=vp_stage,
+    )
+    if gpt_checkpoint is not None:
+        load_gpt_decoder(model, config, padded_vocab_size, gpt_checkpoint)
+    if config.retro.retro_fit_freeze_decoder:
+        for name, param in model.named_parameters():
+            param.requires_grad = is_retro_parameter(name)
+    return model
+
+
+def load_gpt_decoder(
+    model: RetroModel, config: MegatronConfig, padded_vocab_size: int, iteration_dir: str
+) -> None:
+    """Retro-fitting: the GPT checkpoint's weights into every parameter of the same name (embedding, decoder
+    layers, final norm, output layer), resharded to this rank's TP slice; the Retro parameters keep their init."""
+    saved = SavedCheckpoint(iteration_dir)
+    check_compatible(saved.metadata, config, padded_vocab_size, iteration_dir)
+    tp_size, tp_rank = state.get_tensor_model_parallel_world_size(), state.get_tensor_model_parallel_rank()
+    weights = {
+        local: saved.tensor_for(name, "model", tp_size, tp_rank, padded_vocab_size)
+        for local, name in global_names(model, config).items()
+        if not is_retro_parameter(local)
+    }
+    missing = model.load_state_dict(weights, strict=False).missing_keys
+    logger.info("retro-fitting from %s: %d GPT tensors loaded, %d Retro tensors initialised", iteration_dir,
+                len(weights), len(missing))  # fmt: skip
+
+
+def gpt_checkpoint_to_retrofit(config: MegatronConfig) -> str | None:
+    """The GPT checkpoint `--load` names when it is one (retro-fitting), else None (a Retro run to resume)."""
+    ckpt = config.checkpoint
+    if not config.retro.retro_add_retriever or ckpt.load is None:
+        return None
+    iteration_dir = resolve_iteration_dir(ckpt.load, ckpt.ckpt_step)
+    if iteration_dir is None or saved_model_type(SavedCheckpoint(iteration_dir).metadata) != "gpt":
+        return None
+    if not ckpt.finetune:
+        raise CheckpointError(
+            f"--load {ckpt.load} holds a GPT checkpoint ({iteration_dir}): pass --finetune to retro-fit from "
+            "it (Retro weights start fresh, iterations from 0), or --load a Retro checkpoint to resume"
+        )
+    return iteration_dir
+
+
+def forward_step(
+    data_iterator: Iterator, model: torch.nn.Module, per_token_loss: bool = False
+) -> tuple[torch.Tensor, LossFunc]:
+    """GPT's forward step with the sample's neighbour tokens when the batch has them (Retro)."""
+    batch = get_batch(data_iterator, get_device())
+    neighbours = {"neighbor_tokens": batch["neighbor_tokens"]} if "neighbor_tokens" in batch else {}
+    output_tensor = model(batch["tokens"], batch["position_ids"], labels=batch["labels"], **neighbours)
+    return output_tensor, functools.partial(loss_func, batch["loss_mask"], per_token_loss=per_token_loss)
+
+
+def datasets_provider(
+    config: MegatronConfig, tokenizer: MegatronTokenizer, num_samples: tuple[int, int, int]
+) -> tuple:
+    """The GPT datasets of the project's sample counts, wrapped as RetroDatasets with --retro-add-retriever."""
+    project_dir = config.retro.retro_project_dir
+    project = RetroProject.load(project_dir)
+    queried = project.num_samples()
+    flags = ("--train-samples/--train-iters", "--eval-interval/--eval-iters", "--eval-iters")
+    for split, needed, available, flag in zip(SPLIT_NAMES, num_samples, queried, flags, strict=True):
+        if needed > available:
+            raise ValueError(
+                f"this run reads {needed} {split} samples but the Retro project queried neighbours for "
+                f"{available}: lower {flag} (or build the project for more samples)"
+            )
+    datasets = build_train_valid_test_datasets(
+        config.data,
+        config.model.seq_length,
+        queried,
+        config.training.seed,
+        tokenizer.eod,
+        tokenizer.vocab_size,
+    )
+    if not config.retro.retro_add_retriever:
+        return datasets
+    db = ChunkDatabase(db_dir(project_dir))
+    retro = config.retro
+    return tuple(
+        None
+        if dataset is None
+        else RetroDataset(
+            dataset,
+            load_neighbours(project.neighbor_dir(project_dir, split)),
+            db,
+            config.model.seq_length,
+            retro.retro_chunk_length,
+            retro.retro_num_neighbors,
+            retro.retro_num_retrieved_chunks,
+            tokenizer.eod,
+            retro.retro_verify_neighbor_count,
+        )
+        for split, dataset in zip(SPLIT_NAMES, datasets, strict=True)
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    logging.basicConfig(level=logging.INFO, format="[%(asctime)s] %(levelname)s %(name)s: %(message)s")
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        config = parse_args(with_project_settings(argv))
+        if config.retro.retro_add_retriever and config.parallel.pipeline_model_parallel_size > 1:
+            raise ValueError(
+                "--pipeline-model-parallel-size > 1: Retro does not support pipeline parallelism (its encoder "
+                "runs inside a decoder layer; Megatron refused it too); use TP, SP and DP"
+            )
+        gpt_checkpoint = gpt_checkpoint_to_retrofit(config)
+        tokenizer = tokenizer_from_config(config.tokenizer)
+    except (ValueError, FileNotFoundError, CheckpointError) as error:
+        raise SystemExit(f"pretrain_retro: {error}") from None
+    if gpt_checkpoint is not None:
+        config.checkpoint.load = None  # the GPT weights load into the model as it is built
+    pretrain(
+        config,
+        functools.partial(retro_model_provider, gpt_checkpoint=gpt_checkpoint),
+        functools.partial(datasets_provider, config, tokenizer),
+        functools.partial(forward_step, per_token_loss=config.training.calculate_per_token_loss),
+        padded_vocab_size_for(config, tokenizer),
+    )
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

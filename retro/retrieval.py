@@ -1,0 +1,117 @@
+"""Generation with retrieval: a Retro model continues a prompt, each step attending to the neighbours retrieved
+for the chunks of the text so far from the project's filled index, at request time.
+
+The chunks are the model's own (`megatron_train.models.retro`): a text of ns tokens is l = ceil(ns / m) chunks,
+the first holding ns mod m tokens (or m) and the rest whole, so the last chunk ends at the newest token. Each
+chunk's text is embedded with the project's embedder and searched in the index (pretraining's neighbour query,
+without the own-document exclusion: a prompt belongs to no database document); the first k neighbours'
+tokens and continuations are read as `RetroDataset` reads them. Generation reruns the whole sequence each step
+(Retro has no KV cache: the chunks move as the text grows). See docs/architecture.md (Retro model).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import faiss
+import numpy as np
+import torch
+
+from megatron_train.data.retro_dataset import neighbor_tokens
+from megatron_train.models.retro import RetroModel
+from megatron_train.tokenizer import MegatronTokenizer
+from retro.db import ChunkDatabase
+from retro.index import Embed, embed_texts, load_index
+from retro.project import db_dir, index_path
+
+
+def sequence_chunks(length: int, chunk_length: int) -> list[tuple[int, int]]:
+    """[start, end) of the chunks the Retro model cuts a `length`-token text into (a short first chunk)."""
+    first = length % chunk_length or chunk_length
+    return [(0, min(first, length)), *((s, s + chunk_length) for s in range(first, length, chunk_length))]
+
+
+class Retriever:
+    """Neighbour tokens [l, k, r] of any token sequence, from a chunk database and its filled index."""
+
+    def __init__(
+        self,
+        db: ChunkDatabase,
+        index: faiss.Index,
+        embed: Embed,
+        gpt_tokenizer: MegatronTokenizer,
+        chunk_length: int,
+        num_neighbors: int,
+        num_retrieved_chunks: int,
+    ) -> None:
+        self.db = db
+        self.index = index
+        self.embed = embed
+        self.gpt_tokenizer = gpt_tokenizer
+        self.chunk_length = chunk_length
+        self.num_neighbors = num_neighbors
+        self.num_retrieved_chunks = num_retrieved_chunks
+
+    @classmethod
+    def from_project(
+        cls,
+        project_dir: str,
+        model: RetroModel,
+        embed: Embed,
+        gpt_tokenizer: MegatronTokenizer,
+        nprobe: int,
+        ef_search: int,
+    ) -> Retriever:
+        """The project's database and filled index (DIR/index/added.faissindex), with the model's Retro shape."""
+        retro = model.retro
+        index = load_index(index_path(project_dir), nprobe, ef_search)
+        return cls(
+            ChunkDatabase(db_dir(project_dir)),
+            index,
+            embed,
+            gpt_tokenizer,
+            retro.retro_chunk_length,
+            retro.retro_num_neighbors,
+            retro.retro_num_retrieved_chunks,
+        )
+
+    def neighbour_ids(self, tokens: Sequence[int]) -> np.ndarray:
+        """int64 [l, k]: the nearest database chunks of each chunk of `tokens`."""
+        texts = [
+            self.gpt_tokenizer.detokenize(list(tokens[start:end]))
+            for start, end in sequence_chunks(len(tokens), self.chunk_length)
+        ]
+        _, found = self.index.search(embed_texts(self.embed, texts), self.num_neighbors)
+        return found.astype(np.int64)
+
+    def __call__(self, tokens: Sequence[int]) -> np.ndarray:
+        """int64 [l, k, r]: the neighbour tokens the model attends to for `tokens`."""
+        return neighbor_tokens(
+            self.db,
+            self.neighbour_ids(tokens),
+            self.chunk_length,
+            self.num_retrieved_chunks,
+            self.gpt_tokenizer.eod,
+        )
+
+
+@torch.no_grad()
+def generate_with_retrieval(
+    model: RetroModel, retriever: Retriever, prompt: Sequence[int], tokens_to_generate: int
+) -> list[int]:
+    """Greedy continuation of `prompt` (token ids), retrieving for the whole text before every token; stops
+    after `tokens_to_generate` tokens or at the tokenizer's EOD. Returns the new tokens."""
+    if not prompt:
+        raise ValueError(
+            "generation with retrieval needs a non-empty prompt: the first chunk is retrieved for it"
+        )
+    device = next(model.parameters()).device
+    tokens = list(prompt)
+    for _ in range(tokens_to_generate):
+        neighbours = torch.as_tensor(retriever(tokens), device=device).unsqueeze(0)
+        logits = model(torch.tensor([tokens], device=device), neighbor_tokens=neighbours)
+        token = int(logits[0, -1].argmax())
+        tokens.append(token)
+        if token == retriever.gpt_tokenizer.eod:
+            break
+    return tokens[len(prompt) :]
