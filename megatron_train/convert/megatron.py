@@ -85,7 +85,7 @@ _ALLOWED_NAMES = {
 }
 
 # Megatron-Core with TransformerEngine fuses the pre-attention / pre-MLP norms into the next linear layer.
-_TE_NAMES = {
+TE_NAMES = {
     "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
     "self_attention.linear_qkv.layer_norm_bias": "input_layernorm.bias",
     "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
@@ -108,23 +108,31 @@ _LOCAL_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
 
 
 def read_checkpoint_file(path: str) -> dict[str, Any]:
-    """One rank's file, unpickled with `weights_only=True` and the allow-list; any other class is refused by
-    name before a byte is unpickled, so a crafted file runs nothing."""
+    """One rank's file, unpickled with `weights_only=True` and the allow-list (`read_allowed_pickle`)."""
     if not os.path.exists(path):
         raise CheckpointError(
             f"Megatron checkpoint file {path} is missing: the save is incomplete or was moved"
         )
-    refused = sorted(set(torch.serialization.get_unsafe_globals_in_checkpoint(path)) - _ALLOWED_NAMES)
+    return read_allowed_pickle(path, path)
+
+
+def read_allowed_pickle(source: str | io.BytesIO, where: str) -> Any:
+    """A torch.save'd object (a file or its bytes) unpickled with `weights_only=True` and the allow-list; any
+    other class is refused by name before a byte is unpickled, so a crafted checkpoint runs nothing."""
+    refused = sorted(set(torch.serialization.get_unsafe_globals_in_checkpoint(source)) - _ALLOWED_NAMES)
     if refused:
         raise CheckpointError(
-            f"{path} holds pickled objects of {refused}, outside the classes a Megatron checkpoint holds "
+            f"{where} holds pickled objects of {refused}, outside the classes a Megatron checkpoint holds "
             f"({sorted(_ALLOWED_NAMES)}); unpickling them could run code, so it is not loaded"
         )
+    if isinstance(source, io.BytesIO):
+        source.seek(0)
     with torch.serialization.safe_globals(ALLOWED_GLOBALS):
-        return torch.load(path, map_location="cpu", weights_only=True)
+        return torch.load(source, map_location="cpu", weights_only=True)
 
 
-def _iteration_dir(load_dir: str, iteration: int | None) -> tuple[str, int]:
+def find_iteration_dir(load_dir: str, iteration: int | None) -> tuple[str, int]:
+    """(folder, number) of `iteration`, else of the latest marker (a number or "release", as Megatron writes)."""
     if iteration is not None:
         return checkpoint_dir(load_dir, iteration), iteration
     tracker = os.path.join(load_dir, TRACKER_FILENAME)
@@ -171,7 +179,7 @@ def _our_names(state: dict[str, Any], version: float, local_heads: int) -> dict[
             continue
         for pattern, replacement in _LEGACY_NAMES:
             name = re.sub(pattern, replacement, name)
-        for te_name, ours in _TE_NAMES.items():
+        for te_name, ours in TE_NAMES.items():
             name = name.replace(te_name, ours)
         if name.endswith(("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias")):
             value = _legacy_qkv(value, version, local_heads)
@@ -179,7 +187,7 @@ def _our_names(state: dict[str, Any], version: float, local_heads: int) -> dict[
     return tensors
 
 
-def _config_from_args(args: argparse.Namespace, true_vocab_size: int | None, where: str) -> MegatronConfig:
+def config_from_args(args: argparse.Namespace, true_vocab_size: int | None, where: str) -> MegatronConfig:
     """Our config from Megatron's args (the same names), the vocabulary from --true-vocab-size or the args."""
     given = vars(args)
     if "layernorm_epsilon" in given and "norm_epsilon" not in given:
@@ -210,7 +218,7 @@ def _count_chunks(saved: dict[str, Any]) -> int:
 
 def load(load_dir: str, iteration: int | None = None, true_vocab_size: int | None = None) -> ModelWeights:
     """The model of a Megatron-LM checkpoint, its TP shards merged and its stages' layers numbered globally."""
-    iteration_dir, number = _iteration_dir(load_dir, iteration)
+    iteration_dir, number = find_iteration_dir(load_dir, iteration)
     without_pp = os.path.join(model_shard_dir(iteration_dir, 0, 0, 1), CHECKPOINT_FILE)
     first_path = (
         without_pp
@@ -225,7 +233,7 @@ def load(load_dir: str, iteration: int | None = None, true_vocab_size: int | Non
         )
     args = first["args"]
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    config = _config_from_args(args, true_vocab_size, iteration_dir)
+    config = config_from_args(args, true_vocab_size, iteration_dir)
     model = config.model
     version = float(first.get("checkpoint_version", 0))
     shards: dict[str, list[torch.Tensor]] = {}
@@ -257,7 +265,7 @@ def load(load_dir: str, iteration: int | None = None, true_vocab_size: int | Non
     return ModelWeights(config, trim_vocab(tensors, model.true_vocab_size), files, number)
 
 
-def _args(weights: ModelWeights, tp: int, pp: int, padded_vocab_size: int) -> argparse.Namespace:
+def megatron_args(weights: ModelWeights, tp: int, pp: int, padded_vocab_size: int) -> argparse.Namespace:
     """Megatron's args for the saved model: its model and tokenizer flags under Megatron's names, the layout."""
     config = weights.config
     return argparse.Namespace(
@@ -288,7 +296,7 @@ def save(weights: ModelWeights, save_dir: str, target_tp: int = 1, target_pp: in
     tensors = pad_vocab(weights.tensors, padded)
     shardings = model_shardings(config, padded)
     tied = not config.model.untie_embeddings_and_output_weights
-    args = _args(weights, target_tp, target_pp, padded)
+    args = megatron_args(weights, target_tp, target_pp, padded)
     iteration_dir = checkpoint_dir(save_dir, weights.iteration)
     for pp_rank in range(target_pp):
         layers = get_layer_range(config.model.num_layers, pp_rank, target_pp)

@@ -1,7 +1,7 @@
 """Convert a checkpoint between formats and reshard it offline, as Megatron's tools/checkpoint/convert.py:
 
     python -m megatron_train.tools.checkpoint_util --model-type GPT --load-dir A --save-dir B \\
-        [--loader flow|hf|megatron --saver flow|hf|megatron] --target-tensor-parallel-size 2 --target-pipeline-parallel-size 2
+        [--loader flow|hf|megatron|torch_dist --saver flow|hf|megatron|torch_dist] --target-tensor-parallel-size 2 --target-pipeline-parallel-size 2
 
 Another format goes through a loader and a saver (`megatron_train.convert`): weights only, the model config read
 from the source, and the flags to train or serve the result printed at the end. Flow to flow (the default) is
@@ -51,12 +51,14 @@ from megatron_train.checkpointing.layout import (
     split_tp_shard,
     stage_tensor_names,
 )
-from megatron_train.convert import flow, hf, megatron
+from megatron_train.convert import flow, hf, megatron, torch_dist
 from megatron_train.convert.weights import trim_vocab
 from megatron_train.models.transformer import get_layer_range
 from megatron_train.tokenizer import vocab_size_with_padding
 
 logger = logging.getLogger("megatron_train.tools.checkpoint_util")
+# Formats written split for a target (TP, PP); hf writes one unsplit model.
+SHARDED_SAVERS = {"flow": flow, "megatron": megatron, "torch_dist": torch_dist}
 
 
 def target_padded_vocab_size(
@@ -216,8 +218,8 @@ def load_weights(
     """The model `loader` reads from `load_dir`, its vocabulary cut to `true_vocab_size` when given."""
     if loader == "flow":
         return flow.load(load_dir, iteration, true_vocab_size)
-    if loader == "megatron":
-        return megatron.load(load_dir, iteration, true_vocab_size)
+    if loader in ("megatron", "torch_dist"):
+        return SHARDED_SAVERS[loader].load(load_dir, iteration, true_vocab_size)
     weights = hf.load(load_dir)
     if true_vocab_size is not None:
         if true_vocab_size > weights.true_vocab_size:
@@ -251,8 +253,8 @@ def convert_format(
         )
     weights = load_weights(loader, load_dir, iteration, true_vocab_size)
     start = time.perf_counter()
-    if saver in ("flow", "megatron"):
-        {"flow": flow, "megatron": megatron}[saver].save(weights, save_dir, target_tp or 1, target_pp or 1)
+    if saver in SHARDED_SAVERS:
+        SHARDED_SAVERS[saver].save(weights, save_dir, target_tp or 1, target_pp or 1)
     else:
         hf.save(weights, save_dir, max_shard_size)
     logger.info("converted %s (%s) to %s (%s) in %.1f s", load_dir, loader, save_dir, saver,
@@ -267,10 +269,10 @@ def usage_lines(saver: str, save_dir: str, weights: convert.ModelWeights) -> lis
             f"load it with transformers: AutoModelForCausalLM.from_pretrained({save_dir!r}); "
             f"serve it with vLLM: vllm serve {save_dir}"
         ]
-    if saver == "megatron":
+    if saver in ("megatron", "torch_dist"):
         return [
-            f"load it in Megatron-LM: --load {save_dir} --use-checkpoint-args --transformer-impl local "
-            "--finetune (or --no-load-optim --no-load-rng)"
+            f"load it in Megatron-LM: --load {save_dir} --ckpt-format {saver} --use-checkpoint-args "
+            "--transformer-impl local --finetune (or --no-load-optim --no-load-rng)"
         ]
     flags = " ".join(config_to_argv(weights.config))
     return [
@@ -282,7 +284,7 @@ def usage_lines(saver: str, save_dir: str, weights: convert.ModelWeights) -> lis
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        description="Convert a checkpoint between formats (flow, hf, megatron) and reshard it to another tensor/pipeline "
+        description="Convert a checkpoint between formats (flow, hf, megatron, torch_dist) and reshard it to another tensor/pipeline "
         "parallel layout",
         allow_abbrev=False,
     )
