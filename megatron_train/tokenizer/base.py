@@ -56,6 +56,16 @@ class MegatronTokenizer(abc.ABC):
     def detokenize(self, ids: Sequence[int]) -> str:
         """The text of a sequence of ids."""
 
+    def tokenize_without_special_tokens(self, text: str) -> list[int]:
+        """The ids of a text without the tokens the tokenizer adds around it (Llama's BOS): a chat template
+        writes its special tokens itself. Tokenizers that add none use `tokenize`."""
+        return self.tokenize(text)
+
+    @property
+    def chat_template(self) -> str | None:
+        """The Jinja chat template the tokenizer's files carry, None when they carry none."""
+        return None
+
     eod = _absent("end-of-document")
     cls = _absent("[CLS]")
     sep = _absent("[SEP]")

@@ -276,8 +276,9 @@ def usage_lines(saver: str, save_dir: str, weights: convert.ModelWeights) -> lis
         ]
     flags = " ".join(config_to_argv(weights.config))
     return [
-        f"finetune: torchrun -m megatron_train.pretrain_gpt {flags} --load {save_dir} --finetune [data and "
-        "training flags]",
+        f"finetune: torchrun -m megatron_train.pretrain_gpt {flags} --load {save_dir} --finetune --sft "
+        "--train-data-path <conversations.jsonl> [training flags] (or, for more pretraining, --data-path <token "
+        "prefix> without --sft)",
         f"serve: python -m megatron_train.tools.run_text_generation_server --load {save_dir}",
     ]
 
