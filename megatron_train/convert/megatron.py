@@ -91,20 +91,25 @@ TE_NAMES = {
     "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
     "mlp.linear_fc1.layer_norm_bias": "pre_mlp_layernorm.bias",
 }
-# The older Megatron-LM GPT (`language_model.*`, checkpoint_version < 3) -> Megatron-Core names.
+# The older Megatron-LM GPT and BERT (`language_model.*`, checkpoint_version < 3) -> Megatron-Core names; `{stack}`
+# is the layer stack, `decoder` (GPT) or `encoder` (BERT).
 _LEGACY_NAMES = [
     (r"language_model\.embedding\.", "embedding."),
     (r"language_model\.output_layer\.", "output_layer."),
-    (r"language_model\.(encoder|transformer)\.final_(layer)?norm\.", "decoder.final_layernorm."),
-    (r"language_model\.(encoder|transformer)\.layers\.", "decoder.layers."),
+    (r"language_model\.pooler\.", "pooler."),
+    (r"language_model\.(encoder|transformer)\.final_(layer)?norm\.", "{stack}.final_layernorm."),
+    (r"language_model\.(encoder|transformer)\.layers\.", "{stack}.layers."),
     (r"\.(self_attention|attention)\.query_key_value\.", ".self_attention.linear_qkv."),
     (r"\.(self_attention|attention)\.dense\.", ".self_attention.linear_proj."),
     (r"\.post_attention_(layer)?norm\.", ".pre_mlp_layernorm."),
     (r"\.input_norm\.", ".input_layernorm."),
     (r"\.mlp\.dense_h_to_4h\.", ".mlp.linear_fc1."),
     (r"\.mlp\.dense_4h_to_h\.", ".mlp.linear_fc2."),
+    (r"^lm_head\.layernorm\.", "lm_head.layer_norm."),
+    (r"^lm_head\.bias$", "output_layer.bias"),
 ]
-_LOCAL_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
+LAYER_STACKS = {"gpt": "decoder", "bert": "encoder"}
+_LOCAL_LAYER = re.compile(r"^(decoder|encoder)\.layers\.(\d+)\.(.*)$")
 
 
 def read_checkpoint_file(path: str) -> dict[str, Any]:
@@ -171,14 +176,18 @@ def _legacy_qkv(tensor: torch.Tensor, version: float, heads: int) -> torch.Tenso
     return tensor
 
 
-def _our_names(state: dict[str, Any], version: float, local_heads: int) -> dict[str, torch.Tensor]:
-    """One rank's model state under our names (layer numbers still local); TE extra state dropped."""
+def _our_names(
+    state: dict[str, Any], version: float, local_heads: int, stack: str
+) -> dict[str, torch.Tensor]:
+    """One rank's model state under our names (layer numbers still local); TE extra state dropped. The older
+    names are renamed only in an older model's state (one holding `language_model`)."""
     tensors = {}
+    renames = _LEGACY_NAMES if "language_model" in state else []
     for name, value in _flatten(state).items():
         if name.endswith("_extra_state") or value is None:
             continue
-        for pattern, replacement in _LEGACY_NAMES:
-            name = re.sub(pattern, replacement, name)
+        for pattern, replacement in renames:
+            name = re.sub(pattern, replacement.format(stack=stack), name)
         for te_name, ours in TE_NAMES.items():
             name = name.replace(te_name, ours)
         if name.endswith(("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias")):
@@ -216,8 +225,11 @@ def _count_chunks(saved: dict[str, Any]) -> int:
     return sum(1 for key in saved if re.fullmatch(r"model\d+", key))
 
 
-def load(load_dir: str, iteration: int | None = None, true_vocab_size: int | None = None) -> ModelWeights:
-    """The model of a Megatron-LM checkpoint, its TP shards merged and its stages' layers numbered globally."""
+def load(
+    load_dir: str, iteration: int | None = None, true_vocab_size: int | None = None, model_type: str = "gpt"
+) -> ModelWeights:
+    """The model (`gpt` or `bert`, Megatron's --model-type) of a Megatron-LM checkpoint, its TP shards merged and
+    its stages' layers numbered globally."""
     iteration_dir, number = find_iteration_dir(load_dir, iteration)
     without_pp = os.path.join(model_shard_dir(iteration_dir, 0, 0, 1), CHECKPOINT_FILE)
     first_path = (
@@ -250,19 +262,23 @@ def load(load_dir: str, iteration: int | None = None, true_vocab_size: int | Non
             virtual_size = len(chunks) if len(chunks) > 1 else None
             for virtual_rank, chunk in enumerate(chunks):
                 layers = get_layer_range(model.num_layers, pp_rank, pp, virtual_rank, virtual_size)
-                local = _our_names(chunk, version, model.num_attention_heads // tp)
+                local = _our_names(chunk, version, model.num_attention_heads // tp, LAYER_STACKS[model_type])
                 for name, tensor in local.items():
                     match = _LOCAL_LAYER.match(name)
                     if match:
-                        name = f"decoder.layers.{layers.start + int(match.group(1))}.{match.group(2)}"
+                        name = (
+                            f"{match.group(1)}.layers.{layers.start + int(match.group(2))}.{match.group(3)}"
+                        )
                     elif name == OUTPUT_WEIGHT and not model.untie_embeddings_and_output_weights:
                         continue  # the last stage's copy of the tied embedding
                     shards.setdefault(name, []).append(tensor)
-    shardings = model_shardings(config, args.padded_vocab_size)
+    shardings = model_shardings(config, args.padded_vocab_size, model_type)
     check_tensor_names(shards, list(shardings), iteration_dir)
     tensors = {name: merge_tp_shards(parts, shardings[name]) for name, parts in shards.items()}
     files = {name: path for name, path in tokenizer_files(config).items() if os.path.exists(path)}
-    return ModelWeights(config, trim_vocab(tensors, model.true_vocab_size), files, number)
+    return ModelWeights(
+        config, trim_vocab(tensors, model.true_vocab_size), files, number, model_type=model_type
+    )
 
 
 def megatron_args(weights: ModelWeights, tp: int, pp: int, padded_vocab_size: int) -> argparse.Namespace:
@@ -294,7 +310,7 @@ def save(weights: ModelWeights, save_dir: str, target_tp: int = 1, target_pp: in
     )
     check_layout(config.model, padded, target_tp, target_pp)
     tensors = pad_vocab(weights.tensors, padded)
-    shardings = model_shardings(config, padded)
+    shardings = model_shardings(config, padded, weights.model_type)
     tied = not config.model.untie_embeddings_and_output_weights
     args = megatron_args(weights, target_tp, target_pp, padded)
     iteration_dir = checkpoint_dir(save_dir, weights.iteration)
@@ -307,7 +323,9 @@ def save(weights: ModelWeights, save_dir: str, target_tp: int = 1, target_pp: in
             for name in names:
                 local = _LOCAL_LAYER.match(name)
                 key = (
-                    f"decoder.layers.{int(local.group(1)) - layers.start}.{local.group(2)}" if local else name
+                    f"{local.group(1)}.layers.{int(local.group(2)) - layers.start}.{local.group(3)}"
+                    if local
+                    else name
                 )
                 state[key] = split_tp_shard(tensors[name], shardings[name], target_tp, tp_rank, name)
             if tied and last and target_pp > 1:  # Megatron-Core's last stage holds a copy of the embedding

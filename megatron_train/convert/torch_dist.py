@@ -76,8 +76,17 @@ LINEAR_MODULES = (
     "mlp.linear_fc1",
     "mlp.linear_fc2",
 )
-_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
-_STACKED = re.compile(r"^decoder\.layers\.(?!\d+\.)(.*)$")
+_LAYER = re.compile(r"^(decoder|encoder)\.layers\.(\d+)\.(.*)$")
+_STACKED = re.compile(r"^(decoder|encoder)\.layers\.(?!\d+\.)(.*)$")
+MODEL_PREFIXES = (
+    "embedding.",
+    "decoder.",
+    "encoder.",
+    "output_layer.",
+    "lm_head.",
+    "pooler.",
+    "binary_head.",
+)
 # What DCP's `.metadata` pickle may name: the classes of DCP's metadata, and these few harmless globals.
 _METADATA_MODULES = ("torch.distributed.checkpoint.", "torch.distributed._shard.")
 _METADATA_GLOBALS = {
@@ -216,8 +225,11 @@ def _our_name(key: str) -> str:
     return key
 
 
-def load(load_dir: str, iteration: int | None = None, true_vocab_size: int | None = None) -> ModelWeights:
-    """The model of a Megatron-Core torch_dist checkpoint (latest, or `iteration`), at any saved layout."""
+def load(
+    load_dir: str, iteration: int | None = None, true_vocab_size: int | None = None, model_type: str = "gpt"
+) -> ModelWeights:
+    """The model (`gpt` or `bert`) of a Megatron-Core torch_dist checkpoint (latest, or `iteration`), at any
+    saved layout."""
     iteration_dir, number = find_iteration_dir(load_dir, iteration)
     config_path = os.path.join(iteration_dir, CONFIG_FILE)
     if not os.path.exists(config_path):
@@ -241,20 +253,24 @@ def load(load_dir: str, iteration: int | None = None, true_vocab_size: int | Non
     model_keys = {
         key: torch.empty(tuple(item.size), dtype=item.properties.dtype)
         for key, item in metadata.state_dict_metadata.items()
-        if isinstance(item, TensorStorageMetadata)
-        and (key.startswith(("embedding.", "decoder.", "output_layer.")))
+        if isinstance(item, TensorStorageMetadata) and key.startswith(MODEL_PREFIXES)
     }
     _load_in_one_process(model_keys, reader, DefaultLoadPlanner(flatten_state_dict=False))
     tensors: dict[str, torch.Tensor] = {}
     for key, tensor in model_keys.items():
         stacked = _STACKED.match(key)
         if stacked:
+            stack, name = stacked.groups()
             for layer, layer_tensor in enumerate(tensor):
-                tensors[_our_name(f"decoder.layers.{layer}.{stacked.group(1)}")] = layer_tensor.clone()
+                tensors[_our_name(f"{stack}.layers.{layer}.{name}")] = layer_tensor.clone()
         else:
             tensors[_our_name(key)] = tensor
-    check_tensor_names(tensors, list(model_shardings(config, args.padded_vocab_size)), iteration_dir)
-    return ModelWeights(config, trim_vocab(tensors, config.model.true_vocab_size), {}, number)
+    check_tensor_names(
+        tensors, list(model_shardings(config, args.padded_vocab_size, model_type)), iteration_dir
+    )
+    return ModelWeights(
+        config, trim_vocab(tensors, config.model.true_vocab_size), {}, number, model_type=model_type
+    )
 
 
 def _tp_chunks(
@@ -290,16 +306,17 @@ def _rank_state(
         tensor, layer = tensors[name], _LAYER.match(name)
         for data, offsets in _tp_chunks(tensor, shardings[name], tp, tp_rank):
             if layer:
-                key, index = f"decoder.layers.{layer.group(2)}", int(layer.group(1))
+                key, index = f"{layer.group(1)}.layers.{layer.group(3)}", int(layer.group(2))
                 chunk = Chunk(data.unsqueeze(0), (index, *offsets), (num_layers, *tensor.shape))
             else:
                 key, chunk = name, Chunk(data, tuple(offsets), tuple(tensor.shape))
             chunks.setdefault(key, []).append(chunk)
-        module = layer and layer.group(2).rsplit(".", 1)[0]
+        module = layer and layer.group(3).rsplit(".", 1)[0]
         if module in LINEAR_MODULES and name.endswith(".weight") and tp_rank == 0:
             empty = io.BytesIO()
             torch.save([None], empty)
-            objects[f"decoder.layers.{module}._extra_state/shard_{layer.group(1)}_{num_layers}"] = empty
+            key = f"{layer.group(1)}.layers.{module}._extra_state/shard_{layer.group(2)}_{num_layers}"
+            objects[key] = empty
     return chunks, objects
 
 
@@ -314,7 +331,7 @@ def save(weights: ModelWeights, save_dir: str, target_tp: int = 1, target_pp: in
     if os.path.exists(os.path.join(iteration_dir, CONFIG_FILE)):
         raise ValueError(f"{iteration_dir} already holds a checkpoint: delete it or pick another --save-dir")
     tensors = pad_vocab(weights.tensors, padded)
-    shardings = model_shardings(config, padded)
+    shardings = model_shardings(config, padded, weights.model_type)
     args = megatron_args(weights, target_tp, target_pp, padded)
     args.ckpt_format = "torch_dist"
     common = io.BytesIO()
