@@ -3,6 +3,7 @@ logits, and bitwise round trips through the hf, megatron and torch_dist formats.
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 
@@ -16,6 +17,7 @@ from megatron_train.convert.weights import trim_vocab
 from megatron_train.data.config import DataConfig
 from megatron_train.models.bert import bert_model_provider
 from megatron_train.models.config import TransformerConfig
+from megatron_train.models.transformer import unpack_qkv
 from megatron_train.tools.checkpoint_util import main
 from tests.convert_models import VOCAB, shard_tensors
 
@@ -147,3 +149,54 @@ def test_model_type_must_match_the_source_and_pre_ln_bert_is_refused_by_hf(tmp_p
     with pytest.raises(SystemExit):
         _convert("--saver", "hf", "--load-dir", str(tmp_path / "a"), "--save-dir", str(tmp_path / "o"))
     assert "Hugging Face BERT is post-LN (train with --post-ln)" in capsys.readouterr().err
+
+
+def test_released_bert_345m_layout_with_language_model_names_loads(tmp_path):
+    """Megatron-LM's older BERT (`language_model.*`, `lm_head.layernorm`, `lm_head.bias`; QKV as [3, heads, d])."""
+    config, model = _our_bert(post_ln=False)
+    model.eval()
+    state = model.state_dict()
+    names = {"input_layernorm": "input_layernorm", "self_attention.linear_proj": "attention.dense",
+             "pre_mlp_layernorm": "post_attention_layernorm", "mlp.linear_fc1": "mlp.dense_h_to_4h",
+             "mlp.linear_fc2": "mlp.dense_4h_to_h"}  # fmt: skip
+    encoder = {}
+    for i in range(4):
+        for ours, theirs in names.items():
+            for kind in ("weight", "bias"):
+                encoder[f"layers.{i}.{theirs}.{kind}"] = state[f"encoder.layers.{i}.{ours}.{kind}"]
+        for kind in ("weight", "bias"):
+            qkv = state[f"encoder.layers.{i}.self_attention.linear_qkv.{kind}"]
+            encoder[f"layers.{i}.attention.query_key_value.{kind}"] = torch.cat(unpack_qkv(qkv, 4, 4))
+    for kind in ("weight", "bias"):
+        encoder[f"final_layernorm.{kind}"] = state[f"encoder.final_layernorm.{kind}"]
+
+    def pair(prefix: str) -> dict[str, torch.Tensor]:
+        return {kind: state[f"{prefix}.{kind}"] for kind in ("weight", "bias")}
+
+    saved = {
+        "language_model": {
+            "embedding": {name: {"weight": state[f"embedding.{name}.weight"]}
+                          for name in ("word_embeddings", "position_embeddings", "tokentype_embeddings")},
+            "encoder": encoder,
+            "pooler": {"dense": pair("pooler.dense")},
+        },
+        "lm_head": {"dense": pair("lm_head.dense"), "layernorm": pair("lm_head.layer_norm"),
+                    "bias": state["output_layer.bias"]},
+        "binary_head": pair("binary_head"),
+    }  # fmt: skip
+    args = argparse.Namespace(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=16,
+                              max_position_embeddings=16, padded_vocab_size=128, tensor_model_parallel_size=1,
+                              pipeline_model_parallel_size=1, bert_binary_head=True, hidden_dropout=0.0,
+                              attention_dropout=0.0)  # fmt: skip
+    (tmp_path / "mg" / "release" / "mp_rank_00").mkdir(parents=True)
+    torch.save(
+        {"args": args, "model": saved}, tmp_path / "mg" / "release" / "mp_rank_00" / "model_optim_rng.pt"
+    )
+    (tmp_path / "mg" / "latest_checkpointed_iteration.txt").write_text("release")
+    _convert("--loader", "megatron", "--load-dir", str(tmp_path / "mg"), "--save-dir", str(tmp_path / "flow"),
+             "--true-vocab-size", str(VOCAB))  # fmt: skip
+    converted, _ = load_model_for_inference(str(tmp_path / "flow"), device="cpu")
+    inputs = _inputs(token_types=True)
+    with torch.no_grad():
+        for ours, expected in zip(converted(*inputs.values()), model(*inputs.values()), strict=True):
+            torch.testing.assert_close(ours, expected, rtol=0, atol=0)
