@@ -52,10 +52,6 @@ class MegatronTokenizer(abc.ABC):
         """The ids of many texts; where the backend can, the batch is encoded in parallel (Rust, C++)."""
         return [self.tokenize(text) for text in texts]
 
-    @abc.abstractmethod
-    def detokenize(self, ids: Sequence[int]) -> str:
-        """The text of a sequence of ids."""
-
     def tokenize_without_special_tokens(self, text: str) -> list[int]:
         """The ids of a text without the tokens the tokenizer adds around it (Llama's BOS): a chat template
         writes its special tokens itself. Tokenizers that add none use `tokenize`."""
@@ -65,6 +61,10 @@ class MegatronTokenizer(abc.ABC):
     def chat_template(self) -> str | None:
         """The Jinja chat template the tokenizer's files carry, None when they carry none."""
         return None
+
+    @abc.abstractmethod
+    def detokenize(self, ids: Sequence[int]) -> str:
+        """The text of a sequence of ids."""
 
     eod = _absent("end-of-document")
     cls = _absent("[CLS]")
