@@ -87,9 +87,10 @@ MODEL_PREFIXES = (
     "pooler.",
     "binary_head.",
 )
-# What DCP's `.metadata` pickle may name: the classes of DCP's metadata, and these few harmless globals.
-_METADATA_MODULES = ("torch.distributed.checkpoint.", "torch.distributed._shard.")
+# What DCP's `.metadata` pickle may name: the classes of DCP's metadata module, and these few harmless globals.
+_METADATA_MODULE = "torch.distributed.checkpoint.metadata"
 _METADATA_GLOBALS = {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
     ("torch", "Size"),
     ("torch.serialization", "_get_layout"),
     ("pathlib", "PosixPath"),
@@ -157,18 +158,19 @@ class _RawBytesLoadPlanner(DefaultLoadPlanner):
 
 
 class _MetadataUnpickler(pickle.Unpickler):
-    """Resolves only DCP's metadata classes, torch dtypes and `_METADATA_GLOBALS`; anything else is refused."""
+    """Resolves only the classes of DCP's metadata module, torch dtypes and `_METADATA_GLOBALS`; anything else
+    is refused."""
 
     def find_class(self, module: str, name: str) -> Any:
-        found = (
-            super().find_class(module, name)
-            if module.startswith(("torch", "pathlib", "collections"))
-            else None
-        )
-        if (module, name) in _METADATA_GLOBALS or isinstance(found, torch.dtype):
-            return found
-        if module.startswith(_METADATA_MODULES) and isinstance(found, type):
-            return found
+        listed = (module, name) in _METADATA_GLOBALS
+        if listed or module in (_METADATA_MODULE, "torch"):
+            found = super().find_class(module, name)
+            if (
+                listed
+                or isinstance(found, torch.dtype)
+                or (module == _METADATA_MODULE and isinstance(found, type))
+            ):
+                return found
         raise pickle.UnpicklingError(f"{module}.{name}")
 
 
