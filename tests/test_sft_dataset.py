@@ -104,6 +104,21 @@ def test_bad_records_name_the_file_line_and_field(line, problem, tmp_path):
     assert problem in str(error.value)
 
 
+def test_a_template_that_rewrites_earlier_turns_is_refused(tmp_path):
+    reversed_template = "{% for m in messages|reverse %}{{ m['role'] }} {{ m['content'] }} {% endfor %}"
+    save_chat_tokenizer(str(tmp_path / "tok"), reversed_template)
+    chat = ChatFormat(HuggingFaceAutoTokenizer(str(tmp_path / "tok")))
+    path = _write_jsonl(tmp_path / "sft.jsonl", [CONVERSATION])
+    with pytest.raises(
+        ValueError, match=r"sft.jsonl:1: the chat template does not render message 2 as an extension"
+    ):
+        tokenize_conversations([path], chat)
+    [conversation] = tokenize_conversations(
+        [path], ChatFormat(chat.tokenizer, "chatml")
+    )  # the way out it names
+    assert conversation[1].any()
+
+
 def test_sft_flags_are_checked():
     with pytest.raises(ValueError, match="--sft-pack packs SFT conversations: it needs --sft"):
         DataConfig(data_path=["x.jsonl"], sft_pack=True)

@@ -75,11 +75,10 @@ class ChatFormat:
         for index, message in enumerate(messages):
             if message["role"] != "assistant":
                 continue
-            start = len(self.render(messages[:index], add_generation_prompt=True))
+            prompt = self.render(messages[:index], add_generation_prompt=True)
             upto = self.render(messages[: index + 1])
-            if not (
-                full.startswith(upto) and upto.startswith(full[:start]) and position <= start <= len(upto)
-            ):
+            start = len(prompt)
+            if not (full.startswith(upto) and upto.startswith(prompt) and position <= start):
                 raise ValueError(
                     f"the chat template does not render message {index} as an extension of the ones before it, "
                     "so its assistant tokens cannot be told apart; use --sft-tokenizer-prompt-format chatml"
