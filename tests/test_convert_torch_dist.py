@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import pickle
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -24,6 +27,7 @@ def _convert(*argv: str) -> None:
     main(["--model-type", "GPT", *argv])
 
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 
@@ -47,6 +51,8 @@ def test_flow_to_torch_dist_to_flow_round_trip_is_bitwise(tp, pp, untied, tmp_pa
     assert tuple(layout["embedding.word_embeddings.weight"].size) == (128 * tp, 32)  # padded rows kept
     assert ("output_layer.weight" in layout) == untied  # a tied output layer is the embedding
     assert "decoder.layers.self_attention.linear_qkv._extra_state/shard_3_4" in layout
+    assert "decoder.layers.mlp.linear_fc1.layer_norm_weight" in layout  # the norms by their fused names
+    assert (saved / "common.pt").exists()  # the args, where every Megatron-Core version looks
     assert not any(key.startswith("decoder.layers.0.") for key in layout)
     _convert("--loader", "torch_dist", "--load-dir", str(tmp_path / "td"), "--save-dir", str(tmp_path / "b"),
              "--target-tensor-parallel-size", str(tp), "--target-pipeline-parallel-size", str(pp))  # fmt: skip
@@ -118,3 +124,15 @@ def test_pickled_objects_outside_the_allow_list_are_refused_and_run_nothing(tmp_
         )
     assert ".metadata names pathlib" in capsys.readouterr().err
     assert not marker.exists() and not (tmp_path / "out").exists()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="megatron-core is not installed")
+@pytest.mark.parametrize("embeddings", ["tied", "untied"])
+def test_megatron_core_loads_our_save_and_we_load_its_save(embeddings):
+    """Megatron-Core's own dist_checkpointing, in a fresh process (it needs a process group and spawns writers)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([ROOT, *sys.path])}
+    run = subprocess.run([sys.executable, "-m", "tests.megatron_core_interop", embeddings], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert run.returncode == 0 and "megatron-core interop ok" in run.stdout, (
+        run.stdout[-2000:] + run.stderr[-4000:]
+    )

@@ -1,14 +1,17 @@
 """The `torch_dist` loader and saver: Megatron-Core's distributed checkpoint (PyTorch DCP).
 
     <dir>/latest_checkpointed_iteration.txt
-    <dir>/iter_0000100/metadata.json    {"sharded_backend": "torch_dist", "sharded_backend_version": 1}, last
+    <dir>/iter_0000100/metadata.json    {"sharded_backend": "torch_dist", ...}, written last
     <dir>/iter_0000100/.metadata         DCP's index: every key's global shape, its chunks, where they lie
     <dir>/iter_0000100/__R_0.distcp      the chunks global rank R (TP fastest, then PP) wrote
-    <dir>/iter_0000100/common.pt         only in older saves: the common state, now the `common_state` object
+    <dir>/iter_0000100/common.pt         the common state (args, iteration); the newest Megatron-Core may keep
+                                         it as the `common_state` object of the DCP folder instead
 
 Megatron-Core saves `GPTModel.sharded_state_dict()`: each tensor under its key with its global shape, each rank
 writing the chunks it holds. Layers are stacked: `decoder.layers.<name>` has the global layer as its first
-axis (`decoder.layers.<i>.<name>` per layer with `non_homogeneous_layers`); SwiGLU's fc1 is the whole model's
+axis (`decoder.layers.<i>.<name>` per layer with `non_homogeneous_layers`); the pre-attention and pre-MLP norms
+go by TransformerEngine's fused names (`self_attention.linear_qkv.layer_norm_weight`, as Megatron-Core's local
+spec maps them too); SwiGLU's fc1 is the whole model's
 [gate; up], so a rank writes two chunks of it; the vocabulary tensors keep their padded rows; a tied output
 layer is saved once, as the embedding. The common state (args, iteration) is torch.save'd bytes, read through
 the `megatron` format's allow-list; DCP's own `.metadata` pickle is read with an unpickler that knows only
@@ -62,12 +65,17 @@ from megatron_train.convert.weights import (
 )
 from megatron_train.models.transformer import get_layer_range
 from megatron_train.tokenizer import vocab_size_with_padding
-from storage.atomic import atomic_write_text
+from storage.atomic import atomic_path, atomic_write_text
 
 CONFIG_FILE = "metadata.json"
-BACKEND = {"sharded_backend": "torch_dist", "sharded_backend_version": 1}
+BACKEND = {
+    "sharded_backend": "torch_dist",
+    "sharded_backend_version": 1,
+    "common_backend": "torch",
+    "common_backend_version": 1,
+}
 COMMON_STATE_KEY = "common_state/shard_0_1"  # Megatron's ShardedObject("common_state", (1,), (0,)).unique_key
-LEGACY_COMMON_FILE = "common.pt"
+COMMON_FILE = "common.pt"
 # Megatron-Core's local linear layers keep an empty `_extra_state` (TransformerEngine compatibility) that a
 # strict load expects; a GPT checkpoint leaves out the output layer's.
 LINEAR_MODULES = (
@@ -76,6 +84,9 @@ LINEAR_MODULES = (
     "mlp.linear_fc1",
     "mlp.linear_fc2",
 )
+# Megatron-Core's local layer spec saves its norms under TransformerEngine's fused names
+# (`sharded_state_dict_keys_map`), so one checkpoint serves either implementation.
+FUSED_NORM_NAMES = {ours: fused for fused, ours in TE_NAMES.items()}
 _LAYER = re.compile(r"^(decoder|encoder)\.layers\.(\d+)\.(.*)$")
 _STACKED = re.compile(r"^(decoder|encoder)\.layers\.(?!\d+\.)(.*)$")
 MODEL_PREFIXES = (
@@ -87,8 +98,9 @@ MODEL_PREFIXES = (
     "pooler.",
     "binary_head.",
 )
-# What DCP's `.metadata` pickle may name: the classes of DCP's metadata module, and these few harmless globals.
-_METADATA_MODULE = "torch.distributed.checkpoint.metadata"
+# What DCP's `.metadata` pickle may name: the classes DCP's metadata and planner modules define (Megatron-Core
+# keeps its save plans there), and these few harmless globals.
+_METADATA_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.planner")
 _METADATA_GLOBALS = {
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
     ("torch", "Size"),
@@ -158,18 +170,17 @@ class _RawBytesLoadPlanner(DefaultLoadPlanner):
 
 
 class _MetadataUnpickler(pickle.Unpickler):
-    """Resolves only the classes of DCP's metadata module, torch dtypes and `_METADATA_GLOBALS`; anything else
-    is refused."""
+    """Resolves only the classes DCP's metadata and planner modules define, torch dtypes and
+    `_METADATA_GLOBALS`; anything else is refused."""
 
     def find_class(self, module: str, name: str) -> Any:
         listed = (module, name) in _METADATA_GLOBALS
-        if listed or module in (_METADATA_MODULE, "torch"):
+        if listed or module in (*_METADATA_MODULES, "torch"):
             found = super().find_class(module, name)
-            if (
-                listed
-                or isinstance(found, torch.dtype)
-                or (module == _METADATA_MODULE and isinstance(found, type))
-            ):
+            defined_there = (
+                module in _METADATA_MODULES and isinstance(found, type) and found.__module__ == module
+            )
+            if listed or isinstance(found, torch.dtype) or defined_there:
                 return found
         raise pickle.UnpicklingError(f"{module}.{name}")
 
@@ -208,13 +219,13 @@ def _read_objects(reader: _SafeReader, keys: list[str]) -> dict[str, io.BytesIO]
 
 
 def _common_state(iteration_dir: str, reader: _SafeReader, metadata: Metadata) -> dict[str, Any]:
-    """The non-tensor part Megatron saved (args, iteration, ...): the `common_state` object, or common.pt."""
-    legacy = os.path.join(iteration_dir, LEGACY_COMMON_FILE)
+    """The non-tensor part Megatron saved (args, iteration, ...): common.pt, or the `common_state` object."""
+    legacy = os.path.join(iteration_dir, COMMON_FILE)
     if os.path.exists(legacy):
         return read_allowed_pickle(legacy, legacy)
     if COMMON_STATE_KEY not in metadata.state_dict_metadata:
         raise CheckpointError(
-            f"{iteration_dir} holds neither {LEGACY_COMMON_FILE} nor the {COMMON_STATE_KEY!r} object: its args "
+            f"{iteration_dir} holds neither {COMMON_FILE} nor the {COMMON_STATE_KEY!r} object: its args "
             "are unknown; is it a Megatron-Core torch_dist checkpoint?"
         )
     raw = _read_objects(reader, [COMMON_STATE_KEY])[COMMON_STATE_KEY]
@@ -308,7 +319,8 @@ def _rank_state(
         tensor, layer = tensors[name], _LAYER.match(name)
         for data, offsets in _tp_chunks(tensor, shardings[name], tp, tp_rank):
             if layer:
-                key, index = f"{layer.group(1)}.layers.{layer.group(3)}", int(layer.group(2))
+                local_name = FUSED_NORM_NAMES.get(layer.group(3), layer.group(3))
+                key, index = f"{layer.group(1)}.layers.{local_name}", int(layer.group(2))
                 chunk = Chunk(data.unsqueeze(0), (index, *offsets), (num_layers, *tensor.shape))
             else:
                 key, chunk = name, Chunk(data, tuple(offsets), tuple(tensor.shape))
@@ -336,12 +348,6 @@ def save(weights: ModelWeights, save_dir: str, target_tp: int = 1, target_pp: in
     shardings = model_shardings(config, padded, weights.model_type)
     args = megatron_args(weights, target_tp, target_pp, padded)
     args.ckpt_format = "torch_dist"
-    common = io.BytesIO()
-    torch.save(
-        [{"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": weights.iteration,
-          "num_floating_point_operations_so_far": 0}],
-        common,
-    )  # fmt: skip
     planners, writers, plans = [], [], []
     for pp_rank in range(target_pp):
         layers = get_layer_range(config.model.num_layers, pp_rank, target_pp)
@@ -351,8 +357,6 @@ def save(weights: ModelWeights, save_dir: str, target_tp: int = 1, target_pp: in
             chunks, objects = _rank_state(
                 tensors, shardings, names, config.model.num_layers, target_tp, tp_rank
             )
-            if rank == 0:
-                objects[COMMON_STATE_KEY] = common
             planner, writer = _RankSavePlanner(chunks, objects), dcp.FileSystemWriter(iteration_dir)
             planner.set_up_planner({}, writer.storage_meta(), is_coordinator=rank == 0)
             writer.set_up_storage_writer(rank == 0, rank=rank)
@@ -367,6 +371,13 @@ def save(weights: ModelWeights, save_dir: str, target_tp: int = 1, target_pp: in
         future = writer.write_data(planner.finish_plan(plan), planner)
         results.append(future.value())
     writers[0].finish(metadata, results)
+    # common.pt, which every Megatron-Core reads (newer ones also read a `common_state` object instead)
+    with atomic_path(os.path.join(iteration_dir, COMMON_FILE)) as tmp:
+        torch.save(
+            {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": weights.iteration,
+             "num_floating_point_operations_so_far": 0},
+            tmp,
+        )  # fmt: skip
     atomic_write_text(os.path.join(iteration_dir, CONFIG_FILE), json.dumps(BACKEND))
     atomic_write_text(os.path.join(save_dir, TRACKER_FILENAME), str(weights.iteration))
     return iteration_dir
