@@ -3,8 +3,8 @@ tests/test_convert_torch_dist.py in a fresh process, where megatron-core is inst
 
     python -m tests.megatron_core_interop tied|untied
 
-Megatron-Core's GPTModel (local spec, GQA Llama shape) loads what our saver wrote with no missing key and the same
-tensors; its own save has exactly our saver's keys, and our loader reads it back bitwise.
+Megatron-Core's GPTModel (local spec, GQA Llama shape) at TP1 loads what our saver wrote for TP2 x PP2 with no
+missing key and the same tensors; its own save has exactly our saver's keys, and our loader reads it back bitwise.
 """
 
 from __future__ import annotations
@@ -51,7 +51,8 @@ def main(untied: bool) -> None:
     parallel_state.initialize_model_parallel(1, 1)
     config, ours = our_llama(untied)
     root = tempfile.mkdtemp()
-    torch_dist.save(ModelWeights(config, trim_vocab(ours.state_dict(), VOCAB)), f"{root}/ours")
+    # saved as TP2 x PP2 ranks write it (fc1 in strided chunks), loaded by Megatron-Core at TP1
+    torch_dist.save(ModelWeights(config, trim_vocab(ours.state_dict(), VOCAB)), f"{root}/ours", 2, 2)
     model = _megatron_core_model(untied)
     loaded = dist_checkpointing.load(model.sharded_state_dict(), f"{root}/ours/iter_0000001")
     result = model.load_state_dict(
