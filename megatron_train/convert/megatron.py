@@ -5,8 +5,8 @@
 
 A file holds {"args": argparse.Namespace, "checkpoint_version", "iteration", "model": state dict, optimizer and
 RNG state}. Model names are Megatron-Core's (ours; TransformerEngine's fused `layer_norm_weight` names too) with
-layer numbers local to the pipeline stage, or, in the released GPT-345M files, the older nested
-`language_model.*` names (docs/architecture.md, checkpoints). Reading a pickle could run code, so files load with
+layer numbers local to the pipeline stage (GPT's `decoder.layers`, BERT's `encoder.layers`), or, in the released
+GPT-345M and BERT-345M files, the older nested `language_model.*` names (docs/architecture.md, checkpoints). Reading a pickle could run code, so files load with
 `weights_only=True` and only the few classes these files hold (`ALLOWED_GLOBALS`); a file naming any other is
 refused before it is unpickled.
 """
