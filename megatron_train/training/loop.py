@@ -286,8 +286,15 @@ class Trainer:
             return f"reached --exit-interval {training.exit_interval}"
         return None
 
-    def train(self, train_iterators: list[Iterator], valid_iterators: list[Iterator] | None) -> bool:
-        """Step until --train-iters; True when an exit condition stopped the run early (after saving)."""
+    def train(
+        self,
+        train_iterators: list[Iterator],
+        valid_iterators: list[Iterator] | None,
+        until: int | None = None,
+    ) -> bool:
+        """Step until iteration `until` (default --train-iters; finetuning stops at each epoch's end); True when
+        an exit condition stopped the run early (after saving)."""
+        until = self.setup.train_iters if until is None else until
         training, ckpt = self.config.training, self.config.checkpoint
         interval = IntervalStats(start=time.perf_counter())
         train_start = time.time()
@@ -295,7 +302,7 @@ class Trainer:
         self.hooks.start_training()
         with handler if handler is not None else contextlib.nullcontext(), contextlib.ExitStack() as cleanup:
             cleanup.callback(self.hooks.end_training)
-            while self.progress.iteration < self.setup.train_iters:
+            while self.progress.iteration < until:
                 self.hooks.before_step(self.progress.iteration)
                 self.setup.calculator.update(self.progress.consumed_train_samples)
                 losses, skipped, grad_norm = train_step(

@@ -1,0 +1,320 @@
+"""Finetuning BERT on RACE, MNLI and QQP (`tasks.main --task ...`): the official file formats and their errors,
+Megatron's sample layout, learnable synthetic tasks finetuned from a pretrained tiny BERT to well above chance
+with Megatron-shaped accuracy lines, DP=2 equal to one process, resume, and Hugging Face datasets."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+import numpy as np
+import pytest
+
+from megatron_train.tasks.finetune.glue import read_mnli, read_qqp
+from megatron_train.tasks.finetune.race import read_race
+from megatron_train.tasks.finetune.samples import (
+    ChoiceRecord,
+    PairRecord,
+    TaskDataError,
+    choice_sample,
+    tokens_types_paddings,
+)
+from tests.distributed import run_distributed
+from tests.test_bert_training import bert_argv
+from tests.wordpiece_corpus import STEMS, build_tokenizer, write_sentence_corpus
+
+MNLI_HEADER = (
+    "index promptID pairID genre sentence1_binary_parse sentence2_binary_parse sentence1_parse sentence2_parse "
+    "sentence1 sentence2 label1 gold_label"
+).split()
+MNLI_LABELS = ("contradiction", "entailment", "neutral")
+MARKERS = ("ba", "be", "bi", "bo")  # the stem that decides a synthetic example's label
+FILLER = [stem for stem in STEMS if stem not in MARKERS]
+
+
+def words(rng: np.random.Generator, count: int) -> str:
+    return " ".join(rng.choice(FILLER, size=count))
+
+
+def write_mnli(path: str, count: int, seed: int) -> list[int]:
+    """An MNLI .tsv whose label is decided by the marker stem that starts sentence 2; returns the labels."""
+    rng = np.random.default_rng(seed)
+    rows, labels = ["\t".join(MNLI_HEADER)], []
+    for index in range(count):
+        label = int(rng.integers(3))
+        first, second = words(rng, 6), f"{MARKERS[label]} {words(rng, 4)} ."
+        rows.append(
+            "\t".join(
+                [
+                    str(index),
+                    "1",
+                    "1n",
+                    "fiction",
+                    "(x)",
+                    "(y)",
+                    "(X)",
+                    "(Y)",
+                    first,
+                    second,
+                    "l",
+                    MNLI_LABELS[label],
+                ]
+            )
+        )
+        labels.append(label)
+    with open(path, "w", encoding="utf-8") as handle:
+        handle.write("\n".join(rows) + "\n")
+    return labels
+
+
+def write_qqp(path: str, count: int, seed: int) -> None:
+    """A QQP .tsv: a duplicate when question 2 starts with the marker `ba`, not when it starts with `be`."""
+    rng = np.random.default_rng(seed)
+    rows = ["id\tqid1\tqid2\tquestion1\tquestion2\tis_duplicate"]
+    for index in range(count):
+        label = int(rng.integers(2))
+        rows.append(
+            f"{index}\t{2 * index}\t{2 * index + 1}\t{words(rng, 5)} ?\t{MARKERS[1 - label]} {words(rng, 4)} ?\t{label}"
+        )
+    with open(path, "w", encoding="utf-8") as handle:
+        handle.write("\n".join(rows) + "\n")
+
+
+def write_race(folder: str, files: int, seed: int) -> None:
+    """RACE JSON files, two questions each: the right option is the one holding the marker `ba`."""
+    rng = np.random.default_rng(seed)
+    os.makedirs(folder, exist_ok=True)
+    for number in range(files):
+        answers, options = [], []
+        for _ in range(2):
+            right = int(rng.integers(4))
+            options.append([f"ba {words(rng, 2)}" if i == right else words(rng, 3) for i in range(4)])
+            answers.append("ABCD"[right])
+        document = {
+            "answers": answers,
+            "options": options,
+            "questions": [f"{words(rng, 3)} _ ?", f"{words(rng, 3)} ?"],
+            "article": f"{words(rng, 8)} .\n{words(rng, 6)} .",
+            "id": f"{number}.txt",
+        }
+        with open(os.path.join(folder, f"{number}.txt"), "w", encoding="utf-8") as handle:
+            json.dump(document, handle)
+
+
+# --- formats and samples ---
+
+
+def test_sample_layout_is_megatrons(tmp_path):
+    tokenizer = build_tokenizer(tmp_path)
+    cls, sep, pad = tokenizer.cls, tokenizer.sep, tokenizer.pad
+    assert tokens_types_paddings([7, 8], [9], 8, tokenizer) == (
+        [cls, 7, 8, sep, 9, sep, pad, pad],
+        [0, 0, 0, 0, 1, 1, 0, 0],
+        [1, 1, 1, 1, 1, 1, 0, 0],
+    )
+    # cut to the sequence length, still ending in [SEP]
+    assert tokens_types_paddings([7, 8], [9, 10, 11, 12], 6, tokenizer)[0] == [cls, 7, 8, sep, 9, sep]
+    record = ChoiceRecord(0, "zu zu", "ka _ ?", ("ma", "me", "mi", "mo"), 2)
+    sample = choice_sample(record, tokenizer, 10)
+    assert sample["text"].shape == (4, 10) and sample["label"] == 2
+    assert list(sample["text"][1][:8]) == [
+        cls,
+        *tokenizer.tokenize("ka me ?"),
+        sep,
+        *tokenizer.tokenize("zu zu"),
+        sep,
+    ]
+
+
+def test_official_formats_read(tmp_path):
+    labels = write_mnli(str(tmp_path / "dev_matched.tsv"), 5, seed=0)
+    records = read_mnli(str(tmp_path / "dev_matched.tsv"))
+    assert [r.label for r in records] == labels and [r.uid for r in records] == list(range(5))
+    assert records[0].text_b.split()[0] in MARKERS
+    write_qqp(str(tmp_path / "dev.tsv"), 4, seed=0)
+    assert all(isinstance(r, PairRecord) and r.label in (0, 1) for r in read_qqp(str(tmp_path / "dev.tsv")))
+    write_race(str(tmp_path / "RACE" / "dev" / "middle"), 3, seed=0)
+    race = read_race(str(tmp_path / "RACE" / "dev" / "middle"))
+    assert len(race) == 6 and [r.uid for r in race] == list(range(6))
+    assert all("ba" in r.options[r.label].split() for r in race)
+    assert "\n" in race[0].article  # cleaned when tokenized, as Megatron
+
+
+def test_a_test_file_without_labels_gets_megatrons_test_label(tmp_path):
+    path = tmp_path / "test_matched.tsv"
+    path.write_text(
+        "\t".join(MNLI_HEADER[:-2]) + "\n" + "\t".join(["3", "", "", "", "", "", "", "", "a b", "c d"]) + "\n"
+    )
+    assert read_mnli(str(path)) == [PairRecord(3, "a b", "c d", 0)]  # contradiction
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ("index\tsentence1\tgold_label\n", r"dev\.tsv: line 1: no column 'sentence2' in the header"),
+        (
+            "index\tsentence1\tsentence2\tgold_label\n0\ta\tb\tentailment\n1\ta\tb\tmaybe\n",
+            r"dev\.tsv: line 3: field 'gold_label' is 'maybe', not one of \['contradiction', 'entailment', 'neutral'\]",
+        ),
+        (
+            "index\tsentence1\tsentence2\tgold_label\n0\ta\tb\n",
+            r"dev\.tsv: line 2: 3 fields but the header has 4",
+        ),
+        (
+            "index\tsentence1\tsentence2\tgold_label\n0\t \tb\tneutral\n",
+            r"dev\.tsv: line 2: field 'sentence1' is empty",
+        ),
+        (
+            "index\tsentence1\tsentence2\tgold_label\nx\ta\tb\tneutral\n",
+            r"line 2: field 'index' is 'x', not a non-negative",
+        ),
+        ("", r"dev\.tsv: line 1: empty file"),
+    ],
+)
+def test_malformed_glue_files_are_named(tmp_path, content, message):
+    path = tmp_path / "dev.tsv"
+    path.write_text(content)
+    with pytest.raises(TaskDataError, match=message):
+        read_mnli(str(path))
+
+
+def test_missing_files_are_named(tmp_path):
+    with pytest.raises(TaskDataError, match=r"nope\.tsv: file: no such file"):
+        read_qqp(str(tmp_path / "nope.tsv"))
+    with pytest.raises(TaskDataError, match=r"middle: folder: no \*\.txt files"):
+        os.makedirs(tmp_path / "middle")
+        read_race(str(tmp_path / "middle"))
+
+
+@pytest.mark.parametrize(
+    ("document", "message"),
+    [
+        (
+            {"article": "a", "questions": ["q"], "options": [["a", "b", "c", "d"]]},
+            r"record: no field 'answers'",
+        ),
+        (
+            {"article": "a", "questions": ["q"], "options": [["a", "b", "c"]], "answers": ["A"]},
+            r"question 0: field 'options' must hold 4",
+        ),
+        (
+            {"article": "a", "questions": ["q"], "options": [["a", "b", "c", "d"]], "answers": ["E"]},
+            r"question 0: field 'answers' is 'E'",
+        ),
+        (
+            {"article": "a", "questions": ["q", "r"], "options": [["a", "b", "c", "d"]], "answers": ["A"]},
+            r"field 'options' must be a list with one entry per question \(2\)",
+        ),
+        ("{not json", r"1\.txt: line 1: not JSON"),
+    ],
+)
+def test_malformed_race_files_are_named(tmp_path, document, message):
+    (tmp_path / "1.txt").write_text(document if isinstance(document, str) else json.dumps(document))
+    with pytest.raises(TaskDataError, match=message):
+        read_race(str(tmp_path))
+
+
+# --- finetuning runs ---
+
+ACCURACY_LINE = re.compile(
+    r"^ > \|epoch: (-?\d+)\| metrics for ([\w-]+): correct / total = (\d+) / (\d+) = (\d+\.\d{4}) %, "
+    r"elapsed time \(sec\): \d+\.\d{3}$"
+)
+OVERALL_LINE = re.compile(
+    r"^ >> \|epoch: (-?\d+)\| overall: correct / total = (\d+) / (\d+) = (\d+\.\d{4}) %$"
+)
+
+
+def finetune_worker(rank: int, world_size: int, runs: list[list[str]]) -> list[tuple[dict, str]]:
+    """tasks.main once per argv in this process group: (its metrics, what it printed)."""
+    import contextlib
+    import io
+
+    from megatron_train.tasks.main import main
+
+    results = []
+    for argv in runs:
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            metrics = main(argv)
+        results.append((metrics, printed.getvalue()))
+    return results
+
+
+def pretrain_worker(rank: int, world_size: int, argv: list[str]) -> None:
+    from megatron_train.pretrain_bert import main
+
+    main(argv)
+
+
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory) -> tuple[str, str]:
+    """(vocab file, checkpoint folder) of a tiny BERT pretrained for 4 steps."""
+    directory = tmp_path_factory.mktemp("finetune-pretrained")
+    tokenizer = build_tokenizer(directory)
+    prefix = str(directory / "corpus_text_sentence")
+    write_sentence_corpus(prefix, tokenizer, 200)
+    save = str(directory / "bert")
+    run_distributed(pretrain_worker, 1, bert_argv(save, (str(directory / "vocab.txt"), prefix)), timeout=300)
+    return str(directory / "vocab.txt"), save
+
+
+@pytest.fixture(scope="module")
+def mnli(tmp_path_factory) -> str:
+    folder = tmp_path_factory.mktemp("MNLI")
+    write_mnli(str(folder / "train.tsv"), 240, seed=1)
+    write_mnli(str(folder / "dev_matched.tsv"), 60, seed=2)
+    write_mnli(str(folder / "dev_mismatched.tsv"), 45, seed=3)
+    return str(folder)
+
+
+def finetune_argv(task: str, checkpoint: str, save: str, *extra: str) -> list[str]:
+    return [
+        "--task", task, "--pretrained-checkpoint", checkpoint, "--save", save, "--load", save, "--seq-length", "32",
+        "--micro-batch-size", "8", "--lr", "2e-3", "--lr-warmup-fraction", "0.1", "--lr-decay-style", "linear",
+        "--log-interval", "10", "--hidden-dropout", "0.0", "--attention-dropout", "0.0", "--num-workers", "0",
+        *extra,
+    ]  # fmt: skip
+
+
+def mnli_argv(pretrained, mnli, save: str, *extra: str) -> list[str]:
+    return finetune_argv(
+        "MNLI", pretrained[1], save, "--train-data", f"{mnli}/train.tsv", "--valid-data",
+        f"{mnli}/dev_matched.tsv", f"{mnli}/dev_mismatched.tsv", *extra,
+    )  # fmt: skip
+
+
+def accuracy_lines(printed: str) -> list[tuple]:
+    """(epoch, split name or "overall", correct, total, percent) of every accuracy line printed."""
+    lines = []
+    for line in printed.splitlines():
+        if match := ACCURACY_LINE.match(line):
+            epoch, name, correct, total, percent = match.groups()
+        elif match := OVERALL_LINE.match(line):
+            (epoch, correct, total, percent), name = match.groups(), "overall"
+        else:
+            continue
+        lines.append((int(epoch), name, int(correct), int(total), float(percent)))
+    return lines
+
+
+def test_mnli_finetunes_well_above_chance_with_megatron_lines(tmp_path, pretrained, mnli):
+    save = str(tmp_path / "mnli")
+    results_json = str(tmp_path / "results.json")
+    argv = mnli_argv(pretrained, mnli, save, "--epochs", "4", "--results-json", results_json)
+    ((metrics, printed),) = run_distributed(finetune_worker, 1, [argv], timeout=300)[0]
+    lines = accuracy_lines(printed)
+    assert [line[:2] for line in lines] == [
+        (epoch, name) for epoch in range(4) for name in ("dev-matched", "dev-mismatched", "overall")
+    ]
+    assert [line[3] for line in lines[:3]] == [60, 45, 105]
+    for epoch, name, correct, total, percent in lines:
+        assert percent == round(100 * correct / total, 4)
+        split = metrics["epochs"][epoch]["splits"].get(name)
+        assert split is None or (split["correct"], split["total"]) == (correct, total)
+    assert lines[-1][2] / 105 > 0.8, printed  # chance: 1/3
+    assert metrics["epochs"][-1]["overall"] == lines[-1][2] / 105
+    assert json.loads(open(results_json).read()) == metrics
+    assert " iteration       10/     120 |" in printed and "lm loss:" in printed
+    assert open(os.path.join(save, "latest_checkpointed_iteration.txt")).read().strip() == "120"
