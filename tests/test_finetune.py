@@ -7,11 +7,14 @@ from __future__ import annotations
 import json
 import os
 import re
+from pathlib import Path
 
 import numpy as np
 import pytest
 
+from megatron_train.checkpointing import read_latest_iteration
 from megatron_train.tasks.finetune.glue import read_mnli, read_qqp
+from megatron_train.tasks.finetune.hf import hf_records
 from megatron_train.tasks.finetune.race import read_race
 from megatron_train.tasks.finetune.samples import (
     ChoiceRecord,
@@ -22,12 +25,13 @@ from megatron_train.tasks.finetune.samples import (
 )
 from tests.distributed import run_distributed
 from tests.test_bert_training import bert_argv
+from tests.test_training import read_metrics
 from tests.wordpiece_corpus import STEMS, build_tokenizer, write_sentence_corpus
 
-MNLI_HEADER = (
-    "index promptID pairID genre sentence1_binary_parse sentence2_binary_parse sentence1_parse sentence2_parse "
-    "sentence1 sentence2 label1 gold_label"
-).split()
+MNLI_HEADER = [
+    "index", "promptID", "pairID", "genre", "sentence1_binary_parse", "sentence2_binary_parse", "sentence1_parse",
+    "sentence2_parse", "sentence1", "sentence2", "label1", "gold_label",
+]  # fmt: skip
 MNLI_LABELS = ("contradiction", "entailment", "neutral")
 MARKERS = ("ba", "be", "bi", "bo")  # the stem that decides a synthetic example's label
 FILLER = [stem for stem in STEMS if stem not in MARKERS]
@@ -299,11 +303,19 @@ def accuracy_lines(printed: str) -> list[tuple]:
     return lines
 
 
-def test_mnli_finetunes_well_above_chance_with_megatron_lines(tmp_path, pretrained, mnli):
-    save = str(tmp_path / "mnli")
-    results_json = str(tmp_path / "results.json")
+@pytest.fixture(scope="module")
+def mnli_run(tmp_path_factory, pretrained, mnli) -> tuple[str, dict, str]:
+    """(save folder, metrics, printed) of 4 MNLI epochs finetuned from the pretrained BERT."""
+    folder = tmp_path_factory.mktemp("mnli-run")
+    save, results_json = str(folder / "mnli"), str(folder / "results.json")
     argv = mnli_argv(pretrained, mnli, save, "--epochs", "4", "--results-json", results_json)
     ((metrics, printed),) = run_distributed(finetune_worker, 1, [argv], timeout=300)[0]
+    assert json.loads(Path(results_json).read_text()) == metrics
+    return save, metrics, printed
+
+
+def test_mnli_finetunes_well_above_chance_with_megatron_lines(mnli_run):
+    save, metrics, printed = mnli_run
     lines = accuracy_lines(printed)
     assert [line[:2] for line in lines] == [
         (epoch, name) for epoch in range(4) for name in ("dev-matched", "dev-mismatched", "overall")
@@ -315,6 +327,184 @@ def test_mnli_finetunes_well_above_chance_with_megatron_lines(tmp_path, pretrain
         assert split is None or (split["correct"], split["total"]) == (correct, total)
     assert lines[-1][2] / 105 > 0.8, printed  # chance: 1/3
     assert metrics["epochs"][-1]["overall"] == lines[-1][2] / 105
-    assert json.loads(open(results_json).read()) == metrics
     assert " iteration       10/     120 |" in printed and "lm loss:" in printed
-    assert open(os.path.join(save, "latest_checkpointed_iteration.txt")).read().strip() == "120"
+    assert read_latest_iteration(save) == 120
+
+
+def training_losses(save: str) -> dict[int, float]:
+    return {r["iteration"]: r["lm loss"] for r in read_metrics(save) if "split" not in r}
+
+
+def test_a_run_stopped_mid_epoch_resumes_to_the_same_model(tmp_path, pretrained, mnli, mnli_run):
+    reference_save, reference, _ = mnli_run
+    save = str(tmp_path / "resumed")
+    argv = mnli_argv(pretrained, mnli, save, "--epochs", "4")
+    stopped, resumed = run_distributed(
+        finetune_worker, 1, [[*argv, "--exit-interval", "45"], argv], timeout=300
+    )[0]
+    assert stopped[0]["iteration"] == 45 and len(stopped[0]["epochs"]) == 1  # epoch 0's accuracy only
+    assert [epoch["epoch"] for epoch in resumed[0]["epochs"]] == [1, 2, 3]
+    assert resumed[0]["epochs"] == reference["epochs"][1:]
+    losses, expected = training_losses(save), training_losses(reference_save)
+    assert len(losses) == len(expected) == 12
+    del losses[50], expected[50]  # the resumed run's first log line averages iterations 46 to 50 only
+    assert losses == expected  # bitwise: JSON floats
+
+
+def test_data_parallel_finetuning_equals_one_process(tmp_path, pretrained, mnli):
+    one, two = str(tmp_path / "dp1"), str(tmp_path / "dp2")
+    ((single, _),) = run_distributed(
+        finetune_worker, 1, [mnli_argv(pretrained, mnli, one, "--epochs", "1")], timeout=300
+    )[0]
+    ((double, _),) = run_distributed(
+        finetune_worker,
+        2,
+        [mnli_argv(pretrained, mnli, two, "--epochs", "1", "--micro-batch-size", "4")],
+        timeout=300,
+    )[-1]
+    np.testing.assert_allclose(
+        list(training_losses(two).values()), list(training_losses(one).values()), rtol=1e-5
+    )
+    assert double["epochs"][0]["splits"] == single["epochs"][0]["splits"]
+
+
+@pytest.fixture(scope="module")
+def synthetic_tasks(tmp_path_factory) -> str:
+    root = tmp_path_factory.mktemp("tasks")
+    write_qqp(str(root / "train.tsv"), 200, seed=4)
+    write_qqp(str(root / "dev.tsv"), 50, seed=5)
+    for split, files, seed in (("train", 60, 6), ("dev", 20, 7)):
+        write_race(str(root / "RACE" / split / "middle"), files, seed)
+        write_race(str(root / "RACE" / split / "high"), files // 2, seed + 10)
+    return str(root)
+
+
+def test_qqp_and_race_finetune_well_above_chance(tmp_path, pretrained, synthetic_tasks):
+    root = synthetic_tasks
+    qqp = finetune_argv(
+        "QQP", pretrained[1], str(tmp_path / "qqp"), "--epochs", "3", "--train-data", f"{root}/train.tsv",
+        "--valid-data", f"{root}/dev.tsv",
+    )  # fmt: skip
+    race = finetune_argv(
+        "RACE", pretrained[1], str(tmp_path / "race"), "--epochs", "4", "--micro-batch-size", "4", "--train-data",
+        f"{root}/RACE/train/middle", f"{root}/RACE/train/high", "--valid-data", f"{root}/RACE/dev/middle",
+        f"{root}/RACE/dev/high",
+    )  # fmt: skip
+    (qqp_metrics, qqp_printed), (race_metrics, race_printed) = run_distributed(
+        finetune_worker, 1, [qqp, race], timeout=300
+    )[0]
+    assert [line[1] for line in accuracy_lines(qqp_printed)][:2] == ["dev", "overall"]
+    assert qqp_metrics["epochs"][-1]["overall"] > 0.85, qqp_printed  # chance: 1/2
+    assert [line[1:4:2] for line in accuracy_lines(race_printed)][:3] == [
+        ("dev-middle", 40),
+        ("dev-high", 20),
+        ("overall", 60),
+    ]
+    assert race_metrics["epochs"][-1]["overall"] > 0.6, race_printed  # chance: 1/4
+
+
+def test_hf_dataset_reads_as_the_tsv_files(tmp_path, mnli):
+    import datasets
+
+    splits = {
+        "train": "train.tsv",
+        "validation_matched": "dev_matched.tsv",
+        "validation_mismatched": "dev_mismatched.tsv",
+    }
+    hf_names = ["entailment", "neutral", "contradiction"]  # the hub's order, not Megatron's ids
+    features = datasets.Features(
+        premise=datasets.Value("string"),
+        hypothesis=datasets.Value("string"),
+        label=datasets.ClassLabel(names=hf_names),
+        idx=datasets.Value("int32"),
+    )
+    ours = {split: read_mnli(f"{mnli}/{name}") for split, name in splits.items()}
+    columns = lambda records: {  # noqa: E731
+        "premise": [r.text_a for r in records],
+        "hypothesis": [r.text_b for r in records],
+        "label": [hf_names.index(MNLI_LABELS[r.label]) for r in records],
+        "idx": [r.uid for r in records],
+    }
+    folder = str(tmp_path / "glue_mnli")
+    datasets.DatasetDict(
+        {
+            split: datasets.Dataset.from_dict(columns(records), features=features)
+            for split, records in ours.items()
+        }
+    ).save_to_disk(folder)
+    assert hf_records("MNLI", folder, list(splits)) == ours
+    with pytest.raises(TaskDataError, match=r"glue_mnli: dataset: no split 'test'"):
+        hf_records("MNLI", folder, ["test"])
+
+
+def test_epochs_0_evaluates_a_finetuned_checkpoint_read_from_a_hf_dataset(tmp_path, mnli, mnli_run):
+    save, reference, _ = mnli_run
+    folder = str(tmp_path / "glue_mnli")
+    test_hf_dataset_reads_as_the_tsv_files(tmp_path, mnli)  # writes the save_to_disk folder
+    argv = [
+        "--task",
+        "MNLI",
+        "--load",
+        save,
+        "--hf-dataset",
+        folder,
+        "--epochs",
+        "0",
+        "--micro-batch-size",
+        "16",
+    ]
+    ((metrics, printed),) = run_distributed(finetune_worker, 1, [argv], timeout=300)[0]
+    lines = accuracy_lines(printed)
+    assert [line[:2] for line in lines] == [
+        (-1, "validation_matched"), (-1, "validation_mismatched"), (-1, "overall")
+    ]  # fmt: skip
+    final = reference["epochs"][-1]
+    assert metrics["epochs"][0]["overall"] == final["overall"]
+    assert metrics["epochs"][0]["splits"]["validation_matched"] == final["splits"]["dev-matched"]
+
+
+def refused_worker(rank: int, world_size: int, argv: list[str]) -> str:
+    import contextlib
+    import io
+
+    from megatron_train.tasks.main import main
+
+    printed = io.StringIO()
+    with pytest.raises(SystemExit), contextlib.redirect_stderr(printed):
+        main(argv)
+    return printed.getvalue()
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--epochs", "1"], "--task MNLI --epochs 1 needs --train-data (or --hf-dataset)"),
+        (["--epochs", "1", "--train-data", "nope.tsv"], "nope.tsv: file: no such file"),
+        (
+            ["--epochs", "0", "--hidden-size", "64"],
+            "--hidden-size (given: hidden_size=64) does not match checkpoint",
+        ),
+        (
+            ["--epochs", "1", "--train-data", "{mnli}/train.tsv", "--global-batch-size", "32"],
+            "one micro-batch per step",
+        ),
+    ],
+)
+def test_bad_finetuning_flags_are_named(tmp_path, pretrained, mnli, flags, message):
+    argv = finetune_argv(
+        "MNLI", pretrained[1], str(tmp_path / "out"), "--valid-data", f"{mnli}/dev_matched.tsv"
+    )
+    argv += [flag.format(mnli=mnli) for flag in flags]
+    (error,) = run_distributed(refused_worker, 1, argv, timeout=300)
+    assert message in error, error
+
+
+def test_a_gpt_checkpoint_is_refused_as_pretrained_bert(tmp_path, mnli):
+    from tests.test_generation import save_tiny_checkpoint
+
+    gpt = save_tiny_checkpoint(str(tmp_path / "gpt"))
+    argv = finetune_argv(
+        "MNLI", gpt, str(tmp_path / "out"), "--valid-data", f"{mnli}/dev_matched.tsv", "--epochs", "0"
+    )
+    (error,) = run_distributed(refused_worker, 1, argv, timeout=300)
+    assert "holds a gpt model; finetuning needs a BERT (pretrain_bert) checkpoint" in error, error

@@ -31,7 +31,7 @@ from megatron_train.parallel import state
 from megatron_train.pretrain_gpt import padded_vocab_size_for
 from megatron_train.tasks.finetune.glue import glue_split_name, read_mnli, read_qqp
 from megatron_train.tasks.finetune.hf import DEFAULT_SPLITS, hf_records
-from megatron_train.tasks.finetune.model import BertClassifier, load_pretrained_bert
+from megatron_train.tasks.finetune.model import BertClassifier, check_bert_checkpoint, load_pretrained_bert
 from megatron_train.tasks.finetune.race import race_split_name, read_race
 from megatron_train.tasks.finetune.samples import build_samples
 from megatron_train.tokenizer import MegatronTokenizer, tokenizer_from_config
@@ -133,7 +133,9 @@ def saved_config(args: argparse.Namespace) -> tuple[MegatronConfig | None, str |
     for folder in (getattr(args, "load", None), args.pretrained_checkpoint):
         iteration_dir = resolve_iteration_dir(folder, None) if folder else None
         if iteration_dir is not None:
-            return config_from_dict(read_metadata(iteration_dir)["args"]), iteration_dir
+            metadata = read_metadata(iteration_dir)
+            check_bert_checkpoint(metadata, iteration_dir)
+            return config_from_dict(metadata["args"]), iteration_dir
     if args.pretrained_checkpoint:
         raise ValueError(
             f"--pretrained-checkpoint {args.pretrained_checkpoint}: no checkpoint there (no "
@@ -181,7 +183,12 @@ def set_schedule(config: MegatronConfig, epochs: int, num_train: int, world_size
     steps_per_epoch = num_train // global_batch
     if epochs and not steps_per_epoch:
         raise ValueError(f"{num_train} training samples are fewer than one global batch of {global_batch}")
-    training.train_iters, training.train_samples = epochs * steps_per_epoch, None
+    training.train_samples = None
+    training.train_iters = epochs * steps_per_epoch
+    if not epochs:  # evaluation only: nothing steps, but the scheduler needs a length and a rate
+        training.train_iters = 1
+        config.optimizer.lr = config.optimizer.lr or 0.0
+        config.checkpoint.no_load_optim = True  # a finetuned --load gives its weights, not its optimizer
     return steps_per_epoch
 
 

@@ -82,6 +82,15 @@ class BertClassifier(BertModel):
         return logits.view(-1, choices) if choices is not None else logits
 
 
+def check_bert_checkpoint(metadata: dict, where: str) -> None:
+    """Refuse a checkpoint that holds no BERT encoder (a GPT's, say) before anything is built."""
+    kind = saved_model_type(metadata)
+    if kind not in ("bert", BertClassifier.model_type):
+        raise CheckpointError(
+            f"--pretrained-checkpoint {where} holds a {kind} model; finetuning needs a BERT (pretrain_bert) checkpoint"
+        )
+
+
 def load_pretrained_bert(
     model: BertClassifier, pretrained: str, config: MegatronConfig, padded_vocab_size: int
 ) -> str:
@@ -98,12 +107,7 @@ def load_pretrained_bert(
             "folder of a pretrain_bert run"
         )
     saved = SavedCheckpoint(iteration_dir)
-    kind = saved_model_type(saved.metadata)
-    if kind not in ("bert", BertClassifier.model_type):
-        raise CheckpointError(
-            f"--pretrained-checkpoint {iteration_dir} holds a {kind} model; finetuning needs a BERT "
-            "(pretrain_bert) checkpoint"
-        )
+    check_bert_checkpoint(saved.metadata, iteration_dir)
     check_compatible(saved.metadata, config, padded_vocab_size, iteration_dir)
     tp_size, tp_rank = state.get_tensor_model_parallel_world_size(), state.get_tensor_model_parallel_rank()
     weights, missing = {}, []
