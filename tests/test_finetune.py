@@ -4,6 +4,7 @@ with Megatron-shaped accuracy lines, DP=2 equal to one process, resume, and Hugg
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -351,21 +352,39 @@ def test_a_run_stopped_mid_epoch_resumes_to_the_same_model(tmp_path, pretrained,
     assert losses == expected  # bitwise: JSON floats
 
 
-def test_data_parallel_finetuning_equals_one_process(tmp_path, pretrained, mnli):
-    one, two = str(tmp_path / "dp1"), str(tmp_path / "dp2")
-    ((single, _),) = run_distributed(
-        finetune_worker, 1, [mnli_argv(pretrained, mnli, one, "--epochs", "1")], timeout=300
-    )[0]
-    ((double, _),) = run_distributed(
-        finetune_worker,
-        2,
-        [mnli_argv(pretrained, mnli, two, "--epochs", "1", "--micro-batch-size", "4")],
-        timeout=300,
-    )[-1]
-    np.testing.assert_allclose(
-        list(training_losses(two).values()), list(training_losses(one).values()), rtol=1e-5
-    )
-    assert double["epochs"][0]["splits"] == single["epochs"][0]["splits"]
+PARALLEL_LAYOUTS = {  # world size 2: half the micro-batch (the same global batches), or TP=2 with SP
+    "dp2": ["--micro-batch-size", "4"],
+    "tp2-sp": ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
+}
+
+
+@pytest.fixture(scope="module")
+def layout_runs(tmp_path_factory, pretrained, mnli) -> dict[str, tuple[str, dict]]:
+    """(save folder, metrics) of one epoch in one process and under each parallel layout, from the same
+    weights (--use-cpu-initialization: the task head too, whatever the TP padding of the vocabulary)."""
+    tmp = tmp_path_factory.mktemp("finetune-layouts")
+    argv = functools.partial(mnli_argv, pretrained, mnli)
+    flags = ["--epochs", "1", "--use-cpu-initialization"]
+    ((single, _),) = run_distributed(finetune_worker, 1, [argv(str(tmp / "one"), *flags)], timeout=300)[0]
+    runs = [argv(str(tmp / name), *flags, *extra) for name, extra in PARALLEL_LAYOUTS.items()]
+    parallel = run_distributed(finetune_worker, 2, runs, timeout=300)[-1]
+    return {
+        "one": (str(tmp / "one"), single),
+        **{
+            name: (str(tmp / name), metrics)
+            for name, (metrics, _) in zip(PARALLEL_LAYOUTS, parallel, strict=True)
+        },
+    }
+
+
+@pytest.mark.parametrize("layout", list(PARALLEL_LAYOUTS))
+def test_parallel_finetuning_equals_one_process(layout_runs, layout):
+    """The TP=2 run loads the TP=1 pretrained checkpoint resharded."""
+    (one, single), (two, parallel) = layout_runs["one"], layout_runs[layout]
+    losses = training_losses(one)
+    assert len(losses) == 3 and len(set(losses.values())) == 3
+    np.testing.assert_allclose(list(training_losses(two).values()), list(losses.values()), rtol=1e-5)
+    assert parallel["epochs"][0]["splits"] == single["epochs"][0]["splits"]
 
 
 @pytest.fixture(scope="module")
