@@ -15,7 +15,7 @@ import pytest
 
 from megatron_train.checkpointing import read_latest_iteration
 from megatron_train.tasks.finetune.glue import read_mnli, read_qqp
-from megatron_train.tasks.finetune.hf import hf_records
+from megatron_train.tasks.finetune.hf import hf_records, load_hf_splits
 from megatron_train.tasks.finetune.race import read_race
 from megatron_train.tasks.finetune.samples import (
     ChoiceRecord,
@@ -527,3 +527,16 @@ def test_a_gpt_checkpoint_is_refused_as_pretrained_bert(tmp_path, mnli):
     )
     (error,) = run_distributed(refused_worker, 1, argv, timeout=300)
     assert "holds a gpt model; finetuning needs a BERT (pretrain_bert) checkpoint" in error, error
+
+
+def test_a_hub_name_is_loaded_from_the_datasets_cache(monkeypatch):
+    import datasets
+
+    loaded = []
+    monkeypatch.setattr(
+        datasets, "load_dataset", lambda path, name, split: loaded.append((path, name, split)) or "rows"
+    )
+    assert load_hf_splits("glue/qqp", ["train", "validation"]) == {"train": "rows", "validation": "rows"}
+    assert loaded == [("glue", "qqp", "train"), ("glue", "qqp", "validation")]
+    load_hf_splits("race", ["test"])
+    assert loaded[-1] == ("race", None, "test")

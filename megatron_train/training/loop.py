@@ -348,6 +348,18 @@ def _is_logging_rank() -> bool:
     return not dist.is_initialized() or dist.get_rank() == dist.get_world_size() - 1
 
 
+def build_metrics_writer(config: MegatronConfig, loaded_iteration: int) -> MetricsWriter | None:
+    """The logging rank's writer (TensorBoard, `metrics.jsonl` in --save by default, W&B); None elsewhere."""
+    if not _is_logging_rank():
+        return None
+    metrics_file = config.logging.metrics_file
+    if metrics_file is None and config.checkpoint.save:
+        metrics_file = os.path.join(config.checkpoint.save, "metrics.jsonl")
+    return MetricsWriter(
+        config.logging.tensorboard_dir, metrics_file, loaded_iteration, wandb=build_wandb_writer(config)
+    )
+
+
 def pretrain(
     config: MegatronConfig,
     model_provider: ModelProvider,
@@ -376,16 +388,7 @@ def pretrain(
         train_iters, valid_iters, test_iters = build_data_iterators(
             config, datasets_provider, setup.train_iters, setup.loaded, num_chunks=len(setup.model)
         )
-        metrics_file = config.logging.metrics_file
-        if metrics_file is None and config.checkpoint.save:
-            metrics_file = os.path.join(config.checkpoint.save, "metrics.jsonl")
-        if _is_logging_rank():
-            writer = MetricsWriter(
-                config.logging.tensorboard_dir,
-                metrics_file,
-                setup.loaded.iteration,
-                wandb=build_wandb_writer(config),
-            )
+        writer = build_metrics_writer(config, setup.loaded.iteration)
         trainer = Trainer(config, setup, forward_step_func, padded_vocab_size, writer)
         exited_early = False
         if not config.training.skip_train and train_iters is not None:

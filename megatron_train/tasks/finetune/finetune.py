@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import itertools
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -35,8 +36,7 @@ from megatron_train.tasks.finetune.model import BertClassifier, check_bert_check
 from megatron_train.tasks.finetune.race import race_split_name, read_race
 from megatron_train.tasks.finetune.samples import build_samples
 from megatron_train.tokenizer import MegatronTokenizer, tokenizer_from_config
-from megatron_train.training.logging import MetricsWriter
-from megatron_train.training.loop import Trainer, get_batch
+from megatron_train.training.loop import Trainer, build_metrics_writer, get_batch
 from megatron_train.training.setup import initialize_distributed, set_random_seed, setup_model_and_optimizer
 
 
@@ -204,7 +204,7 @@ def train_batches(
     dropped; DP rank r takes the r-th micro-batch of each global batch, so any DP size sees the same batches."""
     steps_per_epoch = len(samples) // global_batch
     epoch, order = None, None
-    for step in range(start, 2**62):
+    for step in itertools.count(start):
         if step // steps_per_epoch != epoch:
             epoch = step // steps_per_epoch
             order = np.random.default_rng(seed + epoch).permutation(len(samples))
@@ -280,9 +280,27 @@ def evaluate_accuracy(model: list[torch.nn.Module], data: TaskData, micro_batch:
     return {"epoch": epoch, "splits": results, "overall": correct / max(total, 1)}
 
 
-def run_finetune(args: argparse.Namespace) -> dict:
-    """Finetune (or, with --epochs 0, only evaluate) as the flags say; returns the accuracies of each epoch."""
-    task = TASKS[args.task]
+def classifier_provider(
+    num_classes: int,
+    config: MegatronConfig,
+    padded_vocab_size: int,
+    pre_process: bool = True,
+    post_process: bool = True,
+    vp_stage: int = 0,
+) -> BertClassifier:
+    """The training engine's model provider for the task model (one stage: no pipeline parallelism)."""
+    return BertClassifier(
+        config.model,
+        padded_vocab_size,
+        num_classes,
+        sequence_parallel=config.parallel.sequence_parallel,
+        init_seed=config.training.seed if config.training.use_cpu_initialization else None,
+    )
+
+
+def prepare_finetune(args: argparse.Namespace) -> tuple[MegatronConfig, int, TaskData, int]:
+    """(validated config, padded vocabulary size, tokenized data, steps per epoch), before any process group:
+    every flag, file and checkpoint problem is reported first."""
     saved, where = saved_config(args)
     if saved is not None:
         check_model_flags(args, saved, where)
@@ -298,33 +316,26 @@ def run_finetune(args: argparse.Namespace) -> dict:
     epochs = args.epochs or 0
     steps_per_epoch = set_schedule(config, epochs, len(data.train), world_size)
     validate_config(config, world_size)
+    return config, padded_vocab_size, data, steps_per_epoch
+
+
+def run_finetune(args: argparse.Namespace) -> dict:
+    """Finetune (or, with --epochs 0, only evaluate) as the flags say; returns the accuracies of each epoch."""
+    config, padded_vocab_size, data, steps_per_epoch = prepare_finetune(args)
+    epochs = args.epochs or 0
     created_group = initialize_distributed(config.training.distributed_timeout_minutes)
     state.initialize_model_parallel(config.parallel.tensor_model_parallel_size, 1, None)
     writer = None
     try:
         set_random_seed(config.training.seed)
-
-        def model_provider(config, vocab_size, pre_process, post_process, vp_stage):
-            init_seed = config.training.seed if config.training.use_cpu_initialization else None
-            return BertClassifier(
-                config.model,
-                vocab_size,
-                task.num_classes,
-                sequence_parallel=config.parallel.sequence_parallel,
-                init_seed=init_seed,
-            )
-
+        model_provider = functools.partial(classifier_provider, TASKS[args.task].num_classes)
         setup = setup_model_and_optimizer(config, model_provider, padded_vocab_size, get_device())
         if setup.loaded.iteration == 0 and args.pretrained_checkpoint:
             load_pretrained_bert(
                 setup.unwrapped_model[0], args.pretrained_checkpoint, config, padded_vocab_size
             )
             setup.optimizer.reload_model_params()
-        if dist.get_rank() == dist.get_world_size() - 1:
-            metrics_file = config.logging.metrics_file
-            if metrics_file is None and config.checkpoint.save:
-                metrics_file = os.path.join(config.checkpoint.save, "metrics.jsonl")
-            writer = MetricsWriter(config.logging.tensorboard_dir, metrics_file, setup.loaded.iteration)
+        writer = build_metrics_writer(config, setup.loaded.iteration)
         trainer = Trainer(config, setup, forward_step, padded_vocab_size, writer)
         micro_batch = config.training.micro_batch_size
         results = []
