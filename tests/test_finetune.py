@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from megatron_train.checkpointing import read_latest_iteration
 from megatron_train.tasks.finetune.glue import read_mnli, read_qqp
@@ -540,3 +541,52 @@ def test_a_hub_name_is_loaded_from_the_datasets_cache(monkeypatch):
     assert loaded == [("glue", "qqp", "train"), ("glue", "qqp", "validation")]
     load_hf_splits("race", ["test"])
     assert loaded[-1] == ("race", None, "test")
+
+
+# --- the task model ---
+
+
+def test_multiple_choice_folds_the_options_into_the_batch():
+    from megatron_train.tasks.finetune.model import BertClassifier
+    from tests.test_bert_model import tiny_config
+
+    torch.manual_seed(0)
+    model = BertClassifier(tiny_config(), vocab_size=64, num_classes=1).eval()
+    tokens, types = torch.randint(0, 64, (2, 4, 16)), torch.randint(0, 2, (2, 4, 16))
+    padding = torch.ones(2, 4, 16, dtype=torch.long)
+    padding[:, :, 12:] = 0
+    with torch.no_grad():
+        logits = model(tokens, padding, types)
+        one_by_one = [model(tokens[:, i], padding[:, i], types[:, i]) for i in range(4)]
+    assert logits.shape == (2, 4)
+    torch.testing.assert_close(logits, torch.cat(one_by_one, dim=1))
+
+
+def test_pretrained_bert_without_binary_head_loads_its_encoder_and_the_rest_starts_at_random(
+    tmp_path, caplog
+):
+    from megatron_train.arguments import MegatronConfig
+    from megatron_train.checkpointing import CheckpointError, TrainingProgress, save_checkpoint
+    from megatron_train.data.config import DataConfig
+    from megatron_train.models.bert import bert_model_provider
+    from megatron_train.tasks.finetune.model import BertClassifier, load_pretrained_bert
+    from megatron_train.training.config import CheckpointConfig
+    from tests.test_bert_model import tiny_config
+
+    config = MegatronConfig(model=tiny_config(bert_binary_head=False), data=DataConfig())
+    config.checkpoint = CheckpointConfig(save=str(tmp_path))
+    bert = bert_model_provider(config.model, 64, add_binary_head=False)
+    save_checkpoint(1, bert, None, None, TrainingProgress(), config, padded_vocab_size=64)
+    classifier = BertClassifier(config.model, 64, num_classes=3)
+    load_pretrained_bert(classifier, str(tmp_path), config, 64)
+    weights = classifier.state_dict()
+    for name, tensor in bert.state_dict().items():
+        if not name.startswith(("lm_head.", "output_layer.")):
+            assert torch.equal(weights[name], tensor), name
+    assert (
+        "has no embedding.tokentype_embeddings.weight, pooler.dense.weight, pooler.dense.bias, "
+        in caplog.text
+    )
+    config.model = tiny_config(bert_binary_head=False, hidden_size=64)
+    with pytest.raises(CheckpointError, match="saved with hidden_size=32 but this run has hidden_size=64"):
+        load_pretrained_bert(BertClassifier(config.model, 64, num_classes=3), str(tmp_path), config, 64)
