@@ -402,11 +402,11 @@ def synthetic_tasks(tmp_path_factory) -> str:
 def test_qqp_and_race_finetune_well_above_chance(tmp_path, pretrained, synthetic_tasks):
     root = synthetic_tasks
     qqp = finetune_argv(
-        "QQP", pretrained[1], str(tmp_path / "qqp"), "--epochs", "3", "--train-data", f"{root}/train.tsv",
+        "QQP", pretrained[1], str(tmp_path / "qqp"), "--epochs", "2", "--train-data", f"{root}/train.tsv",
         "--valid-data", f"{root}/dev.tsv",
     )  # fmt: skip
     race = finetune_argv(
-        "RACE", pretrained[1], str(tmp_path / "race"), "--epochs", "4", "--micro-batch-size", "4", "--train-data",
+        "RACE", pretrained[1], str(tmp_path / "race"), "--epochs", "2", "--micro-batch-size", "4", "--train-data",
         f"{root}/RACE/train/middle", f"{root}/RACE/train/high", "--valid-data", f"{root}/RACE/dev/middle",
         f"{root}/RACE/dev/high",
     )  # fmt: skip
@@ -590,3 +590,17 @@ def test_pretrained_bert_without_binary_head_loads_its_encoder_and_the_rest_star
     config.model = tiny_config(bert_binary_head=False, hidden_size=64)
     with pytest.raises(CheckpointError, match="saved with hidden_size=32 but this run has hidden_size=64"):
         load_pretrained_bert(BertClassifier(config.model, 64, num_classes=3), str(tmp_path), config, 64)
+
+
+def test_the_model_comes_from_the_checkpoint_and_how_to_compute_from_the_flags():
+    import argparse
+
+    from megatron_train.arguments import MegatronConfig
+    from megatron_train.data.config import DataConfig
+    from megatron_train.tasks.finetune.finetune import finetune_config
+    from tests.test_bert_model import tiny_config
+
+    saved = MegatronConfig(model=tiny_config(bf16=True, recompute_granularity="selective"), data=DataConfig())
+    config = finetune_config(argparse.Namespace(seq_length=8, fp16=True, lr=1e-4), saved)
+    assert (config.model.hidden_size, config.model.seq_length, config.optimizer.lr) == (32, 8, 1e-4)
+    assert config.model.fp16 and not config.model.bf16 and config.model.recompute_granularity is None

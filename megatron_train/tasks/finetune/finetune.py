@@ -144,16 +144,24 @@ def saved_config(args: argparse.Namespace) -> tuple[MegatronConfig | None, str |
     return None, None
 
 
+# Model fields that say how this run computes, not what the weights are: never taken from the checkpoint.
+RUN_SETTINGS = (
+    "fp16", "bf16", "use_flash_attn", "recompute_granularity", "recompute_method", "recompute_num_layers",
+    "recompute_activations",
+)  # fmt: skip
+
+
 def finetune_config(args: argparse.Namespace, saved: MegatronConfig | None) -> MegatronConfig:
-    """Megatron's sections from the flags given; the model and tokenizer sections start from `saved`'s."""
+    """Megatron's sections from the flags given; the model (but its `RUN_SETTINGS`) and tokenizer sections
+    start from `saved`'s."""
     given = vars(args)
     sections = {}
     for name, cls in SECTIONS.items():
-        values = (
-            dataclasses.asdict(getattr(saved, name))
-            if saved is not None and name in ("model", "tokenizer")
-            else {}
-        )
+        values = {}
+        if saved is not None and name in ("model", "tokenizer"):
+            values = {
+                k: v for k, v in dataclasses.asdict(getattr(saved, name)).items() if k not in RUN_SETTINGS
+            }
         values |= {f.name: given[f.name] for f in dataclasses.fields(cls) if f.name in given}
         try:
             sections[name] = cls(**values)
