@@ -26,7 +26,7 @@ DEFAULT_SPLITS = {  # task -> (train split, validation splits) of the hub datase
 
 def load_hf_splits(name: str, splits: list[str]):
     """{split: datasets.Dataset} from a `save_to_disk` folder or a cached hub dataset `path[/config]`."""
-    import datasets  # the downstream tasks' optional reader: imported only when --hf-dataset is given
+    import datasets  # slow to import: only when --hf-dataset is given
 
     if os.path.isdir(name):
         loaded = datasets.load_from_disk(name)
