@@ -1,8 +1,9 @@
 """`flows.pretrain --model bert|t5|gpt`: BERT and T5 get sentence-split WordPiece data and their own entry point;
-a tiny BERT trains end to end on the embedded corpus under Prefect, then the rerun is all cache hits."""
+a tiny BERT (and T5) trains end to end on the embedded corpus under Prefect, then the rerun is all cache hits."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import lzma
 from pathlib import Path
@@ -51,7 +52,15 @@ def test_each_model_launches_its_entry_point():
         params_from_argv(TINY_BERT, model="bart")
 
 
-def test_bert_pretrain_flow_end_to_end_then_cached(prefect_api_url, tmp_path):
+# What each family adds to TINY_BERT, and the losses its runs log.
+FAMILY_ARGS = {"bert": (), "t5": ("--encoder-seq-length", "64", "--decoder-seq-length", "32")}
+FAMILY_LOSSES = {"bert": ("lm loss", "sop loss"), "t5": ("lm loss",)}
+
+
+@pytest.mark.parametrize("model", ["bert", "t5"])
+def test_pretrain_flow_end_to_end_then_cached(prefect_api_url, tmp_path, model):
+    if importlib.util.find_spec(PRETRAIN_MODULES[model]) is None:
+        pytest.skip(f"{PRETRAIN_MODULES[model]} is not in this tree")
     with lzma.open(EMBEDDED_CORPUS, "rt") as f:
         chapters = [json.loads(line) for _, line in zip(range(60), f, strict=False)]
     source = tmp_path / "kjv60.jsonl"
@@ -64,8 +73,8 @@ def test_bert_pretrain_flow_end_to_end_then_cached(prefect_api_url, tmp_path):
             tokenize=TokenizeParams(workers=1),
             task_runner="threads",
         ),
-        model="bert",
-        megatron_args=TINY_BERT,
+        model=model,
+        megatron_args=(*TINY_BERT, *FAMILY_ARGS[model]),
         nproc_per_node=1,
         save_interval=3,
     )
@@ -78,8 +87,8 @@ def test_bert_pretrain_flow_end_to_end_then_cached(prefect_api_url, tmp_path):
     records = [json.loads(line) for line in Path(run, "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if "split" not in r]
     assert [r["iteration"] for r in steps] == [1, 2, 3, 4, 5, 6]
-    assert all(r["lm loss"] > 0 and r["sop loss"] > 0 for r in steps)  # BERT's two losses
+    assert all(r[key] > 0 for r in steps for key in FAMILY_LOSSES[model])
     metadata = json.loads(Path(run, "iter_0000006", "metadata.json").read_text())
-    assert metadata["model_type"] == "bert"
+    assert metadata["model_type"] == model
     again = pretrain_flow(config)
     assert again["pretrain"]["url"] == refs["pretrain"]["url"] and again["pretrain"]["cache_hit"]
