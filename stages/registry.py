@@ -13,6 +13,9 @@ from stages.base import Stage
 STAGE_MODULES: dict[str, str] = {
     name: f"stages.{name}"
     for name in ("download", "clean", "dedup", "train_tokenizer", "tokenize", "pretrain", "evaluate")
+} | {
+    name: f"stages.{name}"
+    for name in ("retro_db", "retro_embed", "retro_index_train", "retro_index_add", "retro_query")
 }
 
 
