@@ -15,7 +15,14 @@ STAGE_MODULES: dict[str, str] = {
     for name in ("download", "clean", "dedup", "train_tokenizer", "tokenize", "pretrain", "evaluate")
 } | {
     name: f"stages.{name}"
-    for name in ("retro_db", "retro_embed", "retro_index_train", "retro_index_add", "retro_query")
+    for name in (
+        "retro_embedder",
+        "retro_db",
+        "retro_embed",
+        "retro_index_train",
+        "retro_index_add",
+        "retro_query",
+    )
 }
 
 

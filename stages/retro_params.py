@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -156,7 +155,8 @@ def token_prefix(tokenize: ArtifactRef) -> str:
     return tokenize.local_path(index_file_path(name))[: -len(".idx")]
 
 
-def local_dir(ref: ArtifactRef, names: list[str]) -> str:
-    """The local folder of an artifact holding `names` (downloaded from a remote store)."""
+def local_dir(ref: ArtifactRef, names: list[str] | None = None) -> str:
+    """The local folder of an artifact holding `names` (default: all its files), downloaded from a remote store."""
+    names = ref.files() if names is None else names
     paths = [ref.local_path(name) for name in names]
-    return os.path.dirname(paths[0])
+    return paths[0][: -len(names[0])].rstrip("/")

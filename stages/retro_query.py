@@ -59,16 +59,15 @@ def link_tree(src: str, dest: str) -> None:
                 link_or_copy(path, os.path.join(dest, os.path.relpath(path, src)))
 
 
+def project_tokenizer_file(path: str | None) -> str | None:
+    """Where the project holds a GPT tokenizer file: gpt/<its name>."""
+    return None if path is None else f"{GPT_TOKENIZER_DIR}/{os.path.basename(path)}"
+
+
 def project_config(
     params: QueryParams, chunk_length: int, neighbour_dirs: dict[str, str | None]
 ) -> RetroProject:
     """config.json's fields; tokenizer files are named as the project holds them."""
-    files = {
-        name: None
-        if getattr(params, f"gpt_{name}") is None
-        else f"{GPT_TOKENIZER_DIR}/{os.path.basename(getattr(params, f'gpt_{name}'))}"
-        for name in ("vocab_file", "merge_file", "tokenizer_model")
-    }
     _, lower_case = embedder_vocab(params.embedder_path())
     return RetroProject(
         retro_gpt_data_path=[DATA_NAME],
@@ -86,9 +85,9 @@ def project_config(
         retro_block_size=params.block_size,
         retro_query_num_neighbors_save=params.num_neighbors_save,
         retro_neighbor_dirs=neighbour_dirs,
-        retro_gpt_vocab_file=files["vocab_file"],
-        retro_gpt_merge_file=files["merge_file"],
-        retro_gpt_tokenizer_model=files["tokenizer_model"],
+        retro_gpt_vocab_file=project_tokenizer_file(params.gpt_vocab_file),
+        retro_gpt_merge_file=project_tokenizer_file(params.gpt_merge_file),
+        retro_gpt_tokenizer_model=project_tokenizer_file(params.gpt_tokenizer_model),
     )
 
 
@@ -144,7 +143,7 @@ class RetroQueryStage(Stage):
                 config,
                 retro_neighbor_dirs={split: split if split in counts else None for split in SPLIT_NAMES},
             )
-            self._link_inputs(params, config, prefix, db_dir, index, project_dir)
+            self._link_inputs(params, prefix, db_dir, index, project_dir)
             config.save(project_dir)
             files = {
                 os.path.relpath(os.path.join(root, name), project_dir): os.path.join(root, name)
@@ -166,7 +165,6 @@ class RetroQueryStage(Stage):
     @staticmethod
     def _link_inputs(
         params: QueryParams,
-        config: RetroProject,
         prefix: str,
         db_dir: str,
         index: ArtifactRef,
@@ -176,12 +174,9 @@ class RetroQueryStage(Stage):
         data_prefix = os.path.join(project_dir, layout.DATA_DIR, DATA_NAME)
         link_or_copy(data_file_path(prefix), data_file_path(data_prefix))
         link_or_copy(index_file_path(prefix), index_file_path(data_prefix))
-        for name in ("vocab_file", "merge_file", "tokenizer_model"):
-            if getattr(config, f"retro_gpt_{name}") is not None:
-                link_or_copy(
-                    getattr(params, f"gpt_{name}"),
-                    os.path.join(project_dir, getattr(config, f"retro_gpt_{name}")),
-                )
+        for path in (params.gpt_vocab_file, params.gpt_merge_file, params.gpt_tokenizer_model):
+            if path is not None:
+                link_or_copy(path, os.path.join(project_dir, project_tokenizer_file(path)))
         link_or_copy(embedder_vocab(params.embedder_path())[0], os.path.join(project_dir, BERT_VOCAB))
         link_tree(params.embedder_path(), layout.embedder_dir(project_dir))
         project_db = layout.db_dir(project_dir)
