@@ -12,6 +12,10 @@ import torch
 from megatron_train.checkpointing.inference import load_model_for_inference
 from megatron_train.models.hf_bert import load_hf_bert
 from retro.embedder import BertEmbedder, Pooling, embedder_tokenizer, load_embedder, read_pooling
+from stages import retro_embedder
+from stages.retro_embedder import EmbedderParams
+from stages.retro_params import local_dir
+from storage.artifacts import ArtifactStore
 from tests.distributed import run_distributed
 from tests.retro_corpus import write_tiny_embedder
 from tests.test_bert_training import bert_argv, bert_worker
@@ -86,3 +90,20 @@ def test_an_unknown_directory_names_what_the_embedder_takes(tmp_path):
         FileNotFoundError, match="neither a Megatron-Flow checkpoint .* nor a Hugging Face BERT"
     ):
         load_embedder(str(tmp_path))
+
+
+def test_the_embedder_stage_keeps_the_first_layers_and_pools_as_the_source(tmp_path):
+    source = write_tiny_embedder(str(tmp_path / "source"))
+    store = ArtifactStore(str(tmp_path / "store"))
+    whole = retro_embedder.run(EmbedderParams(source=source), [], store)
+    cut = retro_embedder.run(EmbedderParams(source=source, num_layers=1), [], store)
+    assert whole.key != cut.key and sorted(whole.files()) == sorted(cut.files())
+    full, one = load_hf_bert(local_dir(whole)), load_hf_bert(local_dir(cut))
+    assert (full.config.num_layers, one.config.num_layers) == (2, 1)
+    first_layer = {k: v for k, v in full.model.state_dict().items() if not k.startswith("encoder.layers.1.")}
+    for name, tensor in one.model.state_dict().items():
+        if name in one.missing:  # heads the BertModel checkpoint does not have
+            continue
+        torch.testing.assert_close(tensor, first_layer[name], rtol=0, atol=0, msg=name)
+    with pytest.raises(ValueError, match="num-layers 3: .* has 2 layers"):
+        retro_embedder.run(EmbedderParams(source=source, num_layers=3), [], store)
