@@ -26,9 +26,9 @@ from flows.publish import publish_stages
 from flows.server import prefect_api
 from flows.summary import summarize, summary_table
 from flows.tasks import make_task_runner, stage_ref
-from stages.retro_embedder import EmbedderParams
 from stages.retro_params import (
     DbParams,
+    EmbedderParams,
     EmbedParams,
     IndexAddParams,
     IndexTrainParams,

@@ -12,28 +12,15 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from dataclasses import dataclass
 
 from safetensors.torch import save_file
 
 from megatron_train.models.hf_bert import WEIGHT_FILES, read_hf_weights
 from stages.base import Inputs, Stage
-from stages.retro_params import default_embedder
+from stages.retro_params import EmbedderParams
 from storage.artifacts import ArtifactRef, ArtifactStore, ArtifactWriter
 from storage.atomic import is_temporary
 from storage.fingerprint import hash_path
-
-
-@dataclass(frozen=True)
-class EmbedderParams:
-    """`source`: a Hugging Face BERT-family directory (None: the installed all-MiniLM-L6-v2); `num_layers`: keep
-    the first layers only (None: all)."""
-
-    source: str | None = None
-    num_layers: int | None = None
-
-    def source_path(self) -> str:
-        return self.source or default_embedder()
 
 
 def cut_layers(source: str, num_layers: int, out_dir: str) -> None:

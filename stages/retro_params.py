@@ -1,6 +1,7 @@
 """The Retro stages' settings and what they share: tokenizers, the embedder, input artifacts' local files.
 
-Five stages build a Retro project (docs/architecture.md, Retro preprocessing): `retro_db` (chunk database),
+Six stages build a Retro project (docs/architecture.md, Retro preprocessing): `retro_embedder` (the embedder
+directory), `retro_db` (chunk database),
 `retro_embed` (chunk embeddings in blocks), `retro_index_train`, `retro_index_add` and `retro_query`
 (neighbours of the pretraining samples, written as the Retro project directory). Their params carry Megatron's
 `--retro-*` values under plain names; files (GPT tokenizer, embedder) enter the keys by content, and settings
@@ -76,6 +77,18 @@ def cached_gpt_tokenizer(
     return build_tokenizer(
         tokenizer_type, vocab_file=vocab_file, merge_file=merge_file, tokenizer_model=tokenizer_model
     )
+
+
+@dataclass(frozen=True)
+class EmbedderParams:
+    """`source`: a Hugging Face BERT-family directory (None: the installed all-MiniLM-L6-v2); `num_layers`: keep
+    the first layers only (None: all)."""
+
+    source: str | None = None
+    num_layers: int | None = None
+
+    def source_path(self) -> str:
+        return self.source or default_embedder()
 
 
 @dataclass(frozen=True)

@@ -13,8 +13,7 @@ from megatron_train.checkpointing.inference import load_model_for_inference
 from megatron_train.models.hf_bert import load_hf_bert
 from retro.embedder import BertEmbedder, Pooling, embedder_tokenizer, load_embedder, read_pooling
 from stages import retro_embedder
-from stages.retro_embedder import EmbedderParams
-from stages.retro_params import local_dir
+from stages.retro_params import EmbedderParams, local_dir
 from storage.artifacts import ArtifactStore
 from tests.distributed import run_distributed
 from tests.retro_corpus import write_tiny_embedder

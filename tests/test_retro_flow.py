@@ -13,10 +13,17 @@ import pytest
 from flows import retro
 from flows.retro import RetroFlowConfig, committed_retro, project_dir, retro_flow
 from retro.db import ChunkDatabase
-from retro.project import RetroProject, db_dir
+from retro.embedder import load_embedder
+from retro.project import RetroProject, db_dir, embedder_dir
 from retro.query import load_neighbours
-from stages.retro_embedder import EmbedderParams
-from stages.retro_params import DbParams, EmbedParams, IndexAddParams, IndexTrainParams, QueryParams
+from stages.retro_params import (
+    DbParams,
+    EmbedderParams,
+    EmbedParams,
+    IndexAddParams,
+    IndexTrainParams,
+    QueryParams,
+)
 from tests.test_corpus_flow import _base_chapters, _config
 
 RETRO_STAGES = (
@@ -72,6 +79,10 @@ def test_flow_writes_a_retro_project_and_a_rerun_is_all_cache_hits(
     assert project.retro_bert_tokenizer_type == "BertWordPieceLowerCase"
     assert os.path.isfile(os.path.join(directory, project.retro_gpt_merge_file))
     db = ChunkDatabase(db_dir(directory))
+    assert not os.path.exists(
+        os.path.join(embedder_dir(directory), "manifest.json")
+    )  # the embedder's files only
+    assert load_embedder(embedder_dir(directory)).model.config.num_layers == 1
     neighbours = load_neighbours(project.neighbor_dir(directory, "train"))
     assert neighbours.shape[1] == 2 and neighbours.max() < len(db) and (neighbours >= 0).all()
     assert np.unique(neighbours).size > len(db) // 4  # spread over the database, not one hub
