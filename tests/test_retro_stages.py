@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import uuid
 
 import faiss
 import numpy as np
@@ -22,7 +23,14 @@ from retro.project import RetroProject, db_dir, index_path
 from retro.query import load_neighbours
 from stages import retro_db, retro_embed, retro_index_add, retro_index_train, retro_query, tokenize
 from stages.retro_embed import embedding_blocks, load_embeddings
-from stages.retro_params import DbParams, EmbedParams, IndexAddParams, IndexTrainParams, QueryParams
+from stages.retro_params import (
+    DbParams,
+    EmbedParams,
+    IndexAddParams,
+    IndexTrainParams,
+    QueryParams,
+    local_dir,
+)
 from stages.tokenize_params import TokenizeParams
 from storage.artifacts import ArtifactStore
 from tests.retro_corpus import topic_texts, write_tiny_embedder
@@ -218,3 +226,19 @@ def test_a_killed_stage_resumes_without_redoing_committed_blocks(setup, tmp_path
     assert blocks >= 6 and counter.blocks == blocks - 2  # the two blocks committed before the kill are kept
     reference = refs["embed" if stage == "embed" else "add"]
     assert resumed.manifest()["files"] == reference.manifest()["files"]  # same bytes as the uninterrupted run
+
+
+def test_an_object_store_gives_the_same_neighbours(setup, tmp_path, monkeypatch):
+    """The stages on a `memory://` store (files reach them as cached local copies) write the local store's
+    neighbours."""
+    monkeypatch.setenv("MEGATRON_FLOW_CACHE", str(tmp_path / "cache"))
+    local = run_all(setup, setup.store)["query"]
+    remote = run_all(setup, ArtifactStore(f"memory://retro-{uuid.uuid4().hex}"))["query"]
+    assert remote.url.startswith("memory://") and not remote.cache_hit
+    neighbours = {name: info for name, info in local.manifest()["files"].items() if name.endswith(".npy")}
+    assert neighbours and {name: remote.manifest()["files"][name] for name in neighbours} == neighbours
+    project = local_dir(remote)  # the whole project, downloaded
+    np.testing.assert_array_equal(
+        load_neighbours(os.path.join(project, "query", "train")),
+        load_neighbours(os.path.join(local_dir(local), "query", "train")),
+    )
