@@ -102,7 +102,9 @@ def retro_data_stages(
 
     tokenize = refs["tokenize"]
     refs["retro_db"] = run("retro_db", params(config.db), [tokenize])
-    refs["retro_embed"] = run("retro_embed", params(config.embed), [tokenize, refs["retro_db"]])
+    refs["retro_embed"] = run(  # as many embedding processes as the task runner runs at once
+        "retro_embed", params(config.embed, workers=config.corpus.workers), [tokenize, refs["retro_db"]]
+    )
     refs["retro_index_train"] = run(
         "retro_index_train", dataclasses.asdict(config.index_train), [refs["retro_db"], refs["retro_embed"]]
     )

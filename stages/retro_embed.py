@@ -15,6 +15,7 @@ import os
 import time
 
 import numpy as np
+import torch
 
 from retro.blocks import block_ranges
 from retro.db import ChunkDatabase
@@ -40,8 +41,10 @@ def block_file(start: int, end: int) -> str:
 
 
 @functools.cache
-def worker_embedder(path: str, batch_size: int, device: str | None) -> BertEmbedder:
-    """One embedder per worker process (loaded on its first block)."""
+def worker_embedder(path: str, batch_size: int, device: str | None, workers: int) -> BertEmbedder:
+    """One embedder per worker process (loaded on its first block), using its share of the CPU cores
+    (`workers` processes embed at once; more torch threads than cores slow every one of them down)."""
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
     return load_embedder(path, batch_size, device)
 
 
@@ -54,7 +57,7 @@ def embed_block(
     writer: ArtifactWriter, params: EmbedParams, db_dir: str, prefix: str, start: int, end: int
 ) -> dict:
     """Embed chunks [start, end) and commit them as one shard."""
-    embed: Embed = worker_embedder(params.embedder_path(), params.batch_size, params.device)
+    embed: Embed = worker_embedder(params.embedder_path(), params.batch_size, params.device, params.workers)
     vectors = embed_chunks(
         worker_database(db_dir, prefix), np.arange(start, end), embed, params.gpt_tokenizer()
     )

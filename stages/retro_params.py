@@ -110,7 +110,9 @@ class EmbedParams(RetroParams):
     block_size: int = 100_000
     batch_size: int = 128
     device: str | None = None  # None: the GPU when there is one
-    workers: int = 2
+    workers: int = (
+        2  # processes embedding at once (a flow: its task runner's), each with its share of the cores
+    )
 
     RUNTIME_FIELDS: ClassVar[tuple[str, ...]] = ("batch_size", "device", "workers")
 
