@@ -41,13 +41,16 @@ from storage.artifacts import ArtifactStore
 class RetroFlowConfig(BaseModel):
     """Everything the Retro data flow does, with the defaults of `make retro`: the embedded corpus, 64-token
     chunks, all-MiniLM-L6-v2 cut to its first layer, an IVF index of 128 lists searched with nprobe 16, and
-    the samples of a 256-token, 200-iteration Retro run of global batch 16."""
+    the samples of a 256-token, 200-iteration Retro run of global batch 16. The `query` section is the Retro
+    pretraining run's data settings (sequence length, split, seed, samples, evaluation, global batch): they
+    go to the project's config.json, which `pretrain_retro` takes them from. The database holds the train
+    documents of `query.split` (Megatron's one `--retro-gpt-split`; `db.split` is set from it)."""
 
     model_config = ConfigDict(frozen=True)
 
     corpus: CorpusConfig = CorpusConfig()
     embedder: EmbedderParams = EmbedderParams(num_layers=1)
-    db: DbParams = DbParams(chunk_length=64, split="98,2,0")
+    db: DbParams = DbParams(chunk_length=64)
     embed: EmbedParams = EmbedParams(block_size=2000, workers=2)
     index_train: IndexTrainParams = IndexTrainParams(index_str="IVF128,Flat", ntrain=8000)
     index_add: IndexAddParams = IndexAddParams(workers=2)
@@ -101,7 +104,7 @@ def retro_data_stages(
         return dataclasses.asdict(dataclasses.replace(section, **shared, **overrides))
 
     tokenize = refs["tokenize"]
-    refs["retro_db"] = run("retro_db", params(config.db), [tokenize])
+    refs["retro_db"] = run("retro_db", params(config.db, split=config.query.split), [tokenize])
     refs["retro_embed"] = run(  # as many embedding processes as the task runner runs at once
         "retro_embed", params(config.embed, workers=config.corpus.workers), [tokenize, refs["retro_db"]]
     )
@@ -115,7 +118,7 @@ def retro_data_stages(
     )
     refs["retro_query"] = run(
         "retro_query",
-        params(config.query, split=config.db.split),
+        params(config.query),
         [tokenize, refs["retro_db"], refs["retro_index_add"]],
     )
     return refs

@@ -16,6 +16,7 @@ from retro.db import ChunkDatabase
 from retro.embedder import load_embedder
 from retro.project import RetroProject, db_dir, embedder_dir
 from retro.query import load_neighbours
+from stages.registry import STAGE_MODULES
 from stages.retro_params import (
     DbParams,
     EmbedderParams,
@@ -26,14 +27,7 @@ from stages.retro_params import (
 )
 from tests.test_corpus_flow import _base_chapters, _config
 
-RETRO_STAGES = (
-    "retro_embedder",
-    "retro_db",
-    "retro_embed",
-    "retro_index_train",
-    "retro_index_add",
-    "retro_query",
-)
+RETRO_STAGES = [name for name in STAGE_MODULES if name.startswith("retro_")]
 
 
 @pytest.fixture(scope="module")
@@ -48,12 +42,12 @@ def small_config(store: str, source) -> RetroFlowConfig:
     return RetroFlowConfig(
         corpus=_config(store, source),
         embedder=EmbedderParams(num_layers=1),
-        db=DbParams(chunk_length=64, split="90,10,0"),
+        db=DbParams(chunk_length=64),
         embed=EmbedParams(block_size=100, workers=1),
         index_train=IndexTrainParams(index_str="IVF8,Flat", ntrain=300),
         index_add=IndexAddParams(workers=1),
         query=QueryParams(
-            seq_length=128, train_samples=64, eval_interval=4, eval_iters=1, global_batch_size=8,
+            seq_length=128, split="90,10,0", train_samples=64, eval_interval=4, eval_iters=1, global_batch_size=8,
             nprobe=4, num_neighbors_query=10, num_neighbors_save=2, block_size=100,
         ),
     )  # fmt: skip
