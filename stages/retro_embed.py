@@ -65,7 +65,7 @@ def embed_block(
     os.makedirs(os.path.dirname(local), exist_ok=True)
     np.save(local, vectors, allow_pickle=False)
     writer.commit_shard(block_name(start, end), {block_file(start, end): local})
-    return {"chunks": end - start, "dim": int(vectors.shape[1])}
+    return {"chunks": end - start}
 
 
 def load_embeddings(embed: ArtifactRef, chunk_ids: np.ndarray) -> np.ndarray:
