@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from megatron_train.tokenizer import MegatronTokenizer, build_tokenizer
-from storage.artifacts import ArtifactRef
+from storage.artifacts import MANIFEST, SHARD_DIR, ArtifactRef
+from storage.atomic import is_temporary
 from storage.fingerprint import hash_path
 from storage.indexed_dataset import data_file_path, index_file_path
 
@@ -65,8 +67,24 @@ class RetroParams:
         for name in self.FILE_FIELDS:
             if fields[name] is not None:
                 fields[name] = hash_path(fields[name])
-        fields["embedder"] = hash_path(self.embedder_path())
+        fields["embedder"] = hash_path(self.embedder_path(), embedder_files(self.embedder_path()))
         return fields
+
+
+def embedder_files(path: str) -> list[str]:
+    """The embedder's files under `path` by relative name: all but temporary ones and, when `path` is an
+    artifact (the `retro_embedder` stage's), its manifest and shard markers, whose commit times would make the
+    same embedder another key."""
+    names = []
+    for root, dirs, files in os.walk(path):
+        if root == path:
+            dirs[:] = [d for d in dirs if d != SHARD_DIR]
+        names += [
+            os.path.relpath(os.path.join(root, name), path)
+            for name in files
+            if not is_temporary(name) and not (root == path and name == MANIFEST)
+        ]
+    return sorted(names)
 
 
 @functools.cache

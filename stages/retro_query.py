@@ -28,8 +28,8 @@ from retro.project import RetroProject
 from retro.query import SPLIT_NAMES, query_pretraining_neighbours
 from stages.base import Inputs, Stage, expect_inputs
 from stages.retro_db import DB_FILES
-from stages.retro_params import QueryParams, local_dir, token_prefix
-from storage.artifacts import MANIFEST, SHARD_DIR, ArtifactRef, ArtifactStore, ArtifactWriter
+from stages.retro_params import QueryParams, embedder_files, local_dir, token_prefix
+from storage.artifacts import ArtifactRef, ArtifactStore, ArtifactWriter
 from storage.atomic import atomic_copy, atomic_write_text, is_temporary
 from storage.indexed_dataset import data_file_path, index_file_path
 
@@ -52,13 +52,9 @@ def link_or_copy(src: str, dest: str) -> None:
 
 
 def link_tree(src: str, dest: str) -> None:
-    """`link_or_copy` of every file under `src`, without an artifact's own manifest and shard markers."""
-    for root, dirs, files in os.walk(src):
-        dirs[:] = [d for d in dirs if not (root == src and d == SHARD_DIR)]
-        for name in files:
-            if not is_temporary(name) and not (root == src and name == MANIFEST):
-                path = os.path.join(root, name)
-                link_or_copy(path, os.path.join(dest, os.path.relpath(path, src)))
+    """`link_or_copy` of the embedder's files (`embedder_files`) under `src` to `dest`."""
+    for name in embedder_files(src):
+        link_or_copy(os.path.join(src, name), os.path.join(dest, name))
 
 
 def project_tokenizer_file(path: str | None) -> str | None:

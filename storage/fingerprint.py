@@ -39,19 +39,20 @@ def hash_file(path: str, fs: fsspec.AbstractFileSystem | None = None) -> str:
     return digest.hexdigest()
 
 
-def hash_path(path: str) -> str:
-    """Content hash of a local file or folder (its files, by relative name); a name that is no path (a hub
-    model name, say) stays that name."""
+def hash_path(path: str, names: list[str] | None = None) -> str:
+    """Content hash of a local file or folder (its files by relative name: all of them, or `names`); a name
+    that is no path (a hub model name, say) stays that name."""
     if os.path.isfile(path):
         return hash_file(path)
     if os.path.isdir(path):
-        names = sorted(
-            os.path.relpath(os.path.join(root, name), path)
-            for root, _, files in os.walk(path)
-            for name in files
-        )
+        if names is None:
+            names = [
+                os.path.relpath(os.path.join(root, name), path)
+                for root, _, files in os.walk(path)
+                for name in files
+            ]
         return hash_bytes(
-            canonical_json({name: hash_file(os.path.join(path, name)) for name in names}).encode()
+            canonical_json({name: hash_file(os.path.join(path, name)) for name in sorted(names)}).encode()
         )
     return path
 

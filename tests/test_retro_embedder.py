@@ -13,7 +13,7 @@ from megatron_train.checkpointing.inference import load_model_for_inference
 from megatron_train.models.hf_bert import load_hf_bert
 from retro.embedder import BertEmbedder, Pooling, embedder_tokenizer, load_embedder, read_pooling
 from stages import retro_embedder
-from stages.retro_params import EmbedderParams, local_dir
+from stages.retro_params import DbParams, EmbedderParams, local_dir
 from storage.artifacts import ArtifactStore
 from tests.distributed import run_distributed
 from tests.retro_corpus import write_tiny_embedder
@@ -104,5 +104,11 @@ def test_the_embedder_stage_keeps_the_first_layers_and_pools_as_the_source(tmp_p
         if name in one.missing:  # heads the BertModel checkpoint does not have
             continue
         torch.testing.assert_close(tensor, first_layer[name], rtol=0, atol=0, msg=name)
+    # The same embedder committed elsewhere (another commit time in its manifest) gives the stages the same key.
+    again = retro_embedder.run(
+        EmbedderParams(source=source, num_layers=1), [], ArtifactStore(str(tmp_path / "b"))
+    )
+    keys = [DbParams(embedder=local_dir(ref)).key_fields()["embedder"] for ref in (cut, again)]
+    assert keys[0] == keys[1] != DbParams(embedder=local_dir(whole)).key_fields()["embedder"]
     with pytest.raises(ValueError, match="num-layers 3: .* has 2 layers"):
         retro_embedder.run(EmbedderParams(source=source, num_layers=3), [], store)
