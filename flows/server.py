@@ -110,24 +110,34 @@ def prefect_api(startup_timeout: float = STARTUP_TIMEOUT_SECONDS) -> Iterator[st
         proc = subprocess.Popen([sys.executable, "-m", "flows.server", str(port)], env=env)
         stack.callback(_stop, proc)
         _wait_until_healthy(proc, url, startup_timeout)
-        stack.callback(_drain_prefect_clients)  # runs before _stop: the last logs and events reach the server
-        # Worker processes and subprocesses read the environment; this process reads the settings.
-        stack.enter_context(_environment("PREFECT_API_URL", url))
+        # Worker processes and subprocesses read the environment; this thread reads the settings context, and
+        # threads Prefect starts later (the process pool's message forwarder) read the global one.
+        stack.enter_context(_api_url_everywhere(url))
         stack.enter_context(temporary_settings(updates={PREFECT_API_URL: url}))
+        # Runs first on the way out, while the URL is still set: the last logs and events reach the server
+        # (drained without it, Prefect would start a temporary server to send them to).
+        stack.callback(_drain_prefect_clients)
         yield url
 
 
 @contextlib.contextmanager
-def _environment(name: str, value: str) -> Iterator[None]:
-    previous = os.environ.get(name)
-    os.environ[name] = value
+def _api_url_everywhere(url: str) -> Iterator[None]:
+    """PREFECT_API_URL in the environment and in Prefect's process-global settings, which a new thread reads
+    (threads start without the caller's settings context); without the refresh, the process pool's
+    message-forwarding thread finds no API URL and starts a temporary server of its own, left running."""
+    from prefect.context import refresh_global_settings_context
+
+    previous = os.environ.get("PREFECT_API_URL")
+    os.environ["PREFECT_API_URL"] = url
+    refresh_global_settings_context()
     try:
         yield
     finally:
         if previous is None:
-            os.environ.pop(name, None)
+            os.environ.pop("PREFECT_API_URL", None)
         else:
-            os.environ[name] = previous
+            os.environ["PREFECT_API_URL"] = previous
+        refresh_global_settings_context()
 
 
 def _drain_prefect_clients() -> None:

@@ -47,13 +47,15 @@ def test_two_flows_at_once_on_one_store_and_prefect_home_both_finish(small_corpu
     logs = [tmp_path / f"flow{n}.log" for n in range(2)]
     with open(logs[0], "w") as first, open(logs[1], "w") as second:
         procs = [
-            _flow(store, small_corpus, home, "threads", stdout=out, stderr=subprocess.STDOUT)
-            for out in (first, second)
+            _flow(store, small_corpus, home, runner, stdout=out, stderr=subprocess.STDOUT)
+            for runner, out in (("threads", first), ("processes", second))
         ]
         codes = [proc.wait(600) for proc in procs]
     outputs = [log.read_text() for log in logs]
     assert codes == [0, 0], "\n\n".join(output[-3000:] for output in outputs)
     assert not any("Error logging to API" in output for output in outputs)  # logs drained before shutdown
+    # Every thread and worker talks to the flow's server: Prefect started no temporary server of its own.
+    assert not any("Starting temporary server" in output for output in outputs)
     tokens = [re.search(r"^tokens: (.+)$", output, re.MULTILINE).group(1) for output in outputs]
     assert tokens[0] == tokens[1] and os.path.exists(os.path.join(tokens[0], "manifest.json"))
     # Each stage was committed once; whichever flow lost a race reports a cache hit, none left scratch behind.
