@@ -3,6 +3,7 @@
     python -m flows.corpus                                   # the embedded King James Bible, defaults
     python -m flows.corpus --download.source 'data/*.jsonl.zst' --clean.min-words 20 --store s3://b/flow
     python -m flows.corpus --tokenize.vocab-file gpt2-vocab.json --tokenize.merge-file gpt2-merges.txt
+    python -m flows.corpus --task-runner dask --dask-address tcp://scheduler:8786 --store s3://b/flow
 
 Every stage's task uses the stage's fingerprint as Prefect cache key and passes artifact references, never
 data; a rerun with nothing changed is all cache hits, a changed parameter reruns what depends on it, and a
@@ -17,17 +18,17 @@ from __future__ import annotations
 import dataclasses
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import Annotated, Any
 
 from prefect import flow, get_run_logger
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, BeforeValidator, ConfigDict
 
 from flows.cli import parse_config
 from flows.events import announce_tokenized
 from flows.publish import publish_stages
 from flows.server import prefect_api
 from flows.summary import summarize, summary_table
-from flows.tasks import TaskRunnerKind, committed_ref, make_task_runner, stage_ref
+from flows.tasks import TaskRunnerKind, committed_ref, make_task_runner, runner_kind, stage_ref
 from stages.clean import CleanParams
 from stages.dedup import DedupParams
 from stages.download import DownloadParams
@@ -54,9 +55,15 @@ class CorpusConfig(BaseModel):
     dedup: DedupParams = DedupParams()
     train_tokenizer: TrainTokenizerParams = TrainTokenizerParams(kind="bpe", vocab_size=8192)
     tokenize: TokenizeParams = TokenizeParams(append_eod=True, workers=2)
-    task_runner: TaskRunnerKind = "processes"
+    task_runner: Annotated[TaskRunnerKind, BeforeValidator(runner_kind)] = "process"
     workers: int = 2
-    cluster_address: str | None = None
+    dask_address: str | None = None  # a Dask scheduler to join (tcp://host:8786); None starts a local cluster
+    ray_address: str | None = None  # a Ray cluster to join (ray://head:10001 or auto); None starts local Ray
+
+    @property
+    def cluster_address(self) -> str | None:
+        """The address of the cluster the task runner joins (--dask-address or --ray-address)."""
+        return {"dask": self.dask_address, "ray": self.ray_address}.get(self.task_runner)
 
 
 def _needs_training(params: TokenizeParams) -> bool:
