@@ -105,3 +105,32 @@ def test_dask_worker_sigkilled_mid_run_then_rerun_is_identical(reference, tiny_c
         assert victim not in client.run(os.getpid).values()
         rerun = run_corpus(config)
     assert artifact_contents(rerun) == reference
+
+
+def test_corpus_flow_on_s3_store_and_s3_source_matches_local_run(
+    reference, tiny_corpus, s3_endpoint, tmp_path, monkeypatch
+):
+    """The store and the source on a real S3-compatible server (moto), reached through the standard AWS
+    environment variables as on a cluster: every stage's files equal the local run's (the keys differ, since
+    the source URL is part of the download key)."""
+    import s3fs
+
+    for name, value in {
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_ENDPOINT_URL": s3_endpoint,
+        "MEGATRON_FLOW_CACHE": str(tmp_path / "cache"),
+    }.items():
+        monkeypatch.setenv(name, value)
+    fs = s3fs.S3FileSystem()
+    fs.mkdir("corpus-flow")
+    fs.put_file(str(tiny_corpus), "corpus-flow/source/corpus.jsonl")
+    config = corpus_config("s3://corpus-flow/store", "s3://corpus-flow/source/corpus.jsonl")
+    refs = run_corpus(config)
+    assert all(ref["url"].startswith("s3://corpus-flow/store/") for ref in refs.values())
+    assert fs.exists(f"corpus-flow/store/tokenize/{refs['tokenize']['key']}/manifest.json")
+    on_s3 = artifact_contents(refs)
+    assert {stage: files for stage, (_, files) in on_s3.items()} == {
+        stage: files for stage, (_, files) in reference.items()
+    }
