@@ -2,6 +2,7 @@
 
     python -m flows.pretrain                                   # a small GPT on the embedded corpus, 2 processes
     python -m flows.pretrain --nproc-per-node 1 -- --num-layers 8 --hidden-size 512 --train-iters 2000
+    python -m flows.pretrain --nproc-per-node 8 --nnodes 4 --launcher slurm --store /shared/artifacts
 
 Flags after `--` are Megatron's and override the small defaults below (later flags win). The stage is cached
 like every other: rerun with nothing changed returns the trained run at once; a retry after a crash resumes from
@@ -23,6 +24,7 @@ from flows.corpus import CorpusConfig, corpus_flow
 from flows.publish import publish_stages
 from flows.server import prefect_api
 from flows.tasks import make_task_runner, stage_ref
+from stages.launch import LaunchParams
 from stages.pretrain import params_from_argv
 
 NPROC_PER_NODE_ENV = "NPROC_PER_NODE"
@@ -48,6 +50,7 @@ class PretrainFlowConfig(BaseModel):
     megatron_args: tuple[str, ...] = SMALL_GPT_ARGS
     nproc_per_node: int | None = None  # None: the worker's $NPROC_PER_NODE (a work-pool job variable), else 2
     save_interval: int = 50
+    launch: LaunchParams = LaunchParams()  # one node, or several with a c10d rendezvous, or a Slurm job
 
     def processes_per_node(self) -> int:
         """How many training processes `torchrun` starts on this machine."""
@@ -60,7 +63,9 @@ class PretrainFlowConfig(BaseModel):
 def pretrain_flow(config: PretrainFlowConfig = PretrainFlowConfig()) -> dict[str, Any]:
     """Corpus (cached) -> pretrain; returns every stage's artifact reference."""
     refs = corpus_flow(config.corpus)
-    params = params_from_argv(config.megatron_args, config.processes_per_node(), config.save_interval)
+    params = params_from_argv(
+        config.megatron_args, config.processes_per_node(), config.save_interval, config.launch
+    )
     inputs = [refs["tokenize"], *([refs["train_tokenizer"]] if "train_tokenizer" in refs else [])]
     refs["pretrain"] = stage_ref("pretrain", dataclasses.asdict(params), inputs, config.corpus.store)
     get_run_logger().info("trained run: %s", refs["pretrain"]["url"])
@@ -84,6 +89,12 @@ def add_pretrain_flags(parser: argparse.ArgumentParser) -> None:
         default=None,
         help=f"training processes (default: ${NPROC_PER_NODE_ENV}, else {DEFAULT_NPROC_PER_NODE})",
     )
+    parser.add_argument("--nnodes", type=int, default=1, help="nodes of the training job")
+    parser.add_argument("--node-rank", type=int, default=0, help="this node's rank (0 hosts the rendezvous)")
+    parser.add_argument("--rdzv-endpoint", default=None, help="host:port of the c10d rendezvous on node 0")
+    parser.add_argument(
+        "--launcher", choices=("torchrun", "slurm"), default="torchrun", help="slurm: submit an sbatch job"
+    )
     parser.epilog = (
         "Megatron flags after `--` override the small GPT defaults (flows/pretrain.py: SMALL_GPT_ARGS)."
     )
@@ -94,6 +105,12 @@ def pretrain_config(args: argparse.Namespace, megatron: list[str]) -> PretrainFl
         corpus=CorpusConfig(store=args.store),
         megatron_args=(*SMALL_GPT_ARGS, *megatron),
         nproc_per_node=args.nproc_per_node,
+        launch=LaunchParams(
+            nnodes=args.nnodes,
+            node_rank=args.node_rank,
+            rdzv_endpoint=args.rdzv_endpoint,
+            launcher=args.launcher,
+        ),
     )
 
 
