@@ -6,10 +6,12 @@ and documents are separated by appending `eod` (the id of <|endoftext|>, 50256 i
 Encoding runs on OpenAI's `tiktoken` where it gives the same ids (`tiktoken_bpe`): its BPE over the same
 vocabulary, GPT-2's regex and the BPE both in Rust with no Python per piece, about 3x the single-thread speed of
 the all-Rust `tokenizers` pipeline. tiktoken merges the adjacent pair whose concatenation has the lowest id,
-`tokenizers` the pair listed first in merges.txt; the two agree when every token is a byte or the result of
-one merge and the results' ids grow in merge order (GPT-2's files and every vocabulary `train_tokenizer`
-writes), which is checked on load, and then the ids are compared on a sample (tokens of the vocabulary, alone
-and run together, and `VERIFY_TEXTS`); any difference, or no tiktoken installed, keeps `tokenizers`. That path
+`tokenizers` the pair listed first in merges.txt. Those are the same choice when every merged token is the
+result of one merge and the results' ids grow in merge order (GPT-2's files and every vocabulary
+`train_tokenizer` writes: checked on load), except where a token could also form from two other adjacent
+parts than its merge's, which BPE training makes rare but does not exclude; so the ids are also compared on a
+sample on load (tokens of the vocabulary, alone and run together, and `VERIFY_TEXTS`), and any difference, or
+no tiktoken installed, keeps `tokenizers`. That path
 splits the text with GPT-2's regex (the `regex` module, as OpenAI's and Megatron's code) and looks each piece
 up in a cache of piece -> ids, running the Rust BPE only on pieces not seen before. The tokenize stage runs
 one single-threaded tokenizer per process.
