@@ -71,10 +71,12 @@ def _needs_training(params: TokenizeParams) -> bool:
 
 
 def _tokenizer_files(tokenizer_ref: dict[str, Any], kind: str, store_url: str) -> dict[str, str]:
+    """The trained tokenizer's files as the store names them (a path, or a URL every cluster worker reaches);
+    the tokenize stage keys them by content and copies remote ones to each machine once."""
     ref = ArtifactStore(store_url).ref(tokenizer_ref)
     if kind == "bpe":
-        return {"vocab_file": ref.local_path("vocab.json"), "merge_file": ref.local_path("merges.txt")}
-    return {"vocab_file": ref.local_path("vocab.txt")}
+        return {"vocab_file": ref.file_url("vocab.json"), "merge_file": ref.file_url("merges.txt")}
+    return {"vocab_file": ref.file_url("vocab.txt")}
 
 
 RunStage = Callable[[str, dict[str, Any], list], dict[str, Any]]

@@ -6,6 +6,8 @@ import os
 from dataclasses import dataclass
 from typing import ClassVar
 
+import fsspec
+
 from megatron_train.tokenizer import MegatronTokenizer, build_tokenizer
 from storage.fingerprint import canonical_json, hash_bytes, hash_file
 
@@ -77,9 +79,9 @@ class TokenizeParams:
     def build_tokenizer(self) -> MegatronTokenizer:
         return build_tokenizer(
             self.tokenizer_type,
-            vocab_file=self.vocab_file,
-            merge_file=self.merge_file,
-            tokenizer_model=self.tokenizer_model,
+            vocab_file=local_copy(self.vocab_file),
+            merge_file=local_copy(self.merge_file),
+            tokenizer_model=local_copy(self.tokenizer_model),
             vocab_size=self.vocab_size,
             vocab_extra_ids=self.vocab_extra_ids,
         )
@@ -94,9 +96,22 @@ class TokenizeParams:
         return fields
 
 
+def local_copy(path: str | None) -> str | None:
+    """A tokenizer file given as an fsspec URL (`s3://.../vocab.json`: what a flow on a cluster passes, so that
+    workers on any machine reach it) as a local file, downloaded once per machine to
+    `$MEGATRON_FLOW_CACHE/tokenizer-files`; a local path or a name as it is."""
+    if path is None or "://" not in path:
+        return path
+    cache = os.environ.get("MEGATRON_FLOW_CACHE", os.path.expanduser("~/.cache/megatron-flow"))
+    return fsspec.open_local(
+        f"filecache::{path}", filecache={"cache_storage": os.path.join(cache, "tokenizer-files")}
+    )
+
+
 def _path_hash(path: str) -> str:
-    """Content hash of a tokenizer file or folder (its files, by name); a name that is no path stays a name."""
-    if os.path.isfile(path):
+    """Content hash of a tokenizer file (a path or an fsspec URL) or folder (its files, by name); a name that
+    is no path stays a name."""
+    if os.path.isfile(path) or "://" in path:
         return hash_file(path)
     if os.path.isdir(path):
         names = sorted(

@@ -18,6 +18,7 @@ import pytest
 from flows.corpus import CorpusConfig, run_corpus
 from stages.download import EMBEDDED_CORPUS, DownloadParams
 from stages.tokenize import TokenizeParams
+from stages.tokenize_params import local_copy
 from storage.artifacts import ArtifactStore
 
 
@@ -130,6 +131,15 @@ def test_corpus_flow_on_s3_store_and_s3_source_matches_local_run(
     refs = run_corpus(config)
     assert all(ref["url"].startswith("s3://corpus-flow/store/") for ref in refs.values())
     assert fs.exists(f"corpus-flow/store/tokenize/{refs['tokenize']['key']}/manifest.json")
+    # Workers got the trained tokenizer's files by URL (a cluster's workers cannot read the flow's disk), keyed
+    # by content like local paths.
+    vocab, merges = (f"{refs['train_tokenizer']['url']}/{name}" for name in ("vocab.json", "merges.txt"))
+    assert len(list((tmp_path / "cache" / "tokenizer-files").iterdir())) >= 2
+    by_url = TokenizeParams(vocab_file=vocab, merge_file=merges)
+    local = TokenizeParams(vocab_file=local_copy(vocab), merge_file=local_copy(merges))
+    assert by_url.fingerprint_fields() == local.fingerprint_fields() and local.vocab_file.startswith(
+        str(tmp_path)
+    )
     on_s3 = artifact_contents(refs)
     assert {stage: files for stage, (_, files) in on_s3.items()} == {
         stage: files for stage, (_, files) in reference.items()
