@@ -1,7 +1,9 @@
 """Tokenize throughput: `python -m stages.tokenize` (the real CLI: planning, JSON parsing, workers, commits,
 merge, export) beside the bare `tokenizers.Tokenizer.encode_batch` of the same Rust tokenizer on the same
 texts in as many processes, both one thread per process. Also the peak memory (RSS of the whole process
-tree) of our run on the whole input and on half of it: it must not grow with the input.
+tree) of our run on the whole input and on half of it: it must not grow with the input. Our files must be
+byte-identical to a `.bin/.idx` built from the bare `encode_batch` ids (GPT-2 files run on tiktoken in our
+stage: `megatron_train/tokenizer/gpt2.py`).
 
     .venv/bin/python -m benchmarks.tokenize_throughput --mb 20 --workers 2 --repeats 3
 
@@ -72,8 +74,8 @@ def tree_rss(root: int) -> int:
     return total
 
 
-def run_ours(input_path: str, workers: int, workdir: str) -> tuple[float, float, int]:
-    """Wall seconds, CPU seconds (whole process tree) and peak tree RSS of one uncached CLI run."""
+def run_ours(input_path: str, workers: int, workdir: str) -> tuple[float, float, int, str]:
+    """Wall seconds, CPU seconds (whole process tree), peak tree RSS and output prefix of one uncached CLI run."""
     store = tempfile.mkdtemp(dir=workdir, prefix="store-")
     command = [
         sys.executable, "-m", "stages.tokenize", "--input", input_path, "--json-keys", "text",
@@ -98,7 +100,7 @@ def run_ours(input_path: str, workers: int, workdir: str) -> tuple[float, float,
     poller.join()
     if process.returncode:
         raise RuntimeError(f"stages.tokenize failed:\n{stderr.decode()[-2000:]}")
-    return seconds, _children_cpu() - cpu_before, peak
+    return seconds, _children_cpu() - cpu_before, peak, os.path.join(store, "out_text_document")
 
 
 def _children_cpu() -> float:
@@ -120,6 +122,29 @@ def _bare_worker(input_path: str, rank: int, world: int, batch: int) -> tuple[fl
         encodings = tokenizer.encode_batch(texts[start : start + batch], add_special_tokens=False)
         [encoding.ids for encoding in encodings]  # what any consumer reads
     return time.perf_counter() - started, time.process_time() - cpu_started
+
+
+def bare_files(input_path: str, prefix: str) -> None:
+    """`prefix.bin/.idx` from the bare `encode_batch` ids, each document followed by EOD (the reference)."""
+    from megatron_train.tokenizer import build_tokenizer
+    from storage.indexed_dataset import IndexedDatasetBuilder, best_dtype
+
+    tokenizer = build_tokenizer("GPT2BPETokenizer", vocab_file=VOCAB, merge_file=MERGES)
+    builder = IndexedDatasetBuilder(prefix + ".bin", dtype=best_dtype(tokenizer.vocab_size))
+    with open(input_path, encoding="utf-8") as f:
+        texts = [json.loads(line)["text"] for line in f]
+    for start in range(0, len(texts), 512):
+        for encoding in tokenizer.backend.encode_batch(texts[start : start + 512], add_special_tokens=False):
+            if encoding.ids:
+                builder.add_document([*encoding.ids, tokenizer.eod], [len(encoding.ids) + 1])
+            else:
+                builder.add_document([], [])
+    builder.finalize(prefix + ".idx")
+
+
+def same_bytes(a: str, b: str) -> bool:
+    with open(a, "rb") as first, open(b, "rb") as second:
+        return first.read() == second.read()
 
 
 def run_bare(input_path: str, workers: int) -> tuple[float, float]:
@@ -151,7 +176,7 @@ def main() -> None:
         ours, bare = [], []  # (wall, CPU) seconds per repeat
         peaks = []
         for repeat in range(args.repeats):
-            wall, cpu, peak = run_ours(whole, args.workers, workdir)
+            wall, cpu, peak, output = run_ours(whole, args.workers, workdir)
             ours.append((wall, cpu))
             peaks.append(peak)
             bare.append(run_bare(whole, args.workers))
@@ -159,7 +184,10 @@ def main() -> None:
                 f"repeat {repeat}: ours {wall:.2f} s wall, {cpu:.2f} s CPU, peak {peak / 2**20:.0f} MiB; "
                 f"bare {bare[-1][0]:.2f} s wall, {bare[-1][1]:.2f} s CPU"
             )
-        _, _, half_peak = run_ours(half, args.workers, workdir)
+        _, _, half_peak, _ = run_ours(half, args.workers, workdir)
+        reference = os.path.join(workdir, "bare_text_document")
+        bare_files(whole, reference)
+        identical = all(same_bytes(output + ext, reference + ext) for ext in (".bin", ".idx"))
 
     mb = text_bytes / 2**20
     ours_s, bare_s = (statistics.median(wall for wall, _ in runs) for runs in (ours, bare))
@@ -175,7 +203,10 @@ def main() -> None:
     print(
         f"CPU ratio (bare encode_batch CPU / CPU of our whole run, less sensitive to load): {cpu_ratio:.3f}"
     )
+    print(f"files byte-identical to the bare encode_batch ids: {'yes' if identical else 'NO'}")
     print(f"ratio: {bare_s / ours_s:.3f}")
+    if not identical:
+        sys.exit(1)
 
 
 if __name__ == "__main__":

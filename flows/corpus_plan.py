@@ -2,6 +2,7 @@
 
     python -m flows.corpus_plan                              # the embedded King James Bible, defaults
     python -m flows.corpus_plan --download.source 'data/*.jsonl.zst' --clean.min-words 20 --store s3://b/flow
+    python -m flows.corpus_plan --task-runner dask --dask-address tcp://scheduler:8786 --store s3://b/flow
 
 The command line first asks the store whether every stage's artifact is committed (`committed_corpus`, the same
 DAG walked with a look-up instead of a task): with nothing to do it prints the summary without importing Prefect
@@ -14,9 +15,9 @@ from __future__ import annotations
 import dataclasses
 import sys
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, BeforeValidator, ConfigDict
 
 from flows.cli import parse_config
 from flows.summary import summarize, summary_table
@@ -28,7 +29,15 @@ from stages.tokenize import TokenizeParams
 from stages.train_tokenizer import TrainTokenizerParams
 from storage.artifacts import ArtifactStore
 
-TaskRunnerKind = Literal["threads", "processes", "dask", "ray"]
+TaskRunnerKind = Literal["process", "thread", "dask", "ray"]
+# The plural spellings the flags had before Dask and Ray were tested; configs and deployments may still use them.
+_RUNNER_ALIASES = {"processes": "process", "threads": "thread"}
+
+
+def runner_kind(value: Any) -> Any:
+    """`--task-runner` as given, with the old plural spellings (processes, threads) read as the new ones."""
+    return _RUNNER_ALIASES.get(value, value)
+
 
 # Tokenizer types whose files the flow can train when none are given.
 _TRAINABLE = {
@@ -49,9 +58,15 @@ class CorpusConfig(BaseModel):
     dedup: DedupParams = DedupParams()
     train_tokenizer: TrainTokenizerParams = TrainTokenizerParams(kind="bpe", vocab_size=8192)
     tokenize: TokenizeParams = TokenizeParams(append_eod=True, workers=2)
-    task_runner: TaskRunnerKind = "processes"
+    task_runner: Annotated[TaskRunnerKind, BeforeValidator(runner_kind)] = "process"
     workers: int = 2
-    cluster_address: str | None = None
+    dask_address: str | None = None  # a Dask scheduler to join (tcp://host:8786); None starts a local cluster
+    ray_address: str | None = None  # a Ray cluster to join (ray://head:10001 or auto); None starts local Ray
+
+    @property
+    def cluster_address(self) -> str | None:
+        """The address of the cluster the task runner joins (--dask-address or --ray-address)."""
+        return {"dask": self.dask_address, "ray": self.ray_address}.get(self.task_runner)
 
 
 def _needs_training(params: TokenizeParams) -> bool:
@@ -59,10 +74,12 @@ def _needs_training(params: TokenizeParams) -> bool:
 
 
 def _tokenizer_files(tokenizer_ref: dict[str, Any], kind: str, store_url: str) -> dict[str, str]:
+    """The trained tokenizer's files as the store names them (a path, or a URL every cluster worker reaches);
+    the tokenize stage keys them by content and copies remote ones to each machine once."""
     ref = ArtifactStore(store_url).ref(tokenizer_ref)
     if kind == "bpe":
-        return {"vocab_file": ref.local_path("vocab.json"), "merge_file": ref.local_path("merges.txt")}
-    return {"vocab_file": ref.local_path("vocab.txt")}
+        return {"vocab_file": ref.file_url("vocab.json"), "merge_file": ref.file_url("merges.txt")}
+    return {"vocab_file": ref.file_url("vocab.txt")}
 
 
 RunStage = Callable[[str, dict[str, Any], list], dict[str, Any]]

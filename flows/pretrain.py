@@ -3,6 +3,7 @@
     python -m flows.pretrain                                   # a small GPT on the embedded corpus, 2 processes
     python -m flows.pretrain --nproc-per-node 1 -- --num-layers 8 --hidden-size 512 --train-iters 2000
     python -m flows.pretrain --model bert                      # BERT: sentence-split data, a trained WordPiece
+    python -m flows.pretrain --nproc-per-node 8 --nnodes 4 --launcher slurm --store /shared/artifacts
 
 `--model bert|t5` tokenizes the corpus with `--split-sentences` and a WordPiece vocabulary the flow trains
 (unless the corpus config names a vocabulary), and launches `pretrain_bert` / `pretrain_t5`.
@@ -27,6 +28,7 @@ from flows.corpus import CorpusConfig, corpus_flow
 from flows.publish import publish_stages
 from flows.server import prefect_api
 from flows.tasks import make_task_runner, stage_ref
+from stages.launch import LaunchParams
 from stages.pretrain import PRETRAIN_MODULES, params_from_argv
 from stages.tokenize import TokenizeParams
 from stages.train_tokenizer import TrainTokenizerParams
@@ -64,6 +66,7 @@ class PretrainFlowConfig(BaseModel):
     megatron_args: tuple[str, ...] = SMALL_GPT_ARGS
     nproc_per_node: int | None = None  # None: the worker's $NPROC_PER_NODE (a work-pool job variable), else 2
     save_interval: int = 50
+    launch: LaunchParams = LaunchParams()  # one node, or several with a c10d rendezvous, or a Slurm job
 
     def processes_per_node(self) -> int:
         """How many training processes `torchrun` starts on this machine."""
@@ -96,6 +99,7 @@ def pretrain_flow(config: PretrainFlowConfig = PretrainFlowConfig()) -> dict[str
         config.processes_per_node(),
         config.save_interval,
         config.model,
+        config.launch,
     )
     inputs = [refs["tokenize"], *([refs["train_tokenizer"]] if "train_tokenizer" in refs else [])]
     refs["pretrain"] = stage_ref("pretrain", dataclasses.asdict(params), inputs, config.corpus.store)
@@ -120,6 +124,12 @@ def add_pretrain_flags(parser: argparse.ArgumentParser) -> None:
         default=None,
         help=f"training processes (default: ${NPROC_PER_NODE_ENV}, else {DEFAULT_NPROC_PER_NODE})",
     )
+    parser.add_argument("--nnodes", type=int, default=1, help="nodes of the training job")
+    parser.add_argument("--node-rank", type=int, default=0, help="this node's rank (0 hosts the rendezvous)")
+    parser.add_argument("--rdzv-endpoint", default=None, help="host:port of the c10d rendezvous on node 0")
+    parser.add_argument(
+        "--launcher", choices=("torchrun", "slurm"), default="torchrun", help="slurm: submit an sbatch job"
+    )
     parser.epilog = (
         "Megatron flags after `--` override the small GPT defaults (flows/pretrain.py: SMALL_GPT_ARGS)."
     )
@@ -131,6 +141,12 @@ def pretrain_config(args: argparse.Namespace, megatron: list[str]) -> PretrainFl
         model=getattr(args, "model", "gpt"),
         megatron_args=(*SMALL_GPT_ARGS, *megatron),
         nproc_per_node=args.nproc_per_node,
+        launch=LaunchParams(
+            nnodes=args.nnodes,
+            node_rank=args.node_rank,
+            rdzv_endpoint=args.rdzv_endpoint,
+            launcher=args.launcher,
+        ),
     )
 
 

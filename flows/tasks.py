@@ -21,7 +21,7 @@ from prefect.context import TaskRunContext
 from prefect.futures import as_completed
 from prefect.task_runners import ProcessPoolTaskRunner, TaskRunner, ThreadPoolTaskRunner
 
-from flows.corpus_plan import TaskRunnerKind
+from flows.corpus_plan import TaskRunnerKind, runner_kind
 from flows.server import exit_with_parent
 from stages.registry import committed_ref, input_refs, stage_named
 from storage.artifacts import ArtifactStore
@@ -34,12 +34,16 @@ _PERMANENT_OS_ERRORS = (FileNotFoundError, PermissionError, IsADirectoryError, N
 
 
 def make_task_runner(
-    kind: TaskRunnerKind = "processes", workers: int | None = None, address: str | None = None
+    kind: TaskRunnerKind = "process", workers: int | None = None, address: str | None = None
 ) -> TaskRunner:
-    """The task runner the per-shard work is mapped on."""
-    if kind == "threads":
+    """The task runner the per-shard work is mapped on. For Dask and Ray, `address` joins a running cluster
+    (a scheduler `tcp://host:8786`, a Ray head `ray://host:10001` or `auto`); without one a local cluster of
+    `workers` single-threaded worker processes (Dask) or CPUs (Ray) is started for the flow and stopped
+    after it. Every worker must reach the flow's store (docs/architecture.md, "Clusters")."""
+    kind = runner_kind(kind)
+    if kind == "thread":
         return ThreadPoolTaskRunner(max_workers=workers)
-    if kind == "processes":  # workers stop when the flow process dies, even by SIGKILL
+    if kind == "process":  # workers stop when the flow process dies, even by SIGKILL
         return ProcessPoolTaskRunner(
             max_workers=workers, initializer=functools.partial(exit_with_parent, os.getpid())
         )
@@ -48,18 +52,18 @@ def make_task_runner(
             from prefect_dask import DaskTaskRunner
         except ImportError as err:
             raise RuntimeError("--task-runner dask needs prefect-dask: pip install prefect-dask") from err
-        return (
-            DaskTaskRunner(address=address)
-            if address
-            else DaskTaskRunner(cluster_kwargs={"n_workers": workers})
-        )
+        if address:
+            return DaskTaskRunner(address=address)
+        return DaskTaskRunner(cluster_kwargs={"n_workers": workers or 1, "threads_per_worker": 1})
     if kind == "ray":
         try:
             from prefect_ray import RayTaskRunner
         except ImportError as err:
             raise RuntimeError("--task-runner ray needs prefect-ray: pip install prefect-ray") from err
-        return RayTaskRunner(address=address) if address else RayTaskRunner()
-    raise ValueError(f"unknown task runner {kind!r}: use threads, processes, dask or ray")
+        if address:
+            return RayTaskRunner(address=address)
+        return RayTaskRunner(init_kwargs={"num_cpus": workers or 1})
+    raise ValueError(f"unknown --task-runner {kind!r}: use process, thread, dask or ray")
 
 
 def is_transient(exc: BaseException) -> bool:

@@ -12,13 +12,12 @@ import dataclasses
 import importlib.util
 import logging
 import os
-import types
-import typing
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
+from megatron_train.config_flags import add_config_arguments, flag_name, is_required
 from megatron_train.data.config import DataConfig
 from megatron_train.models.config import TransformerConfig
 from megatron_train.models.retro_config import RetroConfig
@@ -80,65 +79,6 @@ ACCEPTED_FLAG_NOTES: dict[str, str] = {
 }
 FP8_FLAGS = ("fp8_format", "fp8_amax_history_len", "fp8_amax_compute_algo", "fp8_param_gather")
 logger = logging.getLogger(__name__)
-
-
-def flag_name(f: dataclasses.Field) -> str:
-    """The command-line flag of a config field."""
-    if "flag" in f.metadata:
-        return f.metadata["flag"]
-    prefix = "--no-" if f.default is True else "--"
-    return prefix + f.name.replace("_", "-")
-
-
-def _is_required(f: dataclasses.Field) -> bool:
-    return f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-
-
-def _strip_optional(annotation: Any) -> Any:
-    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(annotation) if a is not type(None)]
-        if len(args) == 1:
-            return args[0]
-    return annotation
-
-
-def _argument_kwargs(f: dataclasses.Field, annotation: Any) -> dict[str, Any]:
-    kind = _strip_optional(annotation)
-    kwargs: dict[str, Any] = {"dest": f.name, "default": argparse.SUPPRESS, "help": f.metadata.get("help")}
-    if kind is bool:
-        kwargs["action"] = "store_false" if f.default is True else "store_true"
-        return kwargs
-    if typing.get_origin(kind) is list:
-        (kwargs["type"],) = typing.get_args(kind)
-        kwargs["nargs"] = f.metadata.get("nargs", "+")
-    elif typing.get_origin(kind) is Literal:
-        kwargs["choices"] = typing.get_args(kind)
-        kwargs["type"] = type(kwargs["choices"][0])
-    else:
-        kwargs["type"] = kind
-    kwargs["required"] = _is_required(f)
-    return kwargs
-
-
-def add_config_arguments(group: argparse._ActionsContainer, cls: type, seen: set[str] | None = None) -> None:
-    """One flag per field of the config dataclass `cls`, skipping (and extending) `seen`; a flag given is
-    set in the namespace under the field's name, one not given is absent."""
-    seen = set() if seen is None else seen
-    hints = typing.get_type_hints(cls)
-    for f in dataclasses.fields(cls):
-        if f.name in seen:
-            continue
-        seen.add(f.name)
-        group.add_argument(flag_name(f), **_argument_kwargs(f, hints[f.name]))
-        if "opposite_flag" in f.metadata:  # a boolean's explicit other setting (--bert-binary-head)
-            group.add_argument(
-                f.metadata["opposite_flag"],
-                dest=f.name,
-                action="store_const",
-                const=f.default,
-                default=argparse.SUPPRESS,
-                help=f"The opposite of {flag_name(f)}.",
-            )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -351,7 +291,7 @@ def config_to_argv(config: MegatronConfig) -> list[str]:
                 continue
             seen.add(f.name)
             value = getattr(section, f.name)
-            if not _is_required(f) and value == _default(f):
+            if not is_required(f) and value == _default(f):
                 continue
             if isinstance(value, bool):
                 argv.append(flag_name(f))

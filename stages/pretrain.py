@@ -44,12 +44,14 @@ from megatron_train.data.config import DataConfig
 from megatron_train.models.config import TransformerConfig
 from megatron_train.training.config import OptimizerConfig, TrainingConfig
 from stages.base import Inputs, Stage
+from stages.launch import LaunchParams, slurm_script
+from stages.launch import torchrun_command as launch_command
 from storage.artifacts import (
     ArtifactRef,
     ArtifactStore,
     ArtifactWriter,
 )
-from storage.atomic import is_temporary
+from storage.atomic import atomic_write_text, is_temporary
 from storage.fingerprint import hash_file
 
 log = logging.getLogger("megatron_flow.stage.pretrain")  # every line of the training job; flows forward it
@@ -86,19 +88,29 @@ class PretrainParams:
     json_key: str = "text"
     save_interval: int = 1000  # checkpoints in the run directory, what a retry resumes from
     model: str = "gpt"  # a key of PRETRAIN_MODULES
+    launch: LaunchParams = field(default_factory=LaunchParams)  # nodes, rendezvous, torchrun or Slurm
 
     def __post_init__(self) -> None:
         if self.model not in PRETRAIN_MODULES:
             raise ValueError(f"model must be one of {', '.join(PRETRAIN_MODULES)}, got {self.model!r}")
 
+    @property
+    def world_size(self) -> int:
+        return self.nproc_per_node * self.launch.nnodes
+
 
 def params_from_argv(
-    argv: Sequence[str], nproc_per_node: int = 1, save_interval: int = 1000, model: str = "gpt"
+    argv: Sequence[str],
+    nproc_per_node: int = 1,
+    save_interval: int = 1000,
+    model: str = "gpt",
+    launch: LaunchParams | None = None,
 ) -> PretrainParams:
     """Params from Megatron flags; the data path, tokenizer and directories are the stage's to fill."""
-    config = parse_args([*argv, "--mock-data"], world_size=nproc_per_node)
+    launch = launch or LaunchParams()
+    config = parse_args([*argv, "--mock-data"], world_size=nproc_per_node * launch.nnodes)
     return PretrainParams(
-        config=config, nproc_per_node=nproc_per_node, save_interval=save_interval, model=model
+        config=config, nproc_per_node=nproc_per_node, save_interval=save_interval, model=model, launch=launch
     )
 
 
@@ -151,11 +163,32 @@ def run_config(
     )  # fmt: skip
 
 
-def torchrun_command(config: MegatronConfig, nproc_per_node: int, model: str = "gpt") -> list[str]:
-    return [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc_per_node}",
-        "-m", PRETRAIN_MODULES[model], *config_to_argv(config),
-    ]  # fmt: skip
+def torchrun_command(
+    config: MegatronConfig, nproc_per_node: int, model: str = "gpt", launch: LaunchParams | None = None
+) -> list[str]:
+    """This node's `torchrun` command line for the training job (`stages.launch`: one node or many)."""
+    return launch_command(
+        nproc_per_node, launch or LaunchParams(), PRETRAIN_MODULES[model], config_to_argv(config)
+    )
+
+
+def job_command(config: MegatronConfig, params: PretrainParams, job_dir: str) -> list[str]:
+    """What the stage runs: this node's torchrun agent, or `sbatch --wait` of a batch script written to
+    `job_dir` that starts one agent per node (`--launcher slurm`)."""
+    launch = params.launch
+    if launch.launcher == "slurm":
+        script = os.path.join(job_dir, "pretrain.sbatch")
+        argv = config_to_argv(config)
+        log_file = os.path.join(job_dir, "slurm-%j.out")
+        module = PRETRAIN_MODULES[params.model]
+        atomic_write_text(script, slurm_script(params.nproc_per_node, launch, module, argv, log_file))
+        log.info("submitting %s (training log: %s)", script, log_file)
+        return ["sbatch", "--wait", script]
+    for rank in range(1, launch.nnodes):  # the other nodes' agents are started by the user on those nodes
+        other = dataclasses.replace(launch, node_rank=rank)
+        command = torchrun_command(config, params.nproc_per_node, params.model, other)
+        log.info("node %d of %d: run %s", rank, launch.nnodes, shlex.join(command))
+    return torchrun_command(config, params.nproc_per_node, params.model, launch)
 
 
 def stop(proc: subprocess.Popen, grace_seconds: float = 30.0) -> None:
@@ -266,7 +299,12 @@ class PretrainStage(Stage):
 
     def params_from_dict(self, values: dict) -> PretrainParams:
         """Inverse of `dataclasses.asdict(params)`: the params nest the whole Megatron config."""
-        return PretrainParams(**{**values, "config": config_from_dict(values["config"])})
+        launch = LaunchParams(**values.get("launch", {}))
+        return PretrainParams(**{**values, "config": config_from_dict(values["config"]), "launch": launch})
+
+    def key_params(self, params: PretrainParams) -> dict:
+        """Where the processes run (node rank, rendezvous, launcher) does not change the run; how many do."""
+        return {**dataclasses.asdict(params), "launch": {"nnodes": params.launch.nnodes}}
 
     def key_inputs(self, params: PretrainParams, inputs: Inputs) -> list[ArtifactRef | str]:
         """The tokenized data and the tokenizer: a train_tokenizer artifact, or the tokenizer files' hashes."""
@@ -286,7 +324,7 @@ class PretrainStage(Stage):
         tokenized, tokenizer = _split_inputs(inputs)
         tokenizer_fields = _tokenizer_flags(params, tokenizer)[0]
         # Validate now, with a placeholder data path: a bad flag fails before anything launches.
-        validate_config(run_config(params, "placeholder", tokenizer_fields, "run"), params.nproc_per_node)
+        validate_config(run_config(params, "placeholder", tokenizer_fields, "run"), params.world_size)
 
         def build(writer: ArtifactWriter) -> dict:
             run_dir = os.path.join(writer.local_dir, "run")
@@ -302,7 +340,7 @@ class PretrainStage(Stage):
             resumed_from = read_latest_iteration(run_dir) if os.path.isdir(run_dir) else None
             if resumed_from is not None:
                 log.info("resuming %s from iteration %d", run_dir, resumed_from)
-            launch(torchrun_command(config, params.nproc_per_node, params.model), on_line)
+            launch(job_command(config, params, writer.local_dir), on_line)
             iteration = read_latest_iteration(run_dir)
             train_iters = config.training.train_iters
             if train_iters is not None and iteration != train_iters:

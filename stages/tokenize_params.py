@@ -6,6 +6,8 @@ import os
 from dataclasses import dataclass
 from typing import ClassVar
 
+import fsspec
+
 from megatron_train.tokenizer import MegatronTokenizer, build_tokenizer
 from storage.fingerprint import hash_path
 
@@ -77,9 +79,9 @@ class TokenizeParams:
     def build_tokenizer(self) -> MegatronTokenizer:
         return build_tokenizer(
             self.tokenizer_type,
-            vocab_file=self.vocab_file,
-            merge_file=self.merge_file,
-            tokenizer_model=self.tokenizer_model,
+            vocab_file=local_copy(self.vocab_file),
+            merge_file=local_copy(self.merge_file),
+            tokenizer_model=local_copy(self.tokenizer_model),
             vocab_size=self.vocab_size,
             vocab_extra_ids=self.vocab_extra_ids,
         )
@@ -92,3 +94,15 @@ class TokenizeParams:
             if fields[name] is not None:
                 fields[name] = hash_path(fields[name])
         return fields
+
+
+def local_copy(path: str | None) -> str | None:
+    """A tokenizer file given as an fsspec URL (`s3://.../vocab.json`: what a flow on a cluster passes, so that
+    workers on any machine reach it) as a local file, downloaded once per machine to
+    `$MEGATRON_FLOW_CACHE/tokenizer-files`; a local path or a name as it is."""
+    if path is None or "://" not in path:
+        return path
+    cache = os.environ.get("MEGATRON_FLOW_CACHE", os.path.expanduser("~/.cache/megatron-flow"))
+    return fsspec.open_local(
+        f"filecache::{path}", filecache={"cache_storage": os.path.join(cache, "tokenizer-files")}
+    )

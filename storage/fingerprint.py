@@ -40,9 +40,9 @@ def hash_file(path: str, fs: fsspec.AbstractFileSystem | None = None) -> str:
 
 
 def hash_path(path: str, names: list[str] | None = None) -> str:
-    """Content hash of a local file or folder (its files by relative name: all of them, or `names`); a name
-    that is no path (a hub model name, say) stays that name."""
-    if os.path.isfile(path):
+    """Content hash of a file (a local path or an fsspec URL) or a local folder (its files by relative name: all
+    of them, or `names`); a name that is no path (a hub model name, say) stays that name."""
+    if os.path.isfile(path) or "://" in path:
         return hash_file(path)
     if os.path.isdir(path):
         if names is None:

@@ -15,15 +15,19 @@ sequences back to back in the dtype named by the code.
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import struct
 from array import array
 from collections.abc import Sequence
+from typing import BinaryIO
 
 import numpy as np
 
 INDEX_MAGIC = b"MMIDIDX\x00\x00"
+# copy_file_range refusals that mean "copy the bytes yourself".
+_NO_KERNEL_COPY = {errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.EBADF}
 INDEX_VERSION = 1
 _HEADER = struct.Struct("<9sQBQQ")  # magic, version, dtype code, sequence count, document index count
 
@@ -66,6 +70,25 @@ def dtype_code(dtype) -> int:
             f"dtype {dtype!r} has no Megatron indexed-dataset code; use one of "
             f"{sorted(np.dtype(t).name for t in DTYPE_CODES.values())}"
         ) from None
+
+
+def append_file(source_path: str, dest: BinaryIO) -> None:
+    """Append the file's bytes to the open file `dest` with `os.copy_file_range`: the kernel copies (a reflink
+    or a server-side copy where the file system has one), nothing passes through this process. Where the call
+    is missing or refused (another file system, an old kernel) the bytes are streamed instead."""
+    dest.flush()
+    with open(source_path, "rb") as source:
+        remaining = os.fstat(source.fileno()).st_size
+        try:
+            while remaining > 0:
+                copied = os.copy_file_range(source.fileno(), dest.fileno(), remaining)
+                if copied == 0:
+                    raise OSError(errno.EIO, f"{source_path}: shorter than its size")
+                remaining -= copied
+        except (AttributeError, OSError) as error:
+            if isinstance(error, OSError) and error.errno not in _NO_KERNEL_COPY:
+                raise
+            shutil.copyfileobj(source, dest, length=16 << 20)  # from where the kernel copy stopped
 
 
 class IndexedDatasetBuilder:
@@ -120,7 +143,9 @@ class IndexedDatasetBuilder:
         self._document_indices.append(len(self._sequence_lengths))
 
     def add_index(self, path_prefix: str) -> None:
-        """Append a finished dataset: its documents follow ours, its `.bin` is streamed, not loaded."""
+        """Append a finished dataset: its documents follow ours; only its `.idx` is read here, its `.bin` is
+        appended by the kernel (`append_file`), so merging the tokenize stage's per-shard partials moves no
+        token through this process."""
         other = IndexedDataset(path_prefix)
         if other.dtype != self.dtype:
             raise IndexedDatasetError(
@@ -135,8 +160,7 @@ class IndexedDatasetBuilder:
         self._sequence_lengths.frombytes(other.sequence_lengths.astype("<i4").tobytes())
         self._document_indices.frombytes((other.document_indices[1:] + offset).astype("<i8").tobytes())
         del other
-        with open(data_file_path(path_prefix), "rb") as source:
-            shutil.copyfileobj(source, self._data_file, length=16 << 20)
+        append_file(data_file_path(path_prefix), self._data_file)
 
     def finalize(self, idx_path: str) -> None:
         """Close the `.bin` and write the `.idx` next to it."""

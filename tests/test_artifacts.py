@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -15,7 +14,6 @@ import pytest
 
 from storage.artifacts import AlreadyCommitted, ArtifactRef, ArtifactStore, run_stage, stage_key
 from storage.fingerprint import canonical_json, fingerprint_params, hash_bytes, hash_file, source_fingerprint
-from tests.distributed import free_port
 
 
 @dataclasses.dataclass
@@ -118,34 +116,6 @@ def test_memory_store():
     assert store.find("toy", ref.key) == ref
     with open(ref.local_path("data/00002.txt")) as f:
         assert f.read() == "shard 2\n"
-
-
-@pytest.fixture(scope="module")
-def s3_endpoint():
-    """A real S3-compatible server (moto_server) on 127.0.0.1, reached through s3fs."""
-    pytest.importorskip("s3fs")
-    server = shutil.which("moto_server") or os.path.join(os.path.dirname(sys.executable), "moto_server")
-    if not os.path.exists(server):
-        pytest.skip("moto_server is not installed (pip install 'moto[server]')")
-    port = free_port()
-    proc = subprocess.Popen(
-        [server, "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
-    endpoint = f"http://127.0.0.1:{port}"
-    import requests
-
-    for _ in range(100):
-        try:
-            requests.get(endpoint, timeout=1)
-            break
-        except requests.ConnectionError:
-            time.sleep(0.1)
-    else:
-        proc.kill()
-        pytest.fail("moto_server did not start")
-    yield endpoint
-    proc.kill()
-    proc.wait()
 
 
 def test_s3_store_against_a_real_server(s3_endpoint, tmp_path, monkeypatch):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import pickle
 import struct
@@ -116,7 +117,19 @@ def test_multi_sequence_documents_are_sliced_by_document_indices(tmp_path):
     assert documents == DOCUMENTS
 
 
-def test_add_index_merge_is_byte_identical_to_one_build(tmp_path):
+@pytest.mark.parametrize("copy", ["kernel", "streamed"])
+def test_add_index_merge_is_byte_identical_to_one_build(tmp_path, monkeypatch, copy):
+    """The parts' `.bin` files are appended by the kernel (copy_file_range), or streamed where it refuses."""
+    kernel_copied: list[int] = []
+    real_copy = os.copy_file_range
+
+    def copy_file_range(source: int, dest: int, count: int) -> int:
+        if copy == "streamed":
+            raise OSError(errno.EXDEV, "Invalid cross-device link")
+        kernel_copied.append(real_copy(source, dest, count))
+        return kernel_copied[-1]
+
+    monkeypatch.setattr(os, "copy_file_range", copy_file_range)
     whole = build(str(tmp_path / "whole"))
     parts = [
         build(str(tmp_path / f"part{i}"), DOCUMENTS[a:b]) for i, (a, b) in enumerate([(0, 1), (1, 1), (1, 4)])
@@ -133,6 +146,7 @@ def test_add_index_merge_is_byte_identical_to_one_build(tmp_path):
     assert read_bytes(merged) == read_bytes(expected)
     assert IndexedDataset(merged).document_indices.tolist() == [0, 1, 3, 4, 7, 8]
     assert read_bytes(whole)[0] == read_bytes(merged)[0][2:]
+    assert sum(kernel_copied) == (len(read_bytes(whole)[0]) if copy == "kernel" else 0)
 
 
 def test_empty_dataset_and_empty_documents(tmp_path):

@@ -516,3 +516,16 @@ def test_hugging_face_tokenizer_json_with_special_tokens(tmp_path):
         ValueError, match="--append-eod: the HuggingFaceTokenizer tokenizer has no end-of-document"
     ):
         run(dataclasses.replace(params, tokenizer_model=no_eos), path, ArtifactStore(str(tmp_path / "store")))
+
+
+def test_cli_parses_its_flags_without_importing_torch():
+    """The command line's tokenizer flags come from the config dataclasses (`megatron_train.config_flags`),
+    not from the training engine: no torch import (seconds) before tokenizing."""
+    code = (
+        "import sys; from stages.tokenize import parse_args; "
+        "args = parse_args(['--input', 'x.jsonl', '--tokenizer-type', 'GPT2BPETokenizer', '--vocab-file', 'v',"
+        " '--output-prefix', 'out']); "
+        "assert args.vocab_file == 'v', args; print('torch' in sys.modules)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "False"

@@ -153,12 +153,54 @@ def test_gpt2_detokenize_round_trips_and_replaces_broken_bytes(gpt2):
 
 def test_gpt2_piece_cache_gives_the_all_rust_pipeline_ids(trained_bpe, monkeypatch):
     monkeypatch.setattr(gpt2_module, "MAX_CACHED_PIECES", 5)  # the cache starts over many times
+    monkeypatch.setattr(gpt2_module, "tiktoken_bpe", lambda vocab, merges: None)  # the `tokenizers` engine
     tok = build_tokenizer(
         "GPT2BPETokenizer", vocab_file=trained_bpe["vocab_file"], merge_file=trained_bpe["merge_file"]
     )
+    assert tok.engine == "tokenizers"
     texts = TEXTS + kjv_chapters(2) + fuzz_texts(300, seed=1)
     for text in texts + texts[::-1]:
         assert tok.tokenize(text) == tok.backend.encode(text).ids, repr(text)
+
+
+@needs_gpt2
+def test_gpt2_files_run_on_tiktoken_with_the_reference_ids(gpt2):
+    assert gpt2.engine == "tiktoken"
+    reference = ReferenceGPT2(GPT2_VOCAB, GPT2_MERGES)
+    for text in TEXTS + kjv_chapters(3) + fuzz_texts(300, seed=2):
+        assert gpt2.tokenize(text) == reference.encode(text), repr(text)
+
+
+def test_trained_vocabulary_runs_on_tiktoken_with_the_all_rust_pipeline_ids(trained_bpe):
+    tok = build_tokenizer(
+        "GPT2BPETokenizer", vocab_file=trained_bpe["vocab_file"], merge_file=trained_bpe["merge_file"]
+    )
+    assert tok.engine == "tiktoken"  # special tokens first, then the bytes, then the merges in order
+    texts = TEXTS + kjv_chapters(2) + fuzz_texts(300, seed=3)
+    assert tok.tokenize_batch(texts) == [tok.backend.encode(text).ids for text in texts]
+
+
+def test_tiktoken_is_not_used_where_its_merge_rule_or_sample_ids_could_differ(
+    trained_bpe, tmp_path, monkeypatch
+):
+    vocab = json.loads(Path(trained_bpe["vocab_file"]).read_text())
+    merges = gpt2_module.read_bpe_merges(trained_bpe["merge_file"])
+    first, last = "".join(merges[0]), "".join(merges[-1])
+    vocab[first], vocab[last] = vocab[last], vocab[first]  # ids no longer grow in merge order
+    swapped = tmp_path / "vocab.json"
+    swapped.write_text(json.dumps(vocab))
+    assert gpt2_module.tiktoken_bpe(vocab, merges) is None
+    tok = build_tokenizer("GPT2BPETokenizer", vocab_file=str(swapped), merge_file=trained_bpe["merge_file"])
+    assert tok.engine == "tokenizers"
+    texts = TEXTS + kjv_chapters(1)
+    assert tok.tokenize_batch(texts) == [tok.backend.encode(text).ids for text in texts]
+
+    # tiktoken with another pre-tokenization than the reference's: the sample check catches it.
+    monkeypatch.setattr(gpt2_module, "PRETOKENIZE", regex.compile(r"\S+|\s+"))
+    tok = build_tokenizer(
+        "GPT2BPETokenizer", vocab_file=trained_bpe["vocab_file"], merge_file=trained_bpe["merge_file"]
+    )
+    assert tok.engine == "tokenizers"
 
 
 # --- BERT --------------------------------------------------------------------------------------------------

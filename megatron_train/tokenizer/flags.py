@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from megatron_train.arguments import add_config_arguments
+from megatron_train.config_flags import add_config_arguments
 from megatron_train.tokenizer.base import MegatronTokenizer
 from megatron_train.tokenizer.build import tokenizer_from_config
 from megatron_train.training.config import TokenizerConfig
