@@ -6,7 +6,9 @@ the first holding ns mod m tokens (or m) and the rest whole, so the last chunk e
 chunk's text is embedded with the project's embedder and searched in the index (pretraining's neighbour query,
 without the own-document exclusion: a prompt belongs to no database document); the first k neighbours'
 tokens and continuations are read as `RetroDataset` reads them. Generation reruns the whole sequence each step
-(Retro has no KV cache: the chunks move as the text grows). See docs/architecture.md (Retro model).
+(Retro has no KV cache: the chunks move as the text grows). `RetrievingModel` puts model and retriever behind
+the GPT call `model(tokens, position_ids=..., kv_cache=None)`, so the generation server and `generate` serve a
+Retro checkpoint unchanged. See docs/architecture.md (Retro model).
 """
 
 from __future__ import annotations
@@ -95,6 +97,32 @@ class Retriever:
         )
 
 
+class RetrievingModel(torch.nn.Module):
+    """A RetroModel that retrieves its own neighbours: forward(tokens [b, s]) retrieves for each row's text
+    and runs the model on it. `supports_kv_cache = False` tells generation to rerun the whole text each step."""
+
+    supports_kv_cache = False
+
+    def __init__(self, model: RetroModel, retriever: Retriever) -> None:
+        super().__init__()
+        self.model = model
+        self.retriever = retriever
+
+    @property
+    def config(self):
+        return self.model.config
+
+    def forward(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None, kv_cache: None = None
+    ) -> torch.Tensor:
+        if kv_cache is not None:
+            raise ValueError("a Retro model has no KV cache: generate with use_kv_cache=False")
+        neighbours = np.stack([self.retriever(row) for row in input_ids.tolist()])
+        return self.model(
+            input_ids, position_ids, neighbor_tokens=torch.as_tensor(neighbours, device=input_ids.device)
+        )
+
+
 @torch.no_grad()
 def generate_with_retrieval(
     model: RetroModel, retriever: Retriever, prompt: Sequence[int], tokens_to_generate: int
@@ -106,10 +134,10 @@ def generate_with_retrieval(
             "generation with retrieval needs a non-empty prompt: the first chunk is retrieved for it"
         )
     device = next(model.parameters()).device
+    retrieving = RetrievingModel(model, retriever)
     tokens = list(prompt)
     for _ in range(tokens_to_generate):
-        neighbours = torch.as_tensor(retriever(tokens), device=device).unsqueeze(0)
-        logits = model(torch.tensor([tokens], device=device), neighbor_tokens=neighbours)
+        logits = retrieving(torch.tensor([tokens], device=device))
         token = int(logits[0, -1].argmax())
         tokens.append(token)
         if token == retriever.gpt_tokenizer.eod:
