@@ -14,6 +14,7 @@ import torch
 
 from megatron_train.arguments import MegatronConfig, parse_args
 from megatron_train.data.builder import build_train_valid_test_datasets
+from megatron_train.data.sft_dataset import build_sft_datasets
 from megatron_train.device import get_device
 from megatron_train.models.gpt import GPTModel, model_provider
 from megatron_train.parallel.schedules import LossFunc
@@ -84,6 +85,10 @@ def forward_step(
 def datasets_provider(
     config: MegatronConfig, tokenizer: MegatronTokenizer, num_samples: tuple[int, int, int]
 ) -> tuple:
+    if config.data.sft:
+        return build_sft_datasets(
+            config.data, tokenizer, config.model.seq_length, num_samples, config.training.seed
+        )
     return build_train_valid_test_datasets(
         config.data,
         config.model.seq_length,

@@ -36,3 +36,36 @@ def shard_tensors(iteration_dir: str) -> dict[tuple[str, str], torch.Tensor]:
                 tensors |= {(shard, key): handle.get_tensor(key) for key in handle.keys()}  # noqa: SIM118
                 tensors[(shard, "metadata")] = handle.metadata()
     return tensors
+
+
+LLAMA2_CHAT_TEMPLATE = (  # meta-llama/Llama-2-7b-chat-hf's tokenizer_config.json
+    "{% if messages[0]['role'] == 'system' %}{% set loop_messages = messages[1:] %}{% set system_message = "
+    "messages[0]['content'] %}{% else %}{% set loop_messages = messages %}{% set system_message = false %}{% endif %}"
+    "{% for message in loop_messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+    "{% if loop.index0 == 0 and system_message != false %}{% set content = '<<SYS>>\\n' + system_message + "
+    "'\\n<</SYS>>\\n\\n' + message['content'] %}{% else %}{% set content = message['content'] %}{% endif %}"
+    "{% if message['role'] == 'user' %}{{ bos_token + '[INST] ' + content.strip() + ' [/INST]' }}"
+    "{% elif message['role'] == 'assistant' %}{{ ' '  + content.strip() + ' ' + eos_token }}{% endif %}{% endfor %}"
+)
+CHAT_SPECIALS = ["<unk>", "<s>", "</s>", "<pad>", "[INST]", "[/INST]", "<<SYS>>", "<</SYS>>", "<|im_start|>",
+                 "<|im_end|>"]  # fmt: skip
+CHAT_WORDS = ["system", "user", "assistant"] + [f"w{i}" for i in range(VOCAB - len(CHAT_SPECIALS) - 3)]
+
+
+def save_chat_tokenizer(folder: str, chat_template: str | None) -> None:
+    """A Hugging Face tokenizer folder of exactly VOCAB tokens (words split on whitespace, Llama-style <s>/</s>,
+    a BOS added in front), with `chat_template` in its tokenizer_config.json."""
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+
+    vocab = {token: index for index, token in enumerate(CHAT_SPECIALS + CHAT_WORDS)}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    backend.add_special_tokens(CHAT_SPECIALS)
+    backend.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    tokenizer = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>", pad_token="<pad>"
+    )
+    tokenizer.chat_template = chat_template
+    tokenizer.save_pretrained(folder)

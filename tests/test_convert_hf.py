@@ -12,6 +12,7 @@ import torch
 from megatron_train.checkpointing import load_model_for_inference
 from megatron_train.convert import ModelWeights, flow
 from megatron_train.convert.weights import trim_vocab
+from megatron_train.inference.generation import GenerationParams, generate_tokens
 from megatron_train.tokenizer.build import tokenizer_from_config
 from megatron_train.tools.checkpoint_util import main
 from tests.convert_models import VOCAB, ids, our_llama, shard_tensors
@@ -130,6 +131,26 @@ def test_hf_model_converted_in_gives_transformers_logits_and_back_out_loads_clea
     assert os.path.exists(tmp_path / "out" / "tokenizer.json")
 
 
+@pytest.mark.parametrize("name", ["gpt2", "llama_gqa_untied", "llama_gqa_tied"])
+def test_hf_model_converted_in_generates_transformers_greedy_tokens(name, tmp_path):
+    """The generation engine the server runs, on the converted checkpoint, against `transformers` `generate`."""
+    hf_model = HF_MODELS[name]()
+    hf_model.save_pretrained(tmp_path / "hf")
+    _save_tokenizer(str(tmp_path / "hf"))
+    _convert("--loader", "hf", "--load-dir", str(tmp_path / "hf"), "--save-dir", str(tmp_path / "flow"))
+    model, config = load_model_for_inference(str(tmp_path / "flow"), device="cpu")
+    prompts = ids(4)
+    hf_model.generation_config.eos_token_id = None  # both generate all 10 tokens
+    with torch.no_grad():
+        expected = hf_model.generate(prompts, do_sample=False, max_new_tokens=10, pad_token_id=0)
+        tokens = torch.cat((prompts, torch.zeros(2, 10, dtype=torch.long)), dim=1)
+        params = GenerationParams(tokens_to_generate=10, top_k=1, use_eod_token_for_early_termination=False)
+        ours = generate_tokens(
+            model, tokenizer_from_config(config.tokenizer), tokens, torch.tensor([4, 4]), params
+        )
+    assert torch.equal(ours[0], expected), (ours[0], expected)
+
+
 @pytest.mark.parametrize("untied", [True, False])
 def test_ours_at_tp2_pp2_converted_out_gives_our_logits_in_sharded_safetensors(untied, tmp_path, caplog):
     config, model = our_llama(untied)
@@ -181,10 +202,10 @@ def test_refusals_name_the_setting(tmp_path, capsys):
     assert "lays out flow -> flow resharding only" in capsys.readouterr().err
     os.makedirs(tmp_path / "bert")
     with open(tmp_path / "bert" / "config.json", "w") as handle:
-        json.dump({"model_type": "bert"}, handle)
+        json.dump({"model_type": "t5"}, handle)
     with pytest.raises(SystemExit):
         _convert("--loader", "hf", "--load-dir", str(tmp_path / "bert"), "--save-dir", str(tmp_path / "b"))
-    assert "model_type 'bert' is not one the hf loader maps" in capsys.readouterr().err
+    assert "model_type 't5' is not one the hf loader maps" in capsys.readouterr().err
     with open(tmp_path / "bert" / "config.json", "w") as handle:  # Llama-2-style linear rope scaling
         json.dump({"model_type": "llama", "num_attention_heads": 4, "rope_scaling": {"type": "linear",
                    "factor": 2.0}}, handle)  # fmt: skip

@@ -24,6 +24,7 @@ from megatron_train.checkpointing import (
     write_shard,
 )
 from megatron_train.checkpointing.layout import check_layout, split_tp_shard, stage_tensor_names
+from megatron_train.checkpointing.names import saved_model_type
 from megatron_train.checkpointing.saved import saved_true_vocab_range
 from megatron_train.convert.weights import (
     ModelWeights,
@@ -63,6 +64,7 @@ def load(load_dir: str, iteration: int | None = None, true_vocab_size: int | Non
         tokenizer_files(config),
         saved.metadata["iteration"],
         saved.metadata.get("token_ids", {}),
+        saved_model_type(saved.metadata),
     )
 
 
@@ -105,7 +107,7 @@ def save(weights: ModelWeights, save_dir: str, target_tp: int = 1, target_pp: in
             tokenizer_dir,
         )
     tensors = pad_vocab(weights.tensors, padded_vocab_size)
-    shardings = model_shardings(config, padded_vocab_size)
+    shardings = model_shardings(config, padded_vocab_size, weights.model_type)
     files = {}
     for pp_rank in range(target_pp):
         layers = get_layer_range(config.model.num_layers, pp_rank, target_pp)
@@ -146,6 +148,7 @@ def save(weights: ModelWeights, save_dir: str, target_tp: int = 1, target_pp: in
         "opt_param_scheduler": None,
         "args": config_to_dict(config),
         "token_ids": weights.token_ids,
+        "model_type": weights.model_type,
     }
     write_metadata_and_marker(save_dir, weights.iteration, metadata, files)
     return out_dir

@@ -1,10 +1,11 @@
-"""The `hf` loader and saver: a Hugging Face model folder for GPT-2 and the Llama family (Llama-2/3, Mistral).
+"""The `hf` loader and saver: a Hugging Face model folder for GPT-2, the Llama family (Llama-2/3, Mistral) and
+BERT (BertForPreTraining with the binary head, BertForMaskedLM without; post-LN, as Hugging Face's).
 
 A folder is config.json, safetensors weights (one `model.safetensors`, or shards listed by
 `model.safetensors.index.json`) and the tokenizer's files. The loader reads the model config from config.json,
 so the user restates nothing; the saver writes what `transformers` `from_pretrained` loads with no unused or
 missing weights, the vocabulary cut to the true vocabulary (docs/architecture.md, checkpoints). The weight
-mapping itself is `megatron_train.models.hf_import`.
+mapping itself is `megatron_train.models.hf_import`'s table of each family.
 """
 
 from __future__ import annotations
@@ -28,12 +29,8 @@ from megatron_train.convert.weights import (
 )
 from megatron_train.data.config import DataConfig
 from megatron_train.models.config import TransformerConfig
-from megatron_train.models.hf_import import (
-    gpt2_state_dict_from_hf,
-    gpt2_state_dict_to_hf,
-    llama_state_dict_from_hf,
-    llama_state_dict_to_hf,
-)
+from megatron_train.models.hf_bert import hf_bert_name, transformer_config_from_hf
+from megatron_train.models.hf_import import bert_rules, from_hf, gpt2_rules, llama_rules, to_hf
 from storage.atomic import atomic_copy, atomic_path, atomic_write_text
 
 CONFIG_FILE = "config.json"
@@ -156,34 +153,66 @@ class SafetensorsFolder(Mapping[str, torch.Tensor]):
         return len(self._handles)
 
 
+def _bert_tensors(
+    model: TransformerConfig, hf: dict[str, Any], where: str, weights: Mapping[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """A BertForPreTraining / BertForMaskedLM folder's tensors for our post-LN BertModel (`model` learns whether
+    it has the binary head). Ours has token types only with the binary head (Megatron's pretrain_bert), so a
+    masked-LM model's type-0 embedding is added to the position embeddings: the sum the model computes for
+    type 0, which is what a masked LM is fed."""
+    tensors = {hf_bert_name(name): weights[name] for name in weights}
+    if "cls.predictions.transform.dense.weight" not in tensors:
+        raise ValueError(
+            f"{where}: the weights hold no masked-LM head (a plain BertModel?): the converter carries whole "
+            "BertForPreTraining or BertForMaskedLM models"
+        )
+    model.bert_binary_head = "cls.seq_relationship.weight" in tensors
+    token_types = "bert.embeddings.token_type_embeddings.weight"
+    if model.bert_binary_head and hf.get("type_vocab_size", 2) != 2:
+        raise ValueError(
+            f"{where}: type_vocab_size {hf['type_vocab_size']}: the binary head needs 2 token types"
+        )
+    if not model.bert_binary_head:
+        position = "bert.embeddings.position_embeddings.weight"
+        tensors[position] = tensors[position] + tensors.pop(token_types)[0]
+    return from_hf(tensors, bert_rules(model, model.bert_binary_head, model.bert_binary_head))
+
+
 def load(load_dir: str) -> ModelWeights:
     """The model in a Hugging Face folder; its config from config.json, its tokenizer files carried along."""
     where = os.path.join(load_dir, CONFIG_FILE)
     with open(where) as handle:
         hf = json.load(handle)
     model_type = hf.get("model_type")
+    families = {
+        "gpt2": (_gpt2_config, gpt2_rules),
+        **dict.fromkeys(LLAMA_TYPES, (_llama_config, llama_rules)),
+        "bert": (transformer_config_from_hf, None),
+    }
+    if model_type not in families:
+        raise ValueError(
+            f"{where}: model_type {model_type!r} is not one the hf loader maps (gpt2, {LLAMA_TYPES}, bert)"
+        )
+    to_config, rules = families[model_type]
     try:
-        if model_type == "gpt2":
-            model, to_ours = _gpt2_config(hf, where), gpt2_state_dict_from_hf
-        elif model_type in LLAMA_TYPES:
-            model, to_ours = _llama_config(hf, where), llama_state_dict_from_hf
-        else:
-            raise ValueError(
-                f"{where}: model_type {model_type!r} is not one the hf loader maps (gpt2, {LLAMA_TYPES})"
-            )
+        model = to_config(hf, where)
     except KeyError as error:
         raise ValueError(f"{where} lacks {error}, which a {model_type} config has") from error
+    try:
+        weights = SafetensorsFolder(load_dir)
+        tensors = (
+            _bert_tensors(model, hf, where, weights) if rules is None else from_hf(weights, rules(model))
+        )
+    except KeyError as error:
+        raise ValueError(f"{load_dir}: the weights lack {error}, which its {CONFIG_FILE} needs") from error
     dtype = hf.get("dtype") or hf.get("torch_dtype") or "float32"
     for flag, value in DTYPES.get(dtype, {}).items():
         setattr(model, flag, value)
     config = MegatronConfig(model=model, data=DataConfig())
-    try:
-        tensors = to_ours(SafetensorsFolder(load_dir), model)
-    except KeyError as error:
-        raise ValueError(f"{load_dir}: the weights lack {error}, which its {CONFIG_FILE} needs") from error
-    check_tensor_names(tensors, list(model_shardings(config, model.true_vocab_size)), load_dir)
+    kind = "bert" if model_type == "bert" else "gpt"
+    check_tensor_names(tensors, list(model_shardings(config, model.true_vocab_size, kind)), load_dir)
     token_ids = {key: hf[key] for key in TOKEN_ID_KEYS if isinstance(hf.get(key), int)}
-    return ModelWeights(config, tensors, tokenizer_files_in(load_dir), token_ids=token_ids)
+    return ModelWeights(config, tensors, tokenizer_files_in(load_dir), token_ids=token_ids, model_type=kind)
 
 
 def _gpt2_hf_config(model: TransformerConfig) -> dict[str, Any]:
@@ -227,27 +256,59 @@ def _llama_hf_config(model: TransformerConfig) -> dict[str, Any]:
     }
 
 
-def _export_mapping(model: TransformerConfig) -> tuple[dict[str, Any], Any]:
-    """(HF config, weight mapping) for our model, refusing settings the HF architecture lacks by their flag."""
+def _bert_hf_config(model: TransformerConfig) -> dict[str, Any]:
+    return {
+        "architectures": ["BertForPreTraining" if model.bert_binary_head else "BertForMaskedLM"],
+        "model_type": "bert",
+        "num_hidden_layers": model.num_layers,
+        "hidden_size": model.hidden_size,
+        "num_attention_heads": model.num_attention_heads,
+        "intermediate_size": model.ffn_hidden_size,
+        "max_position_embeddings": model.max_position_embeddings,
+        "type_vocab_size": 2 if model.bert_binary_head else 1,
+        "hidden_act": "gelu_new" if model.openai_gelu else "gelu",
+        "layer_norm_eps": model.norm_epsilon,
+        "hidden_dropout_prob": model.hidden_dropout,
+        "attention_probs_dropout_prob": model.attention_dropout,
+        "initializer_range": model.init_method_std,
+        "position_embedding_type": "absolute",
+    }
+
+
+def _export(weights: ModelWeights) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """(HF config, HF tensors) of our model, refusing settings the HF architecture lacks by their flag."""
+    model = weights.config.model
     common = [
         (not model.apply_layernorm_1p, "--apply-layernorm-1p has no HF equivalent"),
         (model.rotary_percent == 1.0, "--rotary-percent below 1 has no HF Llama equivalent"),
     ]
     where = "--saver hf"
     if model.position_embedding_type == "learned_absolute":
+        family = "BERT" if weights.model_type == "bert" else "GPT-2"
         _refuse(
             common + [
                 (model.normalization == "LayerNorm" and not model.swiglu and model.add_bias_linear,
-                 "GPT-2 needs LayerNorm, GELU and linear biases (no --swiglu, --normalization RMSNorm, "
+                 f"{family} needs LayerNorm, GELU and linear biases (no --swiglu, --normalization RMSNorm, "
                  "--disable-bias-linear)"),
-                (not model.untie_embeddings_and_output_weights, "GPT-2 ties its output layer to the embedding"),
-                (model.num_query_groups_effective == model.num_attention_heads, "GPT-2 has no grouped-query attention"),
-                (model.kv_channels * model.num_attention_heads == model.hidden_size, "GPT-2 needs --kv-channels "
+                (not model.untie_embeddings_and_output_weights, f"{family} ties its output layer to the embedding"),
+                (model.num_query_groups_effective == model.num_attention_heads,
+                 f"{family} has no grouped-query attention"),
+                (model.kv_channels * model.num_attention_heads == model.hidden_size, f"{family} needs --kv-channels "
                  "= hidden size / heads"),
+                (model.post_ln == (weights.model_type == "bert"), "Hugging Face BERT is post-LN (train with "
+                 "--post-ln); GPT-2 is pre-LN"),
             ],
             where,
         )  # fmt: skip
-        return _gpt2_hf_config(model), gpt2_state_dict_to_hf
+        if weights.model_type == "gpt":
+            return _gpt2_hf_config(model), to_hf(weights.tensors, gpt2_rules(model))
+        tensors = to_hf(weights.tensors, bert_rules(model, model.bert_binary_head, model.bert_binary_head))
+        if not model.bert_binary_head:  # no token types: type 0 adds nothing
+            embedding = weights.tensors["embedding.word_embeddings.weight"]
+            tensors["bert.embeddings.token_type_embeddings.weight"] = embedding.new_zeros(
+                1, model.hidden_size
+            )
+        return _bert_hf_config(model), tensors
     _refuse(
         common + [
             (model.normalization == "RMSNorm" and model.swiglu and not model.add_bias_linear,
@@ -255,7 +316,7 @@ def _export_mapping(model: TransformerConfig) -> tuple[dict[str, Any], Any]:
         ],
         where,
     )  # fmt: skip
-    return _llama_hf_config(model), llama_state_dict_to_hf
+    return _llama_hf_config(model), to_hf(weights.tensors, llama_rules(model))
 
 
 def _shards(tensors: dict[str, torch.Tensor], max_shard_size: int) -> list[dict[str, torch.Tensor]]:
@@ -274,9 +335,7 @@ def _shards(tensors: dict[str, torch.Tensor], max_shard_size: int) -> list[dict[
 
 def save(weights: ModelWeights, save_dir: str, max_shard_size: int = 5 * 10**9) -> str:
     """Write `weights` as a Hugging Face folder (config.json written last); returns `save_dir`."""
-    model = weights.config.model
-    hf_config, to_hf = _export_mapping(model)
-    tensors = to_hf(weights.tensors, model)
+    hf_config, tensors = _export(weights)
     dtype = str(next(iter(tensors.values())).dtype).removeprefix("torch.")
     # ids the source does not record are written as None: transformers' defaults (GPT-2's 50256) may not exist
     hf_config |= {key: weights.token_ids.get(key) for key in TOKEN_ID_KEYS}

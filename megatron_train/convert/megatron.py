@@ -5,8 +5,8 @@
 
 A file holds {"args": argparse.Namespace, "checkpoint_version", "iteration", "model": state dict, optimizer and
 RNG state}. Model names are Megatron-Core's (ours; TransformerEngine's fused `layer_norm_weight` names too) with
-layer numbers local to the pipeline stage, or, in the released GPT-345M files, the older nested
-`language_model.*` names (docs/architecture.md, checkpoints). Reading a pickle could run code, so files load with
+layer numbers local to the pipeline stage (GPT's `decoder.layers`, BERT's `encoder.layers`), or, in the released
+GPT-345M and BERT-345M files, the older nested `language_model.*` names (docs/architecture.md, checkpoints). Reading a pickle could run code, so files load with
 `weights_only=True` and only the few classes these files hold (`ALLOWED_GLOBALS`); a file naming any other is
 refused before it is unpickled.
 """
@@ -85,46 +85,59 @@ _ALLOWED_NAMES = {
 }
 
 # Megatron-Core with TransformerEngine fuses the pre-attention / pre-MLP norms into the next linear layer.
-_TE_NAMES = {
+TE_NAMES = {
     "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
     "self_attention.linear_qkv.layer_norm_bias": "input_layernorm.bias",
     "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
     "mlp.linear_fc1.layer_norm_bias": "pre_mlp_layernorm.bias",
 }
-# The older Megatron-LM GPT (`language_model.*`, checkpoint_version < 3) -> Megatron-Core names.
+# The older Megatron-LM GPT and BERT (`language_model.*`, checkpoint_version < 3) -> Megatron-Core names; `{stack}`
+# is the layer stack, `decoder` (GPT) or `encoder` (BERT).
 _LEGACY_NAMES = [
     (r"language_model\.embedding\.", "embedding."),
     (r"language_model\.output_layer\.", "output_layer."),
-    (r"language_model\.(encoder|transformer)\.final_(layer)?norm\.", "decoder.final_layernorm."),
-    (r"language_model\.(encoder|transformer)\.layers\.", "decoder.layers."),
+    (r"language_model\.pooler\.", "pooler."),
+    (r"language_model\.(encoder|transformer)\.final_(layer)?norm\.", "{stack}.final_layernorm."),
+    (r"language_model\.(encoder|transformer)\.layers\.", "{stack}.layers."),
     (r"\.(self_attention|attention)\.query_key_value\.", ".self_attention.linear_qkv."),
     (r"\.(self_attention|attention)\.dense\.", ".self_attention.linear_proj."),
     (r"\.post_attention_(layer)?norm\.", ".pre_mlp_layernorm."),
     (r"\.input_norm\.", ".input_layernorm."),
     (r"\.mlp\.dense_h_to_4h\.", ".mlp.linear_fc1."),
     (r"\.mlp\.dense_4h_to_h\.", ".mlp.linear_fc2."),
+    (r"^lm_head\.layernorm\.", "lm_head.layer_norm."),
+    (r"^lm_head\.bias$", "output_layer.bias"),
 ]
-_LOCAL_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
+LAYER_STACKS = {"gpt": "decoder", "bert": "encoder"}
+_LOCAL_LAYER = re.compile(r"^(decoder|encoder)\.layers\.(\d+)\.(.*)$")
 
 
 def read_checkpoint_file(path: str) -> dict[str, Any]:
-    """One rank's file, unpickled with `weights_only=True` and the allow-list; any other class is refused by
-    name before a byte is unpickled, so a crafted file runs nothing."""
+    """One rank's file, unpickled with `weights_only=True` and the allow-list (`read_allowed_pickle`)."""
     if not os.path.exists(path):
         raise CheckpointError(
             f"Megatron checkpoint file {path} is missing: the save is incomplete or was moved"
         )
-    refused = sorted(set(torch.serialization.get_unsafe_globals_in_checkpoint(path)) - _ALLOWED_NAMES)
+    return read_allowed_pickle(path, path)
+
+
+def read_allowed_pickle(source: str | io.BytesIO, where: str) -> Any:
+    """A torch.save'd object (a file or its bytes) unpickled with `weights_only=True` and the allow-list; any
+    other class is refused by name before a byte is unpickled, so a crafted checkpoint runs nothing."""
+    refused = sorted(set(torch.serialization.get_unsafe_globals_in_checkpoint(source)) - _ALLOWED_NAMES)
     if refused:
         raise CheckpointError(
-            f"{path} holds pickled objects of {refused}, outside the classes a Megatron checkpoint holds "
+            f"{where} holds pickled objects of {refused}, outside the classes a Megatron checkpoint holds "
             f"({sorted(_ALLOWED_NAMES)}); unpickling them could run code, so it is not loaded"
         )
+    if isinstance(source, io.BytesIO):
+        source.seek(0)
     with torch.serialization.safe_globals(ALLOWED_GLOBALS):
-        return torch.load(path, map_location="cpu", weights_only=True)
+        return torch.load(source, map_location="cpu", weights_only=True)
 
 
-def _iteration_dir(load_dir: str, iteration: int | None) -> tuple[str, int]:
+def find_iteration_dir(load_dir: str, iteration: int | None) -> tuple[str, int]:
+    """(folder, number) of `iteration`, else of the latest marker (a number or "release", as Megatron writes)."""
     if iteration is not None:
         return checkpoint_dir(load_dir, iteration), iteration
     tracker = os.path.join(load_dir, TRACKER_FILENAME)
@@ -163,15 +176,19 @@ def _legacy_qkv(tensor: torch.Tensor, version: float, heads: int) -> torch.Tenso
     return tensor
 
 
-def _our_names(state: dict[str, Any], version: float, local_heads: int) -> dict[str, torch.Tensor]:
-    """One rank's model state under our names (layer numbers still local); TE extra state dropped."""
+def _our_names(
+    state: dict[str, Any], version: float, local_heads: int, stack: str
+) -> dict[str, torch.Tensor]:
+    """One rank's model state under our names (layer numbers still local); TE extra state dropped. The older
+    names are renamed only in an older model's state (one holding `language_model`)."""
     tensors = {}
+    renames = _LEGACY_NAMES if "language_model" in state else []
     for name, value in _flatten(state).items():
         if name.endswith("_extra_state") or value is None:
             continue
-        for pattern, replacement in _LEGACY_NAMES:
-            name = re.sub(pattern, replacement, name)
-        for te_name, ours in _TE_NAMES.items():
+        for pattern, replacement in renames:
+            name = re.sub(pattern, replacement.format(stack=stack), name)
+        for te_name, ours in TE_NAMES.items():
             name = name.replace(te_name, ours)
         if name.endswith(("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias")):
             value = _legacy_qkv(value, version, local_heads)
@@ -179,7 +196,7 @@ def _our_names(state: dict[str, Any], version: float, local_heads: int) -> dict[
     return tensors
 
 
-def _config_from_args(args: argparse.Namespace, true_vocab_size: int | None, where: str) -> MegatronConfig:
+def config_from_args(args: argparse.Namespace, true_vocab_size: int | None, where: str) -> MegatronConfig:
     """Our config from Megatron's args (the same names), the vocabulary from --true-vocab-size or the args."""
     given = vars(args)
     if "layernorm_epsilon" in given and "norm_epsilon" not in given:
@@ -208,9 +225,12 @@ def _count_chunks(saved: dict[str, Any]) -> int:
     return sum(1 for key in saved if re.fullmatch(r"model\d+", key))
 
 
-def load(load_dir: str, iteration: int | None = None, true_vocab_size: int | None = None) -> ModelWeights:
-    """The model of a Megatron-LM checkpoint, its TP shards merged and its stages' layers numbered globally."""
-    iteration_dir, number = _iteration_dir(load_dir, iteration)
+def load(
+    load_dir: str, iteration: int | None = None, true_vocab_size: int | None = None, model_type: str = "gpt"
+) -> ModelWeights:
+    """The model (`gpt` or `bert`, Megatron's --model-type) of a Megatron-LM checkpoint, its TP shards merged and
+    its stages' layers numbered globally."""
+    iteration_dir, number = find_iteration_dir(load_dir, iteration)
     without_pp = os.path.join(model_shard_dir(iteration_dir, 0, 0, 1), CHECKPOINT_FILE)
     first_path = (
         without_pp
@@ -225,7 +245,7 @@ def load(load_dir: str, iteration: int | None = None, true_vocab_size: int | Non
         )
     args = first["args"]
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    config = _config_from_args(args, true_vocab_size, iteration_dir)
+    config = config_from_args(args, true_vocab_size, iteration_dir)
     model = config.model
     version = float(first.get("checkpoint_version", 0))
     shards: dict[str, list[torch.Tensor]] = {}
@@ -242,22 +262,26 @@ def load(load_dir: str, iteration: int | None = None, true_vocab_size: int | Non
             virtual_size = len(chunks) if len(chunks) > 1 else None
             for virtual_rank, chunk in enumerate(chunks):
                 layers = get_layer_range(model.num_layers, pp_rank, pp, virtual_rank, virtual_size)
-                local = _our_names(chunk, version, model.num_attention_heads // tp)
+                local = _our_names(chunk, version, model.num_attention_heads // tp, LAYER_STACKS[model_type])
                 for name, tensor in local.items():
                     match = _LOCAL_LAYER.match(name)
                     if match:
-                        name = f"decoder.layers.{layers.start + int(match.group(1))}.{match.group(2)}"
+                        name = (
+                            f"{match.group(1)}.layers.{layers.start + int(match.group(2))}.{match.group(3)}"
+                        )
                     elif name == OUTPUT_WEIGHT and not model.untie_embeddings_and_output_weights:
                         continue  # the last stage's copy of the tied embedding
                     shards.setdefault(name, []).append(tensor)
-    shardings = model_shardings(config, args.padded_vocab_size)
+    shardings = model_shardings(config, args.padded_vocab_size, model_type)
     check_tensor_names(shards, list(shardings), iteration_dir)
     tensors = {name: merge_tp_shards(parts, shardings[name]) for name, parts in shards.items()}
     files = {name: path for name, path in tokenizer_files(config).items() if os.path.exists(path)}
-    return ModelWeights(config, trim_vocab(tensors, model.true_vocab_size), files, number)
+    return ModelWeights(
+        config, trim_vocab(tensors, model.true_vocab_size), files, number, model_type=model_type
+    )
 
 
-def _args(weights: ModelWeights, tp: int, pp: int, padded_vocab_size: int) -> argparse.Namespace:
+def megatron_args(weights: ModelWeights, tp: int, pp: int, padded_vocab_size: int) -> argparse.Namespace:
     """Megatron's args for the saved model: its model and tokenizer flags under Megatron's names, the layout."""
     config = weights.config
     return argparse.Namespace(
@@ -286,9 +310,9 @@ def save(weights: ModelWeights, save_dir: str, target_tp: int = 1, target_pp: in
     )
     check_layout(config.model, padded, target_tp, target_pp)
     tensors = pad_vocab(weights.tensors, padded)
-    shardings = model_shardings(config, padded)
+    shardings = model_shardings(config, padded, weights.model_type)
     tied = not config.model.untie_embeddings_and_output_weights
-    args = _args(weights, target_tp, target_pp, padded)
+    args = megatron_args(weights, target_tp, target_pp, padded)
     iteration_dir = checkpoint_dir(save_dir, weights.iteration)
     for pp_rank in range(target_pp):
         layers = get_layer_range(config.model.num_layers, pp_rank, target_pp)
@@ -299,7 +323,9 @@ def save(weights: ModelWeights, save_dir: str, target_tp: int = 1, target_pp: in
             for name in names:
                 local = _LOCAL_LAYER.match(name)
                 key = (
-                    f"decoder.layers.{int(local.group(1)) - layers.start}.{local.group(2)}" if local else name
+                    f"{local.group(1)}.layers.{int(local.group(2)) - layers.start}.{local.group(3)}"
+                    if local
+                    else name
                 )
                 state[key] = split_tp_shard(tensors[name], shardings[name], target_tp, tp_rank, name)
             if tied and last and target_pp > 1:  # Megatron-Core's last stage holds a copy of the embedding

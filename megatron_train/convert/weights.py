@@ -3,7 +3,7 @@
 Every format converts through `ModelWeights` (docs/architecture.md, checkpoints), as Megatron's
 tools/checkpoint/convert.py passes a model between its loader and saver: the config says what the model is
 (read from the source, so the user never restates it), the tensors are the unsplit weights of a TP1 x PP1
-`GPTModel` with the vocabulary rows cut to the true vocabulary (a saver pads them for its layout), and the
+`GPTModel` (or `BertModel`, `model_type`) with the vocabulary rows cut to the true vocabulary (a saver pads them for its layout), and the
 tokenizer files travel with them.
 """
 
@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 import torch
 
 from megatron_train.arguments import MegatronConfig
+from megatron_train.checkpointing.inference import build_saved_model
 from megatron_train.checkpointing.layout import VOCAB_PARAMS, TensorSharding, resize_vocab
-from megatron_train.models.gpt import GPTModel
 
 # A Hugging Face tokenizer's files, any of which a model folder may hold.
 TOKENIZER_FILES = (
@@ -54,17 +54,20 @@ class ModelWeights:
     iteration: int = 1
     # bos/eos/pad token ids where the source records them (HF config.json; ours keep them in metadata.json)
     token_ids: dict[str, int] = field(default_factory=dict)
+    model_type: str = "gpt"  # the family, as checkpoints record it: "gpt" or "bert"
 
     @property
     def true_vocab_size(self) -> int:
         return self.config.model.true_vocab_size
 
 
-def model_shardings(config: MegatronConfig, vocab_size: int) -> dict[str, TensorSharding]:
-    """How each param of the whole model splits across TP, read off a model built on the meta device (no memory,
-    no process groups): the same attributes a training run records in its checkpoint."""
+def model_shardings(
+    config: MegatronConfig, vocab_size: int, model_type: str = "gpt"
+) -> dict[str, TensorSharding]:
+    """How each param of the whole model (`gpt` or `bert`) splits across TP, read off a model built on the meta
+    device (no memory, no process groups): the same attributes a training run records in its checkpoint."""
     with torch.device("meta"):
-        model = GPTModel(config.model, vocab_size)
+        model = build_saved_model(model_type, config, vocab_size, "the converted model")
     return {
         name: TensorSharding(
             int(param.partition_dim) if getattr(param, "tensor_model_parallel", False) else -1,

@@ -7,6 +7,7 @@ Also the parsers of the two flag forms whose syntax needs checking: the blend
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 SPLIT_NAMES = ("train", "valid", "test")
 
@@ -145,6 +146,25 @@ class DataConfig:
         default=False, metadata={"help": "Exclude end-of-document tokens from the loss."}
     )
 
+    sft: bool = field(
+        default=False,
+        metadata={
+            "help": "Supervised finetuning (Megatron's flag): the data paths are JSONL files of "
+            '{"messages": [{"role", "content"}, ...]} conversations; the loss covers the assistant\'s tokens only.'
+        },
+    )
+    sft_tokenizer_prompt_format: Literal["chat-template", "chatml"] = field(
+        default="chat-template",
+        metadata={
+            "help": "--sft: render conversations with the tokenizer's chat template (ChatML when it has none), "
+            "or always with ChatML."
+        },
+    )
+    sft_pack: bool = field(
+        default=False,
+        metadata={"help": "--sft: pack consecutive conversations into one sample instead of padding each."},
+    )
+
     mask_prob: float = field(
         default=0.15, metadata={"help": "BERT/T5: probability of replacing a token with a mask."}
     )
@@ -158,6 +178,10 @@ class DataConfig:
                 "--reset-attention-mask is not supported: the models attend causally across the whole "
                 "sequence; drop the flag (--reset-position-ids and --eod-mask-loss are supported)"
             )
+        if self.sft_pack and not self.sft:
+            raise ValueError("--sft-pack packs SFT conversations: it needs --sft")
+        if self.sft and self.mock_data:
+            raise ValueError("--sft reads JSONL conversations from the data paths: drop --mock-data")
         if self.num_workers < 0:
             raise ValueError(f"--num-workers must be >= 0, got {self.num_workers}")
         per_split = [self.train_data_path, self.valid_data_path, self.test_data_path]

@@ -1,8 +1,8 @@
 """Load a Hugging Face BERT-family checkpoint directory into our BertModel (post-LN layers, one TP rank).
 
 The directory holds `config.json` and the weights (`model.safetensors` or `pytorch_model.bin`) of a
-`BertModel`, `BertForMaskedLM` or `BertForPreTraining`. The name mapping below is the precise statement of how
-our parameters relate to Hugging Face's; the tests prove equal hidden states and MLM logits.
+`BertModel`, `BertForMaskedLM` or `BertForPreTraining`. How our parameters relate to Hugging Face's is the BERT
+table of `models.hf_import`; the tests prove equal hidden states and MLM logits.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 
 from megatron_train.models.bert import BertModel
 from megatron_train.models.config import TransformerConfig
-from megatron_train.models.transformer import pack_qkv
+from megatron_train.models.hf_import import bert_rules, from_hf
 
 StateDict = dict[str, torch.Tensor]
 REQUIRED_CONFIG_KEYS = (
@@ -67,7 +67,8 @@ def transformer_config_from_hf(hf_config: dict, where: str = "config.json") -> T
 
 
 def read_hf_weights(directory: str) -> StateDict:
-    """The checkpoint's tensors, `bert.` prefix removed and old `gamma`/`beta` norm names renamed."""
+    """The checkpoint's tensors under `BertForPreTraining`'s names (a plain `BertModel`'s get the `bert.` prefix),
+    old `gamma`/`beta` norm names renamed."""
     for name in WEIGHT_FILES:
         path = os.path.join(directory, name)
         if os.path.exists(path):
@@ -82,56 +83,22 @@ def read_hf_weights(directory: str) -> StateDict:
         weights = load_file(path)
     else:
         weights = torch.load(path, map_location="cpu", weights_only=True)
-    renamed = {}
-    for key, tensor in weights.items():
-        key = key.removeprefix("bert.")
-        if key.endswith(".gamma") or key.endswith(".beta"):
-            key = key.rsplit(".", 1)[0] + (".weight" if key.endswith(".gamma") else ".bias")
-        renamed[key] = tensor
-    return renamed
+    return {hf_bert_name(key): tensor for key, tensor in weights.items()}
+
+
+def hf_bert_name(key: str) -> str:
+    """A BERT checkpoint's tensor name as `BertForPreTraining` names it."""
+    if not key.startswith(("bert.", "cls.")):
+        key = "bert." + key
+    if key.endswith((".gamma", ".beta")):
+        key = key.rsplit(".", 1)[0] + (".weight" if key.endswith(".gamma") else ".bias")
+    return key
 
 
 def bert_state_dict_from_hf(hf: StateDict, config: TransformerConfig) -> StateDict:
     """Our BertModel names for the Hugging Face tensors present in `hf` (heads only where the checkpoint has
-    them). Output layer weight: tied to the word embedding, as in Hugging Face."""
-    pairs = {
-        "embeddings.word_embeddings.weight": "embedding.word_embeddings.weight",
-        "embeddings.position_embeddings.weight": "embedding.position_embeddings.weight",
-        "embeddings.token_type_embeddings.weight": "embedding.tokentype_embeddings.weight",
-        "embeddings.LayerNorm.weight": "embedding.layernorm.weight",
-        "embeddings.LayerNorm.bias": "embedding.layernorm.bias",
-        "pooler.dense.weight": "pooler.dense.weight",
-        "pooler.dense.bias": "pooler.dense.bias",
-        "cls.predictions.transform.dense.weight": "lm_head.dense.weight",
-        "cls.predictions.transform.dense.bias": "lm_head.dense.bias",
-        "cls.predictions.transform.LayerNorm.weight": "lm_head.layer_norm.weight",
-        "cls.predictions.transform.LayerNorm.bias": "lm_head.layer_norm.bias",
-        "cls.predictions.bias": "output_layer.bias",
-        "cls.seq_relationship.weight": "binary_head.weight",
-        "cls.seq_relationship.bias": "binary_head.bias",
-    }
-    for i in range(config.num_layers):
-        src, dst = f"encoder.layer.{i}.", f"encoder.layers.{i}."
-        pairs |= {
-            src + "attention.output.dense.weight": dst + "self_attention.linear_proj.weight",
-            src + "attention.output.dense.bias": dst + "self_attention.linear_proj.bias",
-            src + "attention.output.LayerNorm.weight": dst + "post_attention_layernorm.weight",
-            src + "attention.output.LayerNorm.bias": dst + "post_attention_layernorm.bias",
-            src + "intermediate.dense.weight": dst + "mlp.linear_fc1.weight",
-            src + "intermediate.dense.bias": dst + "mlp.linear_fc1.bias",
-            src + "output.dense.weight": dst + "mlp.linear_fc2.weight",
-            src + "output.dense.bias": dst + "mlp.linear_fc2.bias",
-            src + "output.LayerNorm.weight": dst + "post_mlp_layernorm.weight",
-            src + "output.LayerNorm.bias": dst + "post_mlp_layernorm.bias",
-        }
-    ours = {dst: hf[src] for src, dst in pairs.items() if src in hf}
-    heads = config.num_attention_heads
-    for i in range(config.num_layers):
-        src, dst = f"encoder.layer.{i}.attention.self.", f"encoder.layers.{i}.self_attention.linear_qkv."
-        for kind in ("weight", "bias"):
-            q, k, v = (hf[f"{src}{name}.{kind}"] for name in ("query", "key", "value"))
-            ours[dst + kind] = pack_qkv(q, k, v, num_query_groups=heads)
-    return {name: tensor.contiguous() for name, tensor in ours.items()}
+    them), by the BERT table of `models.hf_import`."""
+    return from_hf(hf, [rule for rule in bert_rules(config) if all(name in hf for name in rule.hf)])
 
 
 def load_hf_bert(directory: str, padded_vocab_size: int | None = None) -> LoadedBert:

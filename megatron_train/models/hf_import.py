@@ -1,13 +1,16 @@
-"""Hugging Face GPT-2 / Llama state dicts <-> GPTModel state dicts (single TP rank, all layers).
+"""Hugging Face GPT-2 / Llama / BERT state dicts <-> ours (single TP rank, all layers): one table per family.
 
-The mapping doubles as the precise statement of how our parameters relate to the two reference
-architectures; the tests prove logits equal after loading, both ways. The `hf` converter
-(`megatron_train.convert.hf`, docs/architecture.md, checkpoints) reads and writes checkpoints through it.
+A table is a list of `Rule`s, each one of our tensors and the Hugging Face tensors it is made of, with the two
+directions of the conversion side by side; `from_hf` and `to_hf` apply a table either way. The tables are the
+precise statement of how our parameters relate to the reference architectures; the tests prove logits equal
+after loading, both ways. The `hf` converter (`megatron_train.convert.hf`, docs/architecture.md, checkpoints)
+and `models.hf_bert` read and write checkpoints through them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
 import torch
 
@@ -17,115 +20,170 @@ from megatron_train.models.transformer import pack_qkv, unpack_qkv
 StateDict = dict[str, torch.Tensor]
 
 
-def gpt2_state_dict_from_hf(hf: Mapping[str, torch.Tensor], config: TransformerConfig) -> StateDict:
-    """From `transformers.GPT2LMHeadModel.state_dict()` (its Conv1D weights are stored [in, out])."""
-    ours = {
-        "embedding.word_embeddings.weight": hf["transformer.wte.weight"],
-        "embedding.position_embeddings.weight": hf["transformer.wpe.weight"],
-        "decoder.final_layernorm.weight": hf["transformer.ln_f.weight"],
-        "decoder.final_layernorm.bias": hf["transformer.ln_f.bias"],
-    }
+def _same(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
+def _one(tensor: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return (tensor,)
+
+
+@dataclass(frozen=True)
+class Rule:
+    """Our tensor `ours` is `to_ours(*hf tensors)`; the other way, `to_hf(ours)` gives the `hf` tensors."""
+
+    ours: str
+    hf: tuple[str, ...]
+    to_ours: Callable[..., torch.Tensor] = _same
+    to_hf: Callable[[torch.Tensor], tuple[torch.Tensor, ...]] = _one
+
+
+def same(ours: str, hf: str) -> Rule:
+    return Rule(ours, (hf,))
+
+
+def transposed(ours: str, hf: str) -> Rule:
+    """GPT-2's Conv1D stores its weight [in, out], a Linear's transpose."""
+    return Rule(ours, (hf,), lambda t: t.t(), lambda t: (t.t(),))
+
+
+def fused_qkv(ours: str, hf: tuple[str, str, str], groups: int, heads: int) -> Rule:
+    """Our grouped linear_qkv from separate q, k, v projections (weights or biases)."""
+    return Rule(ours, hf, lambda q, k, v: pack_qkv(q, k, v, groups), lambda t: unpack_qkv(t, groups, heads))
+
+
+def from_hf(hf: Mapping[str, torch.Tensor], rules: list[Rule]) -> StateDict:
+    """Our state dict from Hugging Face tensors (a missing one raises KeyError naming it)."""
+    return {rule.ours: rule.to_ours(*(hf[name] for name in rule.hf)).contiguous() for rule in rules}
+
+
+def to_hf(ours: Mapping[str, torch.Tensor], rules: list[Rule]) -> StateDict:
+    """Hugging Face tensors from our state dict."""
+    hf = {}
+    for rule in rules:
+        hf |= {
+            name: tensor.contiguous()
+            for name, tensor in zip(rule.hf, rule.to_hf(ours[rule.ours]), strict=True)
+        }
+    return hf
+
+
+def _gpt2_qkv(ours: str, hf: str, heads: int) -> Rule:
+    """GPT-2's c_attn: q, k, v side by side in one Conv1D (weight [in, 3 * out], bias [3 * out])."""
+    weight = hf.endswith(".weight")
+
+    def to_ours(fused: torch.Tensor) -> torch.Tensor:
+        return pack_qkv(*(fused.t() if weight else fused).chunk(3), heads)
+
+    def to_hf(qkv: torch.Tensor) -> tuple[torch.Tensor]:
+        fused = torch.cat(unpack_qkv(qkv, heads, heads))
+        return (fused.t() if weight else fused,)
+
+    return Rule(ours, (hf,), to_ours, to_hf)
+
+
+def gpt2_rules(config: TransformerConfig) -> list[Rule]:
+    """`transformers.GPT2LMHeadModel` (its lm_head is the tied wte; c_attn is q, k, v side by side)."""
     heads = config.num_attention_heads
+    rules = [
+        same("embedding.word_embeddings.weight", "transformer.wte.weight"),
+        same("embedding.position_embeddings.weight", "transformer.wpe.weight"),
+    ]
     for i in range(config.num_layers):
         src, dst = f"transformer.h.{i}.", f"decoder.layers.{i}."
-        q, k, v = hf[src + "attn.c_attn.weight"].t().chunk(3)
-        q_bias, k_bias, v_bias = hf[src + "attn.c_attn.bias"].chunk(3)
-        ours |= {
-            dst + "input_layernorm.weight": hf[src + "ln_1.weight"],
-            dst + "input_layernorm.bias": hf[src + "ln_1.bias"],
-            dst + "self_attention.linear_qkv.weight": pack_qkv(q, k, v, num_query_groups=heads),
-            dst + "self_attention.linear_qkv.bias": pack_qkv(q_bias, k_bias, v_bias, num_query_groups=heads),
-            dst + "self_attention.linear_proj.weight": hf[src + "attn.c_proj.weight"].t(),
-            dst + "self_attention.linear_proj.bias": hf[src + "attn.c_proj.bias"],
-            dst + "pre_mlp_layernorm.weight": hf[src + "ln_2.weight"],
-            dst + "pre_mlp_layernorm.bias": hf[src + "ln_2.bias"],
-            dst + "mlp.linear_fc1.weight": hf[src + "mlp.c_fc.weight"].t(),
-            dst + "mlp.linear_fc1.bias": hf[src + "mlp.c_fc.bias"],
-            dst + "mlp.linear_fc2.weight": hf[src + "mlp.c_proj.weight"].t(),
-            dst + "mlp.linear_fc2.bias": hf[src + "mlp.c_proj.bias"],
-        }
-    return {name: tensor.contiguous() for name, tensor in ours.items()}
+        rules += [
+            same(dst + "input_layernorm.weight", src + "ln_1.weight"),
+            same(dst + "input_layernorm.bias", src + "ln_1.bias"),
+            _gpt2_qkv(dst + "self_attention.linear_qkv.weight", src + "attn.c_attn.weight", heads),
+            _gpt2_qkv(dst + "self_attention.linear_qkv.bias", src + "attn.c_attn.bias", heads),
+            transposed(dst + "self_attention.linear_proj.weight", src + "attn.c_proj.weight"),
+            same(dst + "self_attention.linear_proj.bias", src + "attn.c_proj.bias"),
+            same(dst + "pre_mlp_layernorm.weight", src + "ln_2.weight"),
+            same(dst + "pre_mlp_layernorm.bias", src + "ln_2.bias"),
+            transposed(dst + "mlp.linear_fc1.weight", src + "mlp.c_fc.weight"),
+            same(dst + "mlp.linear_fc1.bias", src + "mlp.c_fc.bias"),
+            transposed(dst + "mlp.linear_fc2.weight", src + "mlp.c_proj.weight"),
+            same(dst + "mlp.linear_fc2.bias", src + "mlp.c_proj.bias"),
+        ]  # fmt: skip
+    return rules + [
+        same("decoder.final_layernorm.weight", "transformer.ln_f.weight"),
+        same("decoder.final_layernorm.bias", "transformer.ln_f.bias"),
+    ]
+
+
+def llama_rules(config: TransformerConfig) -> list[Rule]:
+    """`transformers.LlamaForCausalLM` (rotate-half RoPE convention, as ours; lm_head only when untied)."""
+    groups, heads = config.num_query_groups_effective, config.num_attention_heads
+    rules = [same("embedding.word_embeddings.weight", "model.embed_tokens.weight")]
+    for i in range(config.num_layers):
+        src, dst = f"model.layers.{i}.", f"decoder.layers.{i}."
+        qkv = tuple(f"{src}self_attn.{name}_proj.weight" for name in "qkv")
+        gate_up = (src + "mlp.gate_proj.weight", src + "mlp.up_proj.weight")
+        rules += [
+            same(dst + "input_layernorm.weight", src + "input_layernorm.weight"),
+            fused_qkv(dst + "self_attention.linear_qkv.weight", qkv, groups, heads),
+            same(dst + "self_attention.linear_proj.weight", src + "self_attn.o_proj.weight"),
+            same(dst + "pre_mlp_layernorm.weight", src + "post_attention_layernorm.weight"),
+            Rule(
+                dst + "mlp.linear_fc1.weight",
+                gate_up,
+                lambda gate, up: torch.cat((gate, up)),
+                lambda t: t.chunk(2),
+            ),
+            same(dst + "mlp.linear_fc2.weight", src + "mlp.down_proj.weight"),
+        ]
+    rules.append(same("decoder.final_layernorm.weight", "model.norm.weight"))
+    if config.untie_embeddings_and_output_weights:
+        rules.append(same("output_layer.weight", "lm_head.weight"))
+    return rules
+
+
+def bert_rules(config: TransformerConfig, token_types: bool = True, binary_head: bool = True) -> list[Rule]:
+    """`transformers.BertForPreTraining` (`BertForMaskedLM`: no pooler, no seq_relationship) and our post-LN
+    BertModel; the MLM decoder weight is the tied word embedding in both."""
+    heads = config.num_attention_heads
+    rules = [
+        same("embedding.word_embeddings.weight", "bert.embeddings.word_embeddings.weight"),
+        same("embedding.position_embeddings.weight", "bert.embeddings.position_embeddings.weight"),
+        same("embedding.layernorm.weight", "bert.embeddings.LayerNorm.weight"),
+        same("embedding.layernorm.bias", "bert.embeddings.LayerNorm.bias"),
+    ]
+    if token_types:
+        rules.append(
+            same("embedding.tokentype_embeddings.weight", "bert.embeddings.token_type_embeddings.weight")
+        )
+    for i in range(config.num_layers):
+        src, dst = f"bert.encoder.layer.{i}.", f"encoder.layers.{i}."
+        for kind in ("weight", "bias"):
+            qkv = tuple(f"{src}attention.self.{name}.{kind}" for name in ("query", "key", "value"))
+            rules += [
+                fused_qkv(f"{dst}self_attention.linear_qkv.{kind}", qkv, heads, heads),
+                same(f"{dst}self_attention.linear_proj.{kind}", f"{src}attention.output.dense.{kind}"),
+                same(f"{dst}post_attention_layernorm.{kind}", f"{src}attention.output.LayerNorm.{kind}"),
+                same(f"{dst}mlp.linear_fc1.{kind}", f"{src}intermediate.dense.{kind}"),
+                same(f"{dst}mlp.linear_fc2.{kind}", f"{src}output.dense.{kind}"),
+                same(f"{dst}post_mlp_layernorm.{kind}", f"{src}output.LayerNorm.{kind}"),
+            ]
+    for kind in ("weight", "bias"):
+        rules += [
+            same(f"lm_head.dense.{kind}", f"cls.predictions.transform.dense.{kind}"),
+            same(f"lm_head.layer_norm.{kind}", f"cls.predictions.transform.LayerNorm.{kind}"),
+        ]
+    rules.append(same("output_layer.bias", "cls.predictions.bias"))
+    if binary_head:
+        for kind in ("weight", "bias"):
+            rules += [
+                same(f"pooler.dense.{kind}", f"bert.pooler.dense.{kind}"),
+                same(f"binary_head.{kind}", f"cls.seq_relationship.{kind}"),
+            ]
+    return rules
+
+
+def gpt2_state_dict_from_hf(hf: Mapping[str, torch.Tensor], config: TransformerConfig) -> StateDict:
+    """From `transformers.GPT2LMHeadModel.state_dict()`."""
+    return from_hf(hf, gpt2_rules(config))
 
 
 def llama_state_dict_from_hf(hf: Mapping[str, torch.Tensor], config: TransformerConfig) -> StateDict:
-    """From `transformers.LlamaForCausalLM.state_dict()` (rotate-half RoPE convention, as ours)."""
-    ours = {
-        "embedding.word_embeddings.weight": hf["model.embed_tokens.weight"],
-        "decoder.final_layernorm.weight": hf["model.norm.weight"],
-    }
-    if config.untie_embeddings_and_output_weights:
-        ours["output_layer.weight"] = hf["lm_head.weight"]
-    for i in range(config.num_layers):
-        src, dst = f"model.layers.{i}.", f"decoder.layers.{i}."
-        q, k, v = (hf[src + f"self_attn.{name}_proj.weight"] for name in "qkv")
-        ours |= {
-            dst + "input_layernorm.weight": hf[src + "input_layernorm.weight"],
-            dst + "self_attention.linear_qkv.weight": pack_qkv(q, k, v, config.num_query_groups_effective),
-            dst + "self_attention.linear_proj.weight": hf[src + "self_attn.o_proj.weight"],
-            dst + "pre_mlp_layernorm.weight": hf[src + "post_attention_layernorm.weight"],
-            dst + "mlp.linear_fc1.weight": torch.cat(
-                (hf[src + "mlp.gate_proj.weight"], hf[src + "mlp.up_proj.weight"])
-            ),
-            dst + "mlp.linear_fc2.weight": hf[src + "mlp.down_proj.weight"],
-        }
-    return {name: tensor.contiguous() for name, tensor in ours.items()}
-
-
-def gpt2_state_dict_to_hf(ours: Mapping[str, torch.Tensor], config: TransformerConfig) -> StateDict:
-    """Inverse of `gpt2_state_dict_from_hf`: `GPT2LMHeadModel` names (its lm_head is the tied wte)."""
-    hf = {
-        "transformer.wte.weight": ours["embedding.word_embeddings.weight"],
-        "transformer.wpe.weight": ours["embedding.position_embeddings.weight"],
-        "transformer.ln_f.weight": ours["decoder.final_layernorm.weight"],
-        "transformer.ln_f.bias": ours["decoder.final_layernorm.bias"],
-    }
-    heads = config.num_attention_heads
-    for i in range(config.num_layers):
-        src, dst = f"decoder.layers.{i}.", f"transformer.h.{i}."
-        qkv = unpack_qkv(ours[src + "self_attention.linear_qkv.weight"], heads, heads)
-        qkv_bias = unpack_qkv(ours[src + "self_attention.linear_qkv.bias"], heads, heads)
-        hf |= {
-            dst + "ln_1.weight": ours[src + "input_layernorm.weight"],
-            dst + "ln_1.bias": ours[src + "input_layernorm.bias"],
-            dst + "attn.c_attn.weight": torch.cat(qkv).t(),
-            dst + "attn.c_attn.bias": torch.cat(qkv_bias),
-            dst + "attn.c_proj.weight": ours[src + "self_attention.linear_proj.weight"].t(),
-            dst + "attn.c_proj.bias": ours[src + "self_attention.linear_proj.bias"],
-            dst + "ln_2.weight": ours[src + "pre_mlp_layernorm.weight"],
-            dst + "ln_2.bias": ours[src + "pre_mlp_layernorm.bias"],
-            dst + "mlp.c_fc.weight": ours[src + "mlp.linear_fc1.weight"].t(),
-            dst + "mlp.c_fc.bias": ours[src + "mlp.linear_fc1.bias"],
-            dst + "mlp.c_proj.weight": ours[src + "mlp.linear_fc2.weight"].t(),
-            dst + "mlp.c_proj.bias": ours[src + "mlp.linear_fc2.bias"],
-        }
-    return {name: tensor.contiguous() for name, tensor in hf.items()}
-
-
-def llama_state_dict_to_hf(ours: Mapping[str, torch.Tensor], config: TransformerConfig) -> StateDict:
-    """Inverse of `llama_state_dict_from_hf`: `LlamaForCausalLM` names (lm_head only when untied)."""
-    hf = {
-        "model.embed_tokens.weight": ours["embedding.word_embeddings.weight"],
-        "model.norm.weight": ours["decoder.final_layernorm.weight"],
-    }
-    if config.untie_embeddings_and_output_weights:
-        hf["lm_head.weight"] = ours["output_layer.weight"]
-    for i in range(config.num_layers):
-        src, dst = f"decoder.layers.{i}.", f"model.layers.{i}."
-        q, k, v = unpack_qkv(
-            ours[src + "self_attention.linear_qkv.weight"],
-            config.num_query_groups_effective,
-            config.num_attention_heads,
-        )
-        gate, up = ours[src + "mlp.linear_fc1.weight"].chunk(2)
-        hf |= {
-            dst + "input_layernorm.weight": ours[src + "input_layernorm.weight"],
-            dst + "self_attn.q_proj.weight": q,
-            dst + "self_attn.k_proj.weight": k,
-            dst + "self_attn.v_proj.weight": v,
-            dst + "self_attn.o_proj.weight": ours[src + "self_attention.linear_proj.weight"],
-            dst + "post_attention_layernorm.weight": ours[src + "pre_mlp_layernorm.weight"],
-            dst + "mlp.gate_proj.weight": gate,
-            dst + "mlp.up_proj.weight": up,
-            dst + "mlp.down_proj.weight": ours[src + "mlp.linear_fc2.weight"],
-        }
-    return {name: tensor.contiguous() for name, tensor in hf.items()}
+    """From `transformers.LlamaForCausalLM.state_dict()`."""
+    return from_hf(hf, llama_rules(config))

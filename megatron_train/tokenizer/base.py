@@ -52,6 +52,16 @@ class MegatronTokenizer(abc.ABC):
         """The ids of many texts; where the backend can, the batch is encoded in parallel (Rust, C++)."""
         return [self.tokenize(text) for text in texts]
 
+    def tokenize_without_special_tokens(self, text: str) -> list[int]:
+        """The ids of a text without the tokens the tokenizer adds around it (Llama's BOS): a chat template
+        writes its special tokens itself. Tokenizers that add none use `tokenize`."""
+        return self.tokenize(text)
+
+    @property
+    def chat_template(self) -> str | None:
+        """The Jinja chat template the tokenizer's files carry, None when they carry none."""
+        return None
+
     @abc.abstractmethod
     def detokenize(self, ids: Sequence[int]) -> str:
         """The text of a sequence of ids."""

@@ -41,6 +41,11 @@ class FastTokenizer(MegatronTokenizer):
     def tokenize(self, text: str) -> list[int]:
         return self._tokenizer.encode(text, add_special_tokens=self._add_special_tokens).ids
 
+    def tokenize_without_special_tokens(self, text: str) -> list[int]:
+        if not self._add_special_tokens:
+            return self.tokenize(text)
+        return self._tokenizer.encode(text, add_special_tokens=False).ids
+
     def tokenize_batch(self, texts: Sequence[str]) -> list[list[int]]:
         encodings = self._tokenizer.encode_batch(list(texts), add_special_tokens=self._add_special_tokens)
         return [encoding.ids for encoding in encodings]

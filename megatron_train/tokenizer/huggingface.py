@@ -135,6 +135,14 @@ class HuggingFaceAutoTokenizer(MegatronTokenizer):
     def tokenize_batch(self, texts: Sequence[str]) -> list[list[int]]:
         return self._tokenizer(list(texts)).input_ids
 
+    def tokenize_without_special_tokens(self, text: str) -> list[int]:
+        return self._tokenizer(text, add_special_tokens=False).input_ids
+
+    @property
+    def chat_template(self) -> str | None:
+        template = self._tokenizer.chat_template
+        return template if isinstance(template, str) else None
+
     def detokenize(self, ids: Sequence[int]) -> str:
         return self._tokenizer.decode(list(ids))
 

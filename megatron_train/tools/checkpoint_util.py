@@ -1,7 +1,7 @@
 """Convert a checkpoint between formats and reshard it offline, as Megatron's tools/checkpoint/convert.py:
 
     python -m megatron_train.tools.checkpoint_util --model-type GPT --load-dir A --save-dir B \\
-        [--loader flow|hf|megatron --saver flow|hf|megatron] --target-tensor-parallel-size 2 --target-pipeline-parallel-size 2
+        [--loader flow|hf|megatron|torch_dist --saver flow|hf|megatron|torch_dist] --target-tensor-parallel-size 2 --target-pipeline-parallel-size 2
 
 Another format goes through a loader and a saver (`megatron_train.convert`): weights only, the model config read
 from the source, and the flags to train or serve the result printed at the end. Flow to flow (the default) is
@@ -51,12 +51,14 @@ from megatron_train.checkpointing.layout import (
     split_tp_shard,
     stage_tensor_names,
 )
-from megatron_train.convert import flow, hf, megatron
+from megatron_train.convert import flow, hf, megatron, torch_dist
 from megatron_train.convert.weights import trim_vocab
 from megatron_train.models.transformer import get_layer_range
 from megatron_train.tokenizer import vocab_size_with_padding
 
 logger = logging.getLogger("megatron_train.tools.checkpoint_util")
+# Formats written split for a target (TP, PP); hf writes one unsplit model.
+SHARDED_SAVERS = {"flow": flow, "megatron": megatron, "torch_dist": torch_dist}
 
 
 def target_padded_vocab_size(
@@ -211,15 +213,21 @@ def _target_record(
 
 
 def load_weights(
-    loader: str, load_dir: str, iteration: int | None, true_vocab_size: int | None
+    loader: str, load_dir: str, iteration: int | None, true_vocab_size: int | None, model_type: str = "GPT"
 ) -> convert.ModelWeights:
-    """The model `loader` reads from `load_dir`, its vocabulary cut to `true_vocab_size` when given."""
-    if loader == "flow":
-        return flow.load(load_dir, iteration, true_vocab_size)
-    if loader == "megatron":
-        return megatron.load(load_dir, iteration, true_vocab_size)
-    weights = hf.load(load_dir)
-    if true_vocab_size is not None:
+    """The model `loader` reads from `load_dir`, its vocabulary cut to `true_vocab_size` when given. Megatron's
+    formats are read as `model_type` (GPT or BERT, Megatron's --model-type); ours and Hugging Face's record
+    their family, which must be `model_type`."""
+    kind = model_type.lower()
+    if loader in ("megatron", "torch_dist"):
+        return SHARDED_SAVERS[loader].load(load_dir, iteration, true_vocab_size, kind)
+    weights = flow.load(load_dir, iteration, true_vocab_size) if loader == "flow" else hf.load(load_dir)
+    if weights.model_type != kind:
+        raise ValueError(
+            f"--model-type {model_type}, but {load_dir} holds a {weights.model_type.upper()} model: pass "
+            f"--model-type {weights.model_type.upper()}"
+        )
+    if loader == "hf" and true_vocab_size is not None:
         if true_vocab_size > weights.true_vocab_size:
             raise ValueError(
                 f"--true-vocab-size {true_vocab_size} exceeds the {weights.true_vocab_size} vocabulary rows of "
@@ -240,6 +248,7 @@ def convert_format(
     iteration: int | None = None,
     true_vocab_size: int | None = None,
     max_shard_size: int = 5 * 10**9,
+    model_type: str = "GPT",
 ) -> convert.ModelWeights:
     """Read `load_dir` with `loader`, write it to `save_dir` with `saver` (the flow saver under the target
     (TP, PP), default 1 x 1); returns what was written (its config records the layout)."""
@@ -249,10 +258,10 @@ def convert_format(
         raise ValueError(
             "--saver hf writes one unsplit model: leave out --target-tensor/pipeline-parallel-size"
         )
-    weights = load_weights(loader, load_dir, iteration, true_vocab_size)
+    weights = load_weights(loader, load_dir, iteration, true_vocab_size, model_type)
     start = time.perf_counter()
-    if saver in ("flow", "megatron"):
-        {"flow": flow, "megatron": megatron}[saver].save(weights, save_dir, target_tp or 1, target_pp or 1)
+    if saver in SHARDED_SAVERS:
+        SHARDED_SAVERS[saver].save(weights, save_dir, target_tp or 1, target_pp or 1)
     else:
         hf.save(weights, save_dir, max_shard_size)
     logger.info("converted %s (%s) to %s (%s) in %.1f s", load_dir, loader, save_dir, saver,
@@ -262,32 +271,45 @@ def convert_format(
 
 def usage_lines(saver: str, save_dir: str, weights: convert.ModelWeights) -> list[str]:
     """How to train or serve what was written."""
+    bert = weights.model_type == "bert"
     if saver == "hf":
+        if bert:
+            return [f"load it with transformers: AutoModelForPreTraining.from_pretrained({save_dir!r})"]
         return [
             f"load it with transformers: AutoModelForCausalLM.from_pretrained({save_dir!r}); "
             f"serve it with vLLM: vllm serve {save_dir}"
         ]
-    if saver == "megatron":
+    if saver in ("megatron", "torch_dist"):
         return [
-            f"load it in Megatron-LM: --load {save_dir} --use-checkpoint-args --transformer-impl local "
-            "--finetune (or --no-load-optim --no-load-rng)"
+            f"load it in Megatron-LM: --load {save_dir} --ckpt-format {saver} --use-checkpoint-args "
+            "--transformer-impl local --finetune (or --no-load-optim --no-load-rng)"
         ]
     flags = " ".join(config_to_argv(weights.config))
+    if bert:
+        return [
+            f"finetune: torchrun -m megatron_train.pretrain_bert {flags} --load {save_dir} --finetune --data-path "
+            "<sentence-split token prefix> [training flags]"
+        ]
     return [
-        f"finetune: torchrun -m megatron_train.pretrain_gpt {flags} --load {save_dir} --finetune [data and "
-        "training flags]",
+        f"finetune: torchrun -m megatron_train.pretrain_gpt {flags} --load {save_dir} --finetune --sft "
+        "--train-data-path <conversations.jsonl> [training flags] (or, for more pretraining, --data-path <token "
+        "prefix> without --sft)",
         f"serve: python -m megatron_train.tools.run_text_generation_server --load {save_dir}",
     ]
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        description="Convert a checkpoint between formats (flow, hf, megatron) and reshard it to another tensor/pipeline "
+        description="Convert a checkpoint between formats (flow, hf, megatron, torch_dist) and reshard it to another tensor/pipeline "
         "parallel layout",
         allow_abbrev=False,
     )
     parser.add_argument(
-        "--model-type", default="GPT", choices=["GPT"], help="Model family (Megatron's flag)."
+        "--model-type",
+        default="GPT",
+        choices=["GPT", "BERT"],
+        help="Model family (Megatron's flag): how to read --loader megatron/torch_dist; checked against what "
+        "flow and hf sources record.",
     )
     parser.add_argument(
         "--loader", default="flow", choices=convert.FORMATS, help="Format of --load-dir (default: ours)."
@@ -353,6 +375,7 @@ def main(argv: list[str] | None = None) -> None:
                 args.iteration,
                 args.true_vocab_size,
                 args.max_shard_size,
+                args.model_type,
             )
         except (ValueError, CheckpointError) as error:
             parser.error(str(error))

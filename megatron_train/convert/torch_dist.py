@@ -1,0 +1,383 @@
+"""The `torch_dist` loader and saver: Megatron-Core's distributed checkpoint (PyTorch DCP).
+
+    <dir>/latest_checkpointed_iteration.txt
+    <dir>/iter_0000100/metadata.json    {"sharded_backend": "torch_dist", ...}, written last
+    <dir>/iter_0000100/.metadata         DCP's index: every key's global shape, its chunks, where they lie
+    <dir>/iter_0000100/__R_0.distcp      the chunks global rank R (TP fastest, then PP) wrote
+    <dir>/iter_0000100/common.pt         the common state (args, iteration); the newest Megatron-Core may keep
+                                         it as the `common_state` object of the DCP folder instead
+
+Megatron-Core saves `GPTModel.sharded_state_dict()`: each tensor under its key with its global shape, each rank
+writing the chunks it holds. Layers are stacked: `decoder.layers.<name>` has the global layer as its first
+axis (`decoder.layers.<i>.<name>` per layer with `non_homogeneous_layers`); the pre-attention and pre-MLP norms
+go by TransformerEngine's fused names (`self_attention.linear_qkv.layer_norm_weight`, as Megatron-Core's local
+spec maps them too); SwiGLU's fc1 is the whole model's
+[gate; up], so a rank writes two chunks of it; the vocabulary tensors keep their padded rows; a tied output
+layer is saved once, as the embedding. The common state (args, iteration) is torch.save'd bytes, read through
+the `megatron` format's allow-list; DCP's own `.metadata` pickle is read with an unpickler that knows only
+DCP's metadata classes, so a crafted checkpoint runs nothing (docs/architecture.md, checkpoints).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import pickle
+import re
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import (
+    SavePlan,
+    TensorWriteData,
+    WriteItem,
+    WriteItemType,
+)
+
+from megatron_train.checkpointing import TRACKER_FILENAME, CheckpointError, checkpoint_dir
+from megatron_train.checkpointing.layout import TensorSharding, check_layout, stage_tensor_names
+from megatron_train.convert.megatron import (
+    CHECKPOINT_VERSION,
+    TE_NAMES,
+    config_from_args,
+    find_iteration_dir,
+    megatron_args,
+    read_allowed_pickle,
+)
+from megatron_train.convert.weights import (
+    ModelWeights,
+    check_tensor_names,
+    model_shardings,
+    pad_vocab,
+    trim_vocab,
+)
+from megatron_train.models.transformer import get_layer_range
+from megatron_train.tokenizer import vocab_size_with_padding
+from storage.atomic import atomic_path, atomic_write_text
+
+CONFIG_FILE = "metadata.json"
+BACKEND = {
+    "sharded_backend": "torch_dist",
+    "sharded_backend_version": 1,
+    "common_backend": "torch",
+    "common_backend_version": 1,
+}
+COMMON_STATE_KEY = "common_state/shard_0_1"  # Megatron's ShardedObject("common_state", (1,), (0,)).unique_key
+COMMON_FILE = "common.pt"
+# Megatron-Core's local linear layers keep an empty `_extra_state` (TransformerEngine compatibility) that a
+# strict load expects; a GPT checkpoint leaves out the output layer's.
+LINEAR_MODULES = (
+    "self_attention.linear_qkv",
+    "self_attention.linear_proj",
+    "mlp.linear_fc1",
+    "mlp.linear_fc2",
+)
+# Megatron-Core's local layer spec saves its norms under TransformerEngine's fused names
+# (`sharded_state_dict_keys_map`), so one checkpoint serves either implementation.
+FUSED_NORM_NAMES = {ours: fused for fused, ours in TE_NAMES.items()}
+_LAYER = re.compile(r"^(decoder|encoder)\.layers\.(\d+)\.(.*)$")
+_STACKED = re.compile(r"^(decoder|encoder)\.layers\.(?!\d+\.)(.*)$")
+MODEL_PREFIXES = (
+    "embedding.",
+    "decoder.",
+    "encoder.",
+    "output_layer.",
+    "lm_head.",
+    "pooler.",
+    "binary_head.",
+)
+# What DCP's `.metadata` pickle may name: the classes DCP's metadata and planner modules define (Megatron-Core
+# keeps its save plans there), and these few harmless globals.
+_METADATA_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.planner")
+_METADATA_GLOBALS = {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
+    ("pathlib", "WindowsPath"),
+    ("collections", "OrderedDict"),
+}
+
+
+@dataclass
+class Chunk:
+    """One rank's piece of a global tensor: its data at `offsets` in a tensor of `global_shape`."""
+
+    data: torch.Tensor
+    offsets: tuple[int, ...]
+    global_shape: tuple[int, ...]
+
+
+class _RankSavePlanner(DefaultSavePlanner):
+    """The writes of one emulated rank: its chunks (any offsets, without a process group) and byte objects
+    already serialised (Megatron's ShardedObjects), which are written as they are."""
+
+    def __init__(self, chunks: dict[str, list[Chunk]], objects: dict[str, io.BytesIO]) -> None:
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self.chunks, self.objects = chunks, objects
+
+    def create_local_plan(self) -> SavePlan:
+        items = [
+            WriteItem(
+                index=MetadataIndex(key, torch.Size(chunk.offsets)),
+                type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(
+                    chunk=ChunkStorageMetadata(torch.Size(chunk.offsets), chunk.data.shape),
+                    properties=TensorProperties.create_from_tensor(chunk.data),
+                    size=torch.Size(chunk.global_shape),
+                ),
+            )
+            for key, chunks in self.chunks.items()
+            for chunk in chunks
+        ]
+        items += [WriteItem(index=MetadataIndex(key), type=WriteItemType.BYTE_IO) for key in self.objects]
+        self.plan = SavePlan(items)
+        return self.plan
+
+    def lookup_object(self, index: MetadataIndex) -> Any:
+        if index.fqn in self.objects:
+            return self.objects[index.fqn]
+        return next(c.data for c in self.chunks[index.fqn] if torch.Size(c.offsets) == index.offset)
+
+    def transform_object(self, write_item: WriteItem, object: Any) -> Any:
+        return object
+
+
+class _RawBytesLoadPlanner(DefaultLoadPlanner):
+    """DCP's default planner unpickles byte objects with `weights_only=False`; this one copies the bytes into
+    the BytesIO the caller passed, for `read_allowed_pickle` to read."""
+
+    def __init__(self) -> None:
+        super().__init__(flatten_state_dict=False)
+
+    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+        target = self.state_dict[read_item.dest_index.fqn]
+        target.write(value.read())
+        target.seek(0)
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Resolves only the classes DCP's metadata and planner modules define, torch dtypes and
+    `_METADATA_GLOBALS`; anything else is refused."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        listed = (module, name) in _METADATA_GLOBALS
+        if listed or module in (*_METADATA_MODULES, "torch"):
+            found = super().find_class(module, name)
+            defined_there = (
+                module in _METADATA_MODULES and isinstance(found, type) and found.__module__ == module
+            )
+            if listed or isinstance(found, torch.dtype) or defined_there:
+                return found
+        raise pickle.UnpicklingError(f"{module}.{name}")
+
+
+class _SafeReader(dcp.FileSystemReader):
+    """DCP's reader with `.metadata` unpickled through `_MetadataUnpickler` (DCP uses plain `pickle.load`)."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        path = os.path.join(str(self.path), ".metadata")
+        if not os.path.exists(path):
+            raise CheckpointError(
+                f"{path} is missing: {self.path} is not a complete torch_dist checkpoint (an interrupted save?)"
+            )
+        with open(path, "rb") as handle:
+            try:
+                metadata = _MetadataUnpickler(handle).load()
+            except pickle.UnpicklingError as error:
+                raise CheckpointError(
+                    f"{path} names {error}, which DCP metadata does not hold; unpickling it could run code, so "
+                    "it is not loaded"
+                ) from error
+        self.storage_data = metadata.storage_data
+        return metadata
+
+
+def _load_in_one_process(state: dict[str, Any], reader: _SafeReader, planner: DefaultLoadPlanner) -> None:
+    with warnings.catch_warnings():  # "torch.distributed is disabled ...": one process is what we mean
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        dcp.load(state, storage_reader=reader, planner=planner, no_dist=True)
+
+
+def _read_objects(reader: _SafeReader, keys: list[str]) -> dict[str, io.BytesIO]:
+    objects: dict[str, Any] = {key: io.BytesIO() for key in keys}
+    _load_in_one_process(objects, reader, _RawBytesLoadPlanner())
+    return objects
+
+
+def _common_state(iteration_dir: str, reader: _SafeReader, metadata: Metadata) -> dict[str, Any]:
+    """The non-tensor part Megatron saved (args, iteration, ...): common.pt, or the `common_state` object."""
+    legacy = os.path.join(iteration_dir, COMMON_FILE)
+    if os.path.exists(legacy):
+        return read_allowed_pickle(legacy, legacy)
+    if COMMON_STATE_KEY not in metadata.state_dict_metadata:
+        raise CheckpointError(
+            f"{iteration_dir} holds neither {COMMON_FILE} nor the {COMMON_STATE_KEY!r} object: its args "
+            "are unknown; is it a Megatron-Core torch_dist checkpoint?"
+        )
+    raw = _read_objects(reader, [COMMON_STATE_KEY])[COMMON_STATE_KEY]
+    return read_allowed_pickle(raw, f"{iteration_dir} ({COMMON_STATE_KEY})")[0]
+
+
+def _our_name(key: str) -> str:
+    for te_name, ours in TE_NAMES.items():
+        key = key.replace(te_name, ours)
+    return key
+
+
+def load(
+    load_dir: str, iteration: int | None = None, true_vocab_size: int | None = None, model_type: str = "gpt"
+) -> ModelWeights:
+    """The model (`gpt` or `bert`) of a Megatron-Core torch_dist checkpoint (latest, or `iteration`), at any
+    saved layout."""
+    iteration_dir, number = find_iteration_dir(load_dir, iteration)
+    config_path = os.path.join(iteration_dir, CONFIG_FILE)
+    if not os.path.exists(config_path):
+        raise CheckpointError(
+            f"{config_path} is missing: {iteration_dir} is not a distributed checkpoint (--loader megatron reads "
+            "the legacy torch format)"
+        )
+    with open(config_path) as handle:
+        backend = json.load(handle).get("sharded_backend")
+    if backend != "torch_dist":
+        raise CheckpointError(f"{config_path}: sharded_backend {backend!r} is not torch_dist")
+    reader = _SafeReader(iteration_dir)
+    metadata = reader.read_metadata()
+    common = _common_state(iteration_dir, reader, metadata)
+    if "args" not in common:
+        raise CheckpointError(
+            f"{iteration_dir}: the common state holds no args; its model's shape is unknown"
+        )
+    args = common["args"]
+    config = config_from_args(args, true_vocab_size, iteration_dir)
+    model_keys = {
+        key: torch.empty(tuple(item.size), dtype=item.properties.dtype)
+        for key, item in metadata.state_dict_metadata.items()
+        if isinstance(item, TensorStorageMetadata) and key.startswith(MODEL_PREFIXES)
+    }
+    _load_in_one_process(model_keys, reader, DefaultLoadPlanner(flatten_state_dict=False))
+    tensors: dict[str, torch.Tensor] = {}
+    for key, tensor in model_keys.items():
+        stacked = _STACKED.match(key)
+        if stacked:
+            stack, name = stacked.groups()
+            for layer, layer_tensor in enumerate(tensor):
+                tensors[_our_name(f"{stack}.layers.{layer}.{name}")] = layer_tensor.clone()
+        else:
+            tensors[_our_name(key)] = tensor
+    check_tensor_names(
+        tensors, list(model_shardings(config, args.padded_vocab_size, model_type)), iteration_dir
+    )
+    return ModelWeights(
+        config, trim_vocab(tensors, config.model.true_vocab_size), {}, number, model_type=model_type
+    )
+
+
+def _tp_chunks(
+    tensor: torch.Tensor, sharding: TensorSharding, tp: int, tp_rank: int
+) -> list[tuple[torch.Tensor, list[int]]]:
+    """TP rank `tp_rank`'s contiguous pieces of a global tensor with their offsets: one for a plain split, one
+    per stride for a strided one (fc1's gate and up halves); a replicated tensor is written by TP rank 0."""
+    if not sharding.is_split:
+        return [(tensor, [0] * tensor.dim())] if tp_rank == 0 else []
+    dim, stride = sharding.partition_dim, sharding.partition_stride
+    size = tensor.shape[dim] // (tp * stride)
+    pieces = []
+    for part in range(stride):
+        start = (part * tp + tp_rank) * size
+        offsets = [0] * tensor.dim()
+        offsets[dim] = start
+        pieces.append((tensor.narrow(dim, start, size).contiguous(), offsets))
+    return pieces
+
+
+def _rank_state(
+    tensors: dict[str, torch.Tensor],
+    shardings: dict[str, TensorSharding],
+    names: list[str],
+    num_layers: int,
+    tp: int,
+    tp_rank: int,
+) -> tuple[dict[str, list[Chunk]], dict[str, io.BytesIO]]:
+    """One (TP, PP) rank's chunks under Megatron-Core's stacked keys, and its empty `_extra_state` objects."""
+    chunks: dict[str, list[Chunk]] = {}
+    objects: dict[str, io.BytesIO] = {}
+    for name in names:
+        tensor, layer = tensors[name], _LAYER.match(name)
+        for data, offsets in _tp_chunks(tensor, shardings[name], tp, tp_rank):
+            if layer:
+                local_name = FUSED_NORM_NAMES.get(layer.group(3), layer.group(3))
+                key, index = f"{layer.group(1)}.layers.{local_name}", int(layer.group(2))
+                chunk = Chunk(data.unsqueeze(0), (index, *offsets), (num_layers, *tensor.shape))
+            else:
+                key, chunk = name, Chunk(data, tuple(offsets), tuple(tensor.shape))
+            chunks.setdefault(key, []).append(chunk)
+        module = layer and layer.group(3).rsplit(".", 1)[0]
+        if module in LINEAR_MODULES and name.endswith(".weight") and tp_rank == 0:
+            empty = io.BytesIO()
+            torch.save([None], empty)
+            key = f"{layer.group(1)}.layers.{module}._extra_state/shard_{layer.group(2)}_{num_layers}"
+            objects[key] = empty
+    return chunks, objects
+
+
+def save(weights: ModelWeights, save_dir: str, target_tp: int = 1, target_pp: int = 1) -> str:
+    """Write `weights` as Megatron-Core would save them from (target_tp, target_pp) ranks; returns the folder."""
+    config = weights.config
+    padded = vocab_size_with_padding(
+        weights.true_vocab_size, config.tokenizer.make_vocab_size_divisible_by, target_tp
+    )
+    check_layout(config.model, padded, target_tp, target_pp)
+    iteration_dir = checkpoint_dir(save_dir, weights.iteration)
+    if os.path.exists(os.path.join(iteration_dir, CONFIG_FILE)):
+        raise ValueError(f"{iteration_dir} already holds a checkpoint: delete it or pick another --save-dir")
+    tensors = pad_vocab(weights.tensors, padded)
+    shardings = model_shardings(config, padded, weights.model_type)
+    args = megatron_args(weights, target_tp, target_pp, padded)
+    args.ckpt_format = "torch_dist"
+    planners, writers, plans = [], [], []
+    for pp_rank in range(target_pp):
+        layers = get_layer_range(config.model.num_layers, pp_rank, target_pp)
+        names = stage_tensor_names(list(shardings), layers, pp_rank == 0, pp_rank == target_pp - 1)
+        for tp_rank in range(target_tp):
+            rank = pp_rank * target_tp + tp_rank
+            chunks, objects = _rank_state(
+                tensors, shardings, names, config.model.num_layers, target_tp, tp_rank
+            )
+            planner, writer = _RankSavePlanner(chunks, objects), dcp.FileSystemWriter(iteration_dir)
+            planner.set_up_planner({}, writer.storage_meta(), is_coordinator=rank == 0)
+            writer.set_up_storage_writer(rank == 0, rank=rank)
+            plans.append(writer.prepare_local_plan(planner.create_local_plan()))
+            planners.append(planner)
+            writers.append(writer)
+    # what DCP's coordinator does with every rank's plan: check they tile each tensor, name the files
+    global_plans, metadata = planners[0].create_global_plan(plans)
+    global_plans = writers[0].prepare_global_plan(global_plans)
+    results = []
+    for planner, writer, plan in zip(planners, writers, global_plans, strict=True):
+        future = writer.write_data(planner.finish_plan(plan), planner)
+        results.append(future.value())
+    writers[0].finish(metadata, results)
+    # common.pt, which every Megatron-Core reads (newer ones also read a `common_state` object instead)
+    with atomic_path(os.path.join(iteration_dir, COMMON_FILE)) as tmp:
+        torch.save(
+            {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": weights.iteration,
+             "num_floating_point_operations_so_far": 0},
+            tmp,
+        )  # fmt: skip
+    atomic_write_text(os.path.join(iteration_dir, CONFIG_FILE), json.dumps(BACKEND))
+    atomic_write_text(os.path.join(save_dir, TRACKER_FILENAME), str(weights.iteration))
+    return iteration_dir

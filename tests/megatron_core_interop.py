@@ -1,0 +1,88 @@
+"""Our torch_dist checkpoints against Megatron-Core's own `dist_checkpointing` (run by
+tests/test_convert_torch_dist.py in a fresh process, where megatron-core is installed).
+
+    python -m tests.megatron_core_interop tied|untied
+
+Megatron-Core's GPTModel (local spec, GQA Llama shape) at TP1 loads what our saver wrote for TP2 x PP2 with no
+missing key and the same tensors; its own save has exactly our saver's keys, and our loader reads it back bitwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+
+import torch
+import torch.nn.functional as F
+
+from megatron_train.convert import ModelWeights, torch_dist
+from megatron_train.convert.weights import trim_vocab
+from tests.convert_models import VOCAB, our_llama
+from tests.distributed import free_port
+
+
+def _megatron_core_model(untied: bool) -> torch.nn.Module:
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer import TransformerConfig
+
+    config = TransformerConfig(
+        num_layers=4, hidden_size=32, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=64,
+        gated_linear_unit=True, activation_func=F.silu, normalization="RMSNorm", add_bias_linear=False,
+        use_cpu_initialization=True, layernorm_epsilon=1e-5, hidden_dropout=0.0, attention_dropout=0.0,
+    )  # fmt: skip
+    return GPTModel(
+        config, get_gpt_layer_local_spec(normalization="RMSNorm"), vocab_size=128, max_sequence_length=32,
+        position_embedding_type="rope", share_embeddings_and_output_weights=not untied,
+    )  # fmt: skip
+
+
+def main(untied: bool) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1")
+    # Megatron-Core synchronises CUDA around its writes; this torch is CPU-only
+    torch.cuda.synchronize = lambda *args, **kwargs: None
+    torch.cuda.current_device = lambda: "cpu"
+    torch.distributed.init_process_group("gloo")
+    from megatron.core import dist_checkpointing, parallel_state
+    from torch.distributed.checkpoint import FileSystemReader
+
+    parallel_state.initialize_model_parallel(1, 1)
+    config, ours = our_llama(untied)
+    root = tempfile.mkdtemp()
+    # saved as TP2 x PP2 ranks write it (fc1 in strided chunks), loaded by Megatron-Core at TP1
+    torch_dist.save(ModelWeights(config, trim_vocab(ours.state_dict(), VOCAB)), f"{root}/ours", 2, 2)
+    model = _megatron_core_model(untied)
+    loaded = dist_checkpointing.load(model.sharded_state_dict(), f"{root}/ours/iter_0000001")
+    result = model.load_state_dict(
+        {k: v for k, v in loaded.items() if isinstance(v, torch.Tensor)}, strict=False
+    )
+    assert [key for key in result.missing_keys if "_extra_state" not in key] == [], result.missing_keys
+    theirs = model.state_dict()
+    for name, tensor in ours.state_dict().items():  # rows past the true vocabulary are padding
+        assert torch.equal(tensor[:VOCAB], theirs[name][:VOCAB]), name
+
+    model = _megatron_core_model(untied)
+    args = argparse.Namespace(
+        num_layers=4, hidden_size=32, num_attention_heads=4, group_query_attention=True, num_query_groups=2,
+        ffn_hidden_size=64, swiglu=True, normalization="RMSNorm", add_bias_linear=False, position_embedding_type="rope",
+        seq_length=32, max_position_embeddings=32, norm_epsilon=1e-5, untie_embeddings_and_output_weights=untied,
+        padded_vocab_size=128, tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
+    )  # fmt: skip
+    os.makedirs(f"{root}/megatron/iter_0000007")
+    state = {"model": model.sharded_state_dict(), "args": args, "iteration": 7, "checkpoint_version": 3.0}
+    dist_checkpointing.save(state, f"{root}/megatron/iter_0000007")
+    with open(f"{root}/megatron/latest_checkpointed_iteration.txt", "w") as handle:
+        handle.write("7")
+    keys = [FileSystemReader(f"{root}/{name}").read_metadata().state_dict_metadata for name in
+            ("megatron/iter_0000007", "ours/iter_0000001")]  # fmt: skip
+    assert sorted(keys[0]) == sorted(keys[1]), set(keys[0]) ^ set(keys[1])
+    weights = torch_dist.load(f"{root}/megatron", true_vocab_size=128)
+    saved = model.state_dict()
+    assert all(torch.equal(tensor, saved[name]) for name, tensor in weights.tensors.items())
+    print(f"megatron-core interop ok: {len(weights.tensors)} tensors")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1] == "untied")
