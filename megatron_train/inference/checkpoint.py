@@ -110,7 +110,8 @@ def load_for_inference(
         retro_hint = "; serve or evaluate it with --retro-project-dir DIR (its retrieval database)"
         raise ValueError(
             f"checkpoint {iteration_dir} holds a {kind} model; generation and language-model evaluation need "
-            f"a {' or '.join(t.upper() for t in model_types)} checkpoint" + (retro_hint if kind == "retro" else " (pretrain_gpt)")
+            f"a {' or '.join(t.upper() for t in model_types)} checkpoint"
+            + (retro_hint if kind == "retro" else " (pretrain_gpt)")
         )
     saved = config_from_dict(metadata["args"])
     check_model_flags(args, saved, iteration_dir)
