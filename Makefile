@@ -9,6 +9,8 @@ STAMP := $(VENV)/.installed
 UV ?= $(shell command -v uv 2>/dev/null || echo $(VENV)/bin/uv)
 LOCK_EXTRAS := --extra dev --extra bench --extra retro
 STORE ?= ./artifacts
+# make pretrain MODEL=bert|t5|gpt: the model family (BERT and T5 get sentence-split WordPiece data)
+MODEL ?= gpt
 PYTEST_ARGS ?=
 
 .PHONY: setup lock test lint bench corpus pretrain eval demo retro clean
@@ -45,7 +47,7 @@ corpus: setup
 	$(PY) -m flows.corpus_plan --store $(STORE)
 
 pretrain: setup
-	$(PY) -m flows.pretrain --store $(STORE)
+	$(PY) -m flows.pretrain --store $(STORE) --model $(MODEL)
 
 eval: setup
 	$(PY) -m flows.eval --store $(STORE)

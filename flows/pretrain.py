@@ -2,6 +2,10 @@
 
     python -m flows.pretrain                                   # a small GPT on the embedded corpus, 2 processes
     python -m flows.pretrain --nproc-per-node 1 -- --num-layers 8 --hidden-size 512 --train-iters 2000
+    python -m flows.pretrain --model bert                      # BERT: sentence-split data, a trained WordPiece
+
+`--model bert|t5` tokenizes the corpus with `--split-sentences` and a WordPiece vocabulary the flow trains
+(unless the corpus config names a vocabulary), and launches `pretrain_bert` / `pretrain_t5`.
 
 Flags after `--` are Megatron's and override the small defaults below (later flags win). The stage is cached
 like every other: rerun with nothing changed returns the trained run at once; a retry after a crash resumes from
@@ -14,7 +18,7 @@ import argparse
 import dataclasses
 import os
 import sys
-from typing import Any
+from typing import Any, Literal
 
 from prefect import flow, get_run_logger
 from pydantic import BaseModel, ConfigDict
@@ -23,7 +27,9 @@ from flows.corpus import CorpusConfig, corpus_flow
 from flows.publish import publish_stages
 from flows.server import prefect_api
 from flows.tasks import make_task_runner, stage_ref
-from stages.pretrain import params_from_argv
+from stages.pretrain import PRETRAIN_MODULES, params_from_argv
+from stages.tokenize import TokenizeParams
+from stages.train_tokenizer import TrainTokenizerParams
 
 NPROC_PER_NODE_ENV = "NPROC_PER_NODE"
 DEFAULT_NPROC_PER_NODE = 2
@@ -39,12 +45,22 @@ SMALL_GPT_ARGS: tuple[str, ...] = (
 )  # fmt: skip
 
 
+# What BERT and T5 add to the small model's flags (Megatron's T5 sentinels and encoder/decoder lengths).
+MODEL_ARGS: dict[str, tuple[str, ...]] = {
+    "gpt": (),
+    "bert": (),
+    "t5": ("--vocab-extra-ids", "100", "--encoder-seq-length", "128", "--decoder-seq-length", "64"),
+}
+ModelFamily = Literal["gpt", "bert", "t5"]
+
+
 class PretrainFlowConfig(BaseModel):
-    """The corpus to train on, Megatron's flags for the run, and how many processes run it."""
+    """The corpus to train on, the model family, Megatron's flags for the run, and how many processes run it."""
 
     model_config = ConfigDict(frozen=True)
 
     corpus: CorpusConfig = CorpusConfig()
+    model: ModelFamily = "gpt"
     megatron_args: tuple[str, ...] = SMALL_GPT_ARGS
     nproc_per_node: int | None = None  # None: the worker's $NPROC_PER_NODE (a work-pool job variable), else 2
     save_interval: int = 50
@@ -56,11 +72,31 @@ class PretrainFlowConfig(BaseModel):
         return int(os.environ.get(NPROC_PER_NODE_ENV, DEFAULT_NPROC_PER_NODE))
 
 
+def corpus_for_model(corpus: CorpusConfig, model: str) -> CorpusConfig:
+    """BERT and T5 read documents split into sentences, tokenized with WordPiece (trained by the corpus flow when
+    no vocabulary is given), without end-of-document tokens, as Megatron's preprocess_data for them."""
+    if model == "gpt":
+        return corpus
+    tokenize: TokenizeParams = corpus.tokenize
+    if not tokenize.tokenizer_type.startswith("BertWordPiece"):
+        tokenize = dataclasses.replace(tokenize, tokenizer_type="BertWordPieceLowerCase", vocab_file=None)
+    tokenize = dataclasses.replace(tokenize, split_sentences=True, append_eod=False, merge_file=None)
+    train_tokenizer = corpus.train_tokenizer
+    if train_tokenizer.kind != "wordpiece":  # the same vocabulary size as the corpus's BPE
+        train_tokenizer = TrainTokenizerParams(kind="wordpiece", vocab_size=train_tokenizer.vocab_size)
+    return corpus.model_copy(update={"tokenize": tokenize, "train_tokenizer": train_tokenizer})
+
+
 @flow(name="pretrain")
 def pretrain_flow(config: PretrainFlowConfig = PretrainFlowConfig()) -> dict[str, Any]:
     """Corpus (cached) -> pretrain; returns every stage's artifact reference."""
-    refs = corpus_flow(config.corpus)
-    params = params_from_argv(config.megatron_args, config.processes_per_node(), config.save_interval)
+    refs = corpus_flow(corpus_for_model(config.corpus, config.model))
+    params = params_from_argv(
+        (*MODEL_ARGS[config.model], *config.megatron_args),
+        config.processes_per_node(),
+        config.save_interval,
+        config.model,
+    )
     inputs = [refs["tokenize"], *([refs["train_tokenizer"]] if "train_tokenizer" in refs else [])]
     refs["pretrain"] = stage_ref("pretrain", dataclasses.asdict(params), inputs, config.corpus.store)
     get_run_logger().info("trained run: %s", refs["pretrain"]["url"])
@@ -92,6 +128,7 @@ def add_pretrain_flags(parser: argparse.ArgumentParser) -> None:
 def pretrain_config(args: argparse.Namespace, megatron: list[str]) -> PretrainFlowConfig:
     return PretrainFlowConfig(
         corpus=CorpusConfig(store=args.store),
+        model=getattr(args, "model", "gpt"),
         megatron_args=(*SMALL_GPT_ARGS, *megatron),
         nproc_per_node=args.nproc_per_node,
     )
@@ -101,6 +138,12 @@ def parse(argv: list[str] | None) -> PretrainFlowConfig:
     own, megatron = split_argv(argv)
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_pretrain_flags(parser)
+    parser.add_argument(
+        "--model",
+        choices=list(PRETRAIN_MODULES),
+        default="gpt",
+        help="model family to pretrain (default: gpt)",
+    )
     return pretrain_config(parser.parse_args(own), megatron)
 
 

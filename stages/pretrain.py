@@ -1,5 +1,6 @@
-"""Pretrain stage: run `torchrun -m megatron_train.pretrain_gpt` on a tokenized corpus; the artifact is the
-run directory (checkpoints, metrics.jsonl, TensorBoard events).
+"""Pretrain stage: run `torchrun -m megatron_train.pretrain_gpt` (or `pretrain_bert`, `pretrain_t5`: the
+params' `model`) on a tokenized corpus; the artifact is the run directory (checkpoints, metrics.jsonl,
+TensorBoard events).
 
 Inputs: the tokenize artifact (its manifest's `outputs[json_key]` names `<prefix>_text_document.bin/.idx`)
 and, optionally, a train_tokenizer artifact whose files become `--tokenizer-type/--vocab-file/...`; without
@@ -68,22 +69,37 @@ def default_config() -> MegatronConfig:
     )  # fmt: skip
 
 
+# The training entry point of each model family (BERT and T5 read sentence-split data).
+PRETRAIN_MODULES = {
+    "gpt": "megatron_train.pretrain_gpt",
+    "bert": "megatron_train.pretrain_bert",
+    "t5": "megatron_train.pretrain_t5",
+}
+
+
 @dataclass(frozen=True)
 class PretrainParams:
-    """The training run (Megatron's flags as a typed config) and how many processes run it."""
+    """The training run (Megatron's flags as a typed config), the model family and how many processes run it."""
 
     config: MegatronConfig = field(default_factory=default_config)
     nproc_per_node: int = 1
     json_key: str = "text"
     save_interval: int = 1000  # checkpoints in the run directory, what a retry resumes from
+    model: str = "gpt"  # a key of PRETRAIN_MODULES
+
+    def __post_init__(self) -> None:
+        if self.model not in PRETRAIN_MODULES:
+            raise ValueError(f"model must be one of {', '.join(PRETRAIN_MODULES)}, got {self.model!r}")
 
 
 def params_from_argv(
-    argv: Sequence[str], nproc_per_node: int = 1, save_interval: int = 1000
+    argv: Sequence[str], nproc_per_node: int = 1, save_interval: int = 1000, model: str = "gpt"
 ) -> PretrainParams:
     """Params from Megatron flags; the data path, tokenizer and directories are the stage's to fill."""
     config = parse_args([*argv, "--mock-data"], world_size=nproc_per_node)
-    return PretrainParams(config=config, nproc_per_node=nproc_per_node, save_interval=save_interval)
+    return PretrainParams(
+        config=config, nproc_per_node=nproc_per_node, save_interval=save_interval, model=model
+    )
 
 
 def _tokenizer_flags(params: PretrainParams, tokenizer: ArtifactRef | None) -> tuple[dict, list[str]]:
@@ -135,10 +151,10 @@ def run_config(
     )  # fmt: skip
 
 
-def torchrun_command(config: MegatronConfig, nproc_per_node: int) -> list[str]:
+def torchrun_command(config: MegatronConfig, nproc_per_node: int, model: str = "gpt") -> list[str]:
     return [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc_per_node}",
-        "-m", "megatron_train.pretrain_gpt", *config_to_argv(config),
+        "-m", PRETRAIN_MODULES[model], *config_to_argv(config),
     ]  # fmt: skip
 
 
@@ -286,7 +302,7 @@ class PretrainStage(Stage):
             resumed_from = read_latest_iteration(run_dir) if os.path.isdir(run_dir) else None
             if resumed_from is not None:
                 log.info("resuming %s from iteration %d", run_dir, resumed_from)
-            launch(torchrun_command(config, params.nproc_per_node), on_line)
+            launch(torchrun_command(config, params.nproc_per_node, params.model), on_line)
             iteration = read_latest_iteration(run_dir)
             train_iters = config.training.train_iters
             if train_iters is not None and iteration != train_iters:

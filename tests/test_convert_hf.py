@@ -145,8 +145,9 @@ def test_hf_model_converted_in_generates_transformers_greedy_tokens(name, tmp_pa
         expected = hf_model.generate(prompts, do_sample=False, max_new_tokens=10, pad_token_id=0)
         tokens = torch.cat((prompts, torch.zeros(2, 10, dtype=torch.long)), dim=1)
         params = GenerationParams(tokens_to_generate=10, top_k=1, use_eod_token_for_early_termination=False)
+        budgets = torch.tensor([10, 10])
         ours = generate_tokens(
-            model, tokenizer_from_config(config.tokenizer), tokens, torch.tensor([4, 4]), params
+            model, tokenizer_from_config(config.tokenizer), tokens, torch.tensor([4, 4]), params, budgets
         )
     assert torch.equal(ours[0], expected), (ours[0], expected)
 

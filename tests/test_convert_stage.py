@@ -123,7 +123,9 @@ def test_failed_conversion_commits_nothing_and_the_rerun_completes(tmp_path, mon
 
 
 def test_the_run_s_own_format_is_refused_with_the_tool_to_use(tmp_path):
-    with pytest.raises(ValueError, match=r"saver 'flow' is not one of hf, megatron .*checkpoint_util"):
+    with pytest.raises(
+        ValueError, match=r"saver 'flow' is not one of hf, megatron, torch_dist.*checkpoint_util"
+    ):
         convert.run(
             ConvertParams(saver="flow"),
             [ArtifactRef("pretrain", "k", str(tmp_path))],

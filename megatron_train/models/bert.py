@@ -75,7 +75,8 @@ class BertModel(LanguageModule):
 
     The arguments are GPTModel's (`vocab_size` padded, `pre_process` / `post_process` the pipeline stage's
     ends, `sequence_parallel`, `init_seed` for --use-cpu-initialization, `vp_stage`), plus `num_tokentypes`
-    (Megatron: 2 with the binary head, else 0; Hugging Face BERT always has 2) and `add_binary_head`.
+    (Megatron: 2 with the binary head, else 0; Hugging Face BERT always has 2), `add_binary_head`, and for
+    the downstream task heads (`tasks.finetune.model`) `add_lm_head=False` / `add_pooler=True`.
     """
 
     model_type = "bert"  # recorded in checkpoints (checkpointing.save)
@@ -89,6 +90,8 @@ class BertModel(LanguageModule):
         *,
         num_tokentypes: int = 2,
         add_binary_head: bool = True,
+        add_lm_head: bool = True,
+        add_pooler: bool = False,
         sequence_parallel: bool = False,
         init_seed: int | None = None,
         vp_stage: int = 0,
@@ -105,7 +108,9 @@ class BertModel(LanguageModule):
         self.post_process = post_process
         self.add_binary_head = add_binary_head
         self.sequence_parallel = sequence_parallel
-        self.share_embeddings_and_output_weights = not config.untie_embeddings_and_output_weights
+        self.share_embeddings_and_output_weights = (
+            add_lm_head and not config.untie_embeddings_and_output_weights
+        )
         self.embedding = (
             LanguageModelEmbedding(config, vocab_size, sequence_parallel, init_seed, num_tokentypes)
             if pre_process
@@ -114,17 +119,18 @@ class BertModel(LanguageModule):
         self.mark_first_stage_embedding_copy()
         self.encoder = TransformerBlock(config, sequence_parallel, post_process, init_seed, vp_stage)
         self.lm_head = self.output_layer = self.pooler = self.binary_head = None
-        if post_process:
+        if post_process and add_lm_head:
             with initialization_stream(init_seed, LM_HEAD_INIT_STREAM):
                 self.lm_head = BertLMHead(config, sequence_parallel)
             self.output_layer = build_output_layer(
                 config, vocab_size, pre_process, sequence_parallel, init_seed, bias=True
             )
-            if add_binary_head:
-                with initialization_stream(init_seed, POOLER_INIT_STREAM):
-                    self.pooler = Pooler(config, sequence_parallel)
-                with initialization_stream(init_seed, BINARY_HEAD_INIT_STREAM):
-                    self.binary_head = linear_layer(config, config.hidden_size, 2)
+        if post_process and (add_binary_head or add_pooler):
+            with initialization_stream(init_seed, POOLER_INIT_STREAM):
+                self.pooler = Pooler(config, sequence_parallel)
+        if post_process and add_binary_head:
+            with initialization_stream(init_seed, BINARY_HEAD_INIT_STREAM):
+                self.binary_head = linear_layer(config, config.hidden_size, 2)
 
     def set_input_tensor(self, input_tensor: torch.Tensor | list[torch.Tensor] | None) -> None:
         """Hidden states [s, b, h] from the previous pipeline stage (Megatron's hook; lists are unwrapped)."""

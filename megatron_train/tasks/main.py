@@ -1,9 +1,16 @@
-"""Zero-shot evaluation of a checkpoint, with the command line of Megatron's tasks/main.py.
+"""Megatron's tasks/main.py: zero-shot evaluation of a GPT checkpoint, and finetuning BERT on RACE, MNLI, QQP.
 
     python -m megatron_train.tasks.main --task WIKITEXT103 --valid-data wiki.test.tokens --load CKPT \\
         [--overlapping-eval 32] [--seq-length 1024]
     python -m megatron_train.tasks.main --task LAMBADA --strict-lambada --valid-data lambada_test.jsonl --load CKPT
     python -m megatron_train.tasks.main --task VALID_PPL --valid-data DATA_text_document --load CKPT
+    torchrun --nproc-per-node 2 -m megatron_train.tasks.main --task MNLI --pretrained-checkpoint BERT_CKPT \\
+        --train-data MNLI/train.tsv --valid-data MNLI/dev_matched.tsv MNLI/dev_mismatched.tsv --epochs 3 \\
+        --micro-batch-size 8 --lr 5e-5 --lr-warmup-fraction 0.065 --seq-length 128 --save FINETUNED --load FINETUNED
+    ... --task RACE --train-data RACE/train/middle RACE/train/high --valid-data RACE/dev/middle RACE/dev/high
+    ... --task MNLI --hf-dataset glue/mnli (a cached hub dataset or a save_to_disk folder instead of files)
+
+The finetuning tasks (`tasks.finetune`) print Megatron's accuracy lines per validation set after each epoch.
 
 Takes Megatron's whole argument set, as its tasks/main.py does: model flags are checked against the checkpoint,
 tokenizer flags replace the tokenizer it recorded, training-only flags are accepted and unused; `--seq-length`
@@ -24,21 +31,27 @@ from megatron_train.evaluation.lambada import evaluate_lambada
 from megatron_train.evaluation.perplexity import validation_perplexity
 from megatron_train.evaluation.wikitext import evaluate_wikitext
 from megatron_train.inference.checkpoint import build_inference_parser, load_for_inference
+from megatron_train.tasks.finetune.finetune import TASKS as FINETUNE_TASKS
+from megatron_train.tasks.finetune.finetune import add_finetune_flags, run_finetune
 from storage.atomic import atomic_write_text
 
-TASKS = ("WIKITEXT103", "LAMBADA", "VALID_PPL")
+ZERO_SHOT_TASKS = ("WIKITEXT103", "LAMBADA", "VALID_PPL")
+TASKS = (*ZERO_SHOT_TASKS, *FINETUNE_TASKS)
 DEFAULT_MICRO_BATCH_SIZE = 8
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = build_inference_parser(__doc__)
+    for action in parser._actions:
+        action.required = False  # --load: required for the zero-shot tasks, checked in main
     group = parser.add_argument_group("tasks")
     group.add_argument("--task", required=True, choices=TASKS)
     group.add_argument(
         "--valid-data",
         nargs="+",
-        required=True,
-        help="wiki.test.tokens (WIKITEXT103), a JSONL file (LAMBADA) or a .bin/.idx prefix (VALID_PPL).",
+        default=None,
+        help="wiki.test.tokens (WIKITEXT103), a JSONL file (LAMBADA), a .bin/.idx prefix (VALID_PPL), GLUE "
+        ".tsv files (MNLI, QQP) or RACE folders (RACE/dev/middle RACE/dev/high).",
     )
     group.add_argument(
         "--overlapping-eval",
@@ -51,11 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-eval-tokens", type=int, default=None, help="Evaluate at most N tokens (VALID_PPL)."
     )
     group.add_argument("--results-json", default=None, help="Also write the metrics to this JSON file.")
-    # Megatron's tasks/main.py takes these for its finetuning tasks; the zero-shot tasks here do not train.
-    unused = parser.add_argument_group("accepted for Megatron's scripts (zero-shot tasks do not finetune)")
-    unused.add_argument("--epochs", type=int, default=None)
-    unused.add_argument("--keep-last", action="store_true")
-    unused.add_argument("--train-data", nargs="+", default=None)
+    add_finetune_flags(parser)
     return parser
 
 
@@ -79,6 +88,16 @@ def main(argv: list[str] | None = None) -> dict:
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    if args.task in FINETUNE_TASKS:
+        try:
+            metrics = run_finetune(args)
+        except (ValueError, CheckpointError) as error:  # TaskDataError is a ValueError
+            parser.error(str(error))
+        if args.results_json:
+            atomic_write_text(args.results_json, json.dumps(metrics, indent=2))
+        return metrics
+    if getattr(args, "load", None) is None or not args.valid_data:
+        parser.error(f"--task {args.task} evaluates a GPT checkpoint: pass --load and --valid-data")
     try:
         model, tokenizer, config = load_for_inference(args, device=get_device())
     except (ValueError, CheckpointError) as error:

@@ -286,8 +286,15 @@ class Trainer:
             return f"reached --exit-interval {training.exit_interval}"
         return None
 
-    def train(self, train_iterators: list[Iterator], valid_iterators: list[Iterator] | None) -> bool:
-        """Step until --train-iters; True when an exit condition stopped the run early (after saving)."""
+    def train(
+        self,
+        train_iterators: list[Iterator],
+        valid_iterators: list[Iterator] | None,
+        until: int | None = None,
+    ) -> bool:
+        """Step until iteration `until` (default --train-iters; finetuning stops at each epoch's end); True when
+        an exit condition stopped the run early (after saving)."""
+        until = self.setup.train_iters if until is None else until
         training, ckpt = self.config.training, self.config.checkpoint
         interval = IntervalStats(start=time.perf_counter())
         train_start = time.time()
@@ -295,7 +302,7 @@ class Trainer:
         self.hooks.start_training()
         with handler if handler is not None else contextlib.nullcontext(), contextlib.ExitStack() as cleanup:
             cleanup.callback(self.hooks.end_training)
-            while self.progress.iteration < self.setup.train_iters:
+            while self.progress.iteration < until:
                 self.hooks.before_step(self.progress.iteration)
                 self.setup.calculator.update(self.progress.consumed_train_samples)
                 losses, skipped, grad_norm = train_step(
@@ -341,6 +348,18 @@ def _is_logging_rank() -> bool:
     return not dist.is_initialized() or dist.get_rank() == dist.get_world_size() - 1
 
 
+def build_metrics_writer(config: MegatronConfig, loaded_iteration: int) -> MetricsWriter | None:
+    """The logging rank's writer (TensorBoard, `metrics.jsonl` in --save by default, W&B); None elsewhere."""
+    if not _is_logging_rank():
+        return None
+    metrics_file = config.logging.metrics_file
+    if metrics_file is None and config.checkpoint.save:
+        metrics_file = os.path.join(config.checkpoint.save, "metrics.jsonl")
+    return MetricsWriter(
+        config.logging.tensorboard_dir, metrics_file, loaded_iteration, wandb=build_wandb_writer(config)
+    )
+
+
 def pretrain(
     config: MegatronConfig,
     model_provider: ModelProvider,
@@ -369,16 +388,7 @@ def pretrain(
         train_iters, valid_iters, test_iters = build_data_iterators(
             config, datasets_provider, setup.train_iters, setup.loaded, num_chunks=len(setup.model)
         )
-        metrics_file = config.logging.metrics_file
-        if metrics_file is None and config.checkpoint.save:
-            metrics_file = os.path.join(config.checkpoint.save, "metrics.jsonl")
-        if _is_logging_rank():
-            writer = MetricsWriter(
-                config.logging.tensorboard_dir,
-                metrics_file,
-                setup.loaded.iteration,
-                wandb=build_wandb_writer(config),
-            )
+        writer = build_metrics_writer(config, setup.loaded.iteration)
         trainer = Trainer(config, setup, forward_step_func, padded_vocab_size, writer)
         exited_early = False
         if not config.training.skip_train and train_iters is not None:
