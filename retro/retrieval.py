@@ -150,6 +150,29 @@ def generate_with_retrieval(
     return tokens[len(prompt) :]
 
 
+class RetrievingDataset(torch.utils.data.Dataset):
+    """Samples of `dataset` (dicts with "tokens" [seq_length], as `SFTDataset` returns) with the neighbours of
+    their chunks retrieved from the project's index, as the server retrieves for a prompt: `pretrain_retro
+    --sft` trains a Retro model on instruction data that belongs to no database document (so no own-document
+    exclusion). Retrieval runs in `__getitem__`, once per sample read (the DataLoader's workers share it)."""
+
+    def __init__(self, dataset: torch.utils.data.Dataset, retriever: Retriever, seq_length: int) -> None:
+        if seq_length % retriever.chunk_length:
+            raise ValueError(
+                f"--seq-length {seq_length} is not a multiple of the Retro chunk length "
+                f"{retriever.chunk_length}: Retro training cuts samples into whole chunks"
+            )
+        self.dataset = dataset
+        self.retriever = retriever
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, idx: int) -> dict[str, np.ndarray]:
+        sample = self.dataset[idx]
+        return {**sample, "neighbor_tokens": self.retriever(sample["tokens"].tolist())}
+
+
 def add_retrieval_flags(parser: argparse.ArgumentParser) -> None:
     """The index's search-time flags of a tool that serves or evaluates a Retro checkpoint."""
     group = parser.add_argument_group("Retro retrieval (with --retro-project-dir)")
