@@ -56,8 +56,7 @@ demo: setup
 	$(PY) -m flows.demo --store $(STORE)
 
 retro: setup
-	@echo "make retro: the Retro flow is not built yet (the library in retro/ builds the chunk database, faiss index and neighbours; the embedder, Retro model and flow are missing)." >&2
-	@exit 2
+	$(PY) -m flows.retro --corpus.store $(STORE)
 
 clean:
 	rm -rf $(STORE) .pytest_cache

@@ -92,11 +92,13 @@ class _NotCommitted(Exception):
     """A stage of the corpus has work to do."""
 
 
-def committed_corpus(config: CorpusConfig) -> dict[str, dict[str, Any]] | None:
-    """Every stage's committed artifact (all cache hits), or None when some stage has work to do; decided from
-    the store alone, so a command line with nothing to do needs no Prefect server."""
+def committed_stages(
+    store_url: str, stages: Callable[[RunStage], dict[str, dict[str, Any]]]
+) -> dict[str, dict[str, Any]] | None:
+    """`stages(run)` with every stage looked up in the store (all cache hits), or None when some stage has work
+    to do; decided from the store alone, so a command line with nothing to do needs no Prefect server."""
 
-    store = ArtifactStore(config.store)
+    store = ArtifactStore(store_url)
 
     def find(stage: str, params: dict[str, Any], inputs: list) -> dict[str, Any]:
         found = committed_ref(stage, params, inputs, store)[1]
@@ -105,9 +107,14 @@ def committed_corpus(config: CorpusConfig) -> dict[str, dict[str, Any]] | None:
         return found
 
     try:
-        return corpus_stages(config, find)
+        return stages(find)
     except _NotCommitted:
         return None
+
+
+def committed_corpus(config: CorpusConfig) -> dict[str, dict[str, Any]] | None:
+    """Every corpus stage's committed artifact, or None when some stage has work to do (`committed_stages`)."""
+    return committed_stages(config.store, lambda run: corpus_stages(config, run))
 
 
 def main(argv: list[str] | None = None) -> int:

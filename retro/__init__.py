@@ -1,2 +1,3 @@
-"""Retro: the chunk database (`retro.db`), its faiss index (`retro.index`) and the pretraining neighbours
-(`retro.query`); see docs/architecture.md (Retro preprocessing)."""
+"""Retro: the chunk database (`retro.db`), the chunk embedder (`retro.embedder`), its faiss index
+(`retro.index`), the pretraining neighbours (`retro.query`) and the project directory pretraining reads
+(`retro.project`); see docs/architecture.md (Retro preprocessing)."""

@@ -19,6 +19,7 @@ See docs/architecture.md (Retro preprocessing).
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -179,15 +180,28 @@ def _merge(
 class ChunkDatabase:
     """A finished chunk database: `chunks[i]` is chunk id i's row, its tokens read from the corpus."""
 
-    def __init__(self, db_dir: str) -> None:
+    def __init__(self, db_dir: str, prefixes: Sequence[str] | None = None) -> None:
+        """`prefixes`: where the datasets are now, in blend order (a stage passes its input's local copy);
+        by default the recorded prefixes, a relative one taken from `db_dir` (a Retro project's
+        `../data/<name>`)."""
         path = os.path.join(db_dir, DATASETS_FILE)
         if not os.path.isfile(path):
             raise FileNotFoundError(f"{path}: no finished chunk database in {db_dir}; build it first")
         with open(path, encoding="utf-8") as f:
             self.infos = [DatasetInfo(**info) for info in json.load(f)]
+        if prefixes is not None and len(prefixes) != len(self.infos):
+            raise ValueError(
+                f"{path}: the database holds {len(self.infos)} datasets, {len(prefixes)} prefixes given"
+            )
+        recorded = [os.path.normpath(os.path.join(db_dir, info.prefix)) for info in self.infos]
+        self.prefixes = [os.path.abspath(p) for p in (recorded if prefixes is None else prefixes)]
         self.db_dir = db_dir
         self.chunks = np.load(os.path.join(db_dir, "chunks.npy"), mmap_mode="r")
-        self.datasets = [IndexedDataset(info.prefix) for info in self.infos]
+
+    @functools.cached_property
+    def datasets(self) -> list[IndexedDataset]:
+        """The token data, opened on first use (the counts and rows need none)."""
+        return [IndexedDataset(prefix) for prefix in self.prefixes]
 
     def __len__(self) -> int:
         return len(self.chunks)
@@ -195,12 +209,11 @@ class ChunkDatabase:
     def dataset_idx(self, prefix: str) -> int:
         """The position of dataset `prefix` in the database's blend."""
         wanted = os.path.abspath(prefix)
-        for i, info in enumerate(self.infos):
-            if info.prefix == wanted:
-                return i
+        if wanted in self.prefixes:
+            return self.prefixes.index(wanted)
         raise ValueError(
             f"{prefix}: not a dataset of the chunk database in {self.db_dir} "
-            f"(it holds {[info.prefix for info in self.infos]}); query with the blend the database was built on"
+            f"(it holds {self.prefixes}); query with the blend the database was built on"
         )
 
     def document_keys(self) -> np.ndarray:

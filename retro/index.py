@@ -70,7 +70,13 @@ def training_chunk_ids(db: ChunkDatabase, config: IndexConfig) -> np.ndarray:
         n_loaded = int(config.retro_index_train_load_fraction * n_sampled)
         ids.append(first_id + sample[:n_loaded])
         first_id += info.n_chunks_train
-    return np.sort(np.concatenate(ids)).astype(np.int64)
+    ids = np.sort(np.concatenate(ids)).astype(np.int64)
+    if len(ids) == 0:
+        raise ValueError(
+            f"no training chunks: --retro-index-ntrain {config.retro_index_ntrain} with load fraction "
+            f"{config.retro_index_train_load_fraction} samples none of the {len(db)} chunks of {db.db_dir}"
+        )
+    return ids
 
 
 def _ivf(index: faiss.Index) -> faiss.IndexIVF | None:
@@ -96,9 +102,39 @@ def _check_index_settings(db: ChunkDatabase, config: IndexConfig, index_dir: str
     check_settings(index_dir, {"db_dir": os.path.abspath(db.db_dir), **asdict(config)})
 
 
-def _write_index(index: faiss.Index, path: str) -> None:
+def write_index(index: faiss.Index, path: str) -> None:
+    """Write a faiss index file atomically."""
     with atomic_path(path) as tmp:
         faiss.write_index(index, tmp)
+
+
+def build_trained_index(vectors: np.ndarray, index_str: str) -> faiss.Index:
+    """An empty `index_str` index trained on `vectors` (IVF clustering on the GPUs when faiss has them)."""
+    try:
+        index = faiss.index_factory(vectors.shape[1], index_str)
+    except RuntimeError as err:
+        raise ValueError(
+            f"--retro-index-str {index_str!r} is not a faiss index_factory string for "
+            f"{vectors.shape[1]}-dimensional vectors: {err}"
+        ) from None
+    ivf = _ivf(index)
+    if ivf is not None and faiss.get_num_gpus() > 0:
+        ivf.clustering_index = faiss.index_cpu_to_all_gpus(faiss.IndexFlatL2(ivf.d))
+    logger.info("retro index: training %s on %d chunks", index_str, len(vectors))
+    index.train(vectors)
+    return index
+
+
+def require_block_encoding(index: faiss.Index, index_str: str) -> None:
+    """Refuse an index that cannot `sa_encode` (it could not be filled block by block)."""
+    try:
+        index.sa_code_size()
+    except RuntimeError:
+        raise ValueError(
+            f"--retro-index-str {index_str!r}: this faiss index cannot encode vectors apart from "
+            "adding them (no sa_encode), so it cannot be filled block by block; use an IVF index "
+            "(e.g. IVF4096,Flat or OPQ32_64,IVF65536_HNSW8,PQ32) or Flat"
+        ) from None
 
 
 def train_index(
@@ -111,30 +147,14 @@ def train_index(
     if os.path.isfile(path):
         return path
     ids = training_chunk_ids(db, config)
-    if len(ids) == 0:
-        raise ValueError(
-            f"no training chunks: --retro-index-ntrain {config.retro_index_ntrain} with load fraction "
-            f"{config.retro_index_train_load_fraction} samples none of the {len(db)} chunks of {db.db_dir}"
-        )
     vectors = np.concatenate(
         [
             embed_chunks(db, ids[start : start + config.retro_block_size], embed, gpt_tokenizer)
             for start in range(0, len(ids), config.retro_block_size)
         ]
     )
-    try:
-        index = faiss.index_factory(vectors.shape[1], config.retro_index_str)
-    except RuntimeError as err:
-        raise ValueError(
-            f"--retro-index-str {config.retro_index_str!r} is not a faiss index_factory string for "
-            f"{vectors.shape[1]}-dimensional vectors: {err}"
-        ) from None
-    ivf = _ivf(index)
-    if ivf is not None and faiss.get_num_gpus() > 0:
-        ivf.clustering_index = faiss.index_cpu_to_all_gpus(faiss.IndexFlatL2(ivf.d))
-    logger.info("retro index: training %s on %d chunks", config.retro_index_str, len(vectors))
-    index.train(vectors)
-    _write_index(index, path)
+    index = build_trained_index(vectors, config.retro_index_str)
+    write_index(index, path)
     return path
 
 
@@ -151,14 +171,7 @@ def add_to_index(
     if not os.path.isfile(trained_path):
         raise FileNotFoundError(f"{trained_path}: the index is not trained yet; run train_index first")
     index = faiss.read_index(trained_path)
-    try:
-        index.sa_code_size()
-    except RuntimeError:
-        raise ValueError(
-            f"--retro-index-str {config.retro_index_str!r}: this faiss index cannot encode vectors apart from "
-            "adding them (no sa_encode), so it cannot be filled block by block; use an IVF index "
-            "(e.g. IVF4096,Flat or OPQ32_64,IVF65536_HNSW8,PQ32) or Flat"
-        ) from None
+    require_block_encoding(index, config.retro_index_str)
     codes_dir = os.path.join(index_dir, "codes")
     missing = missing_blocks(codes_dir, len(db), config.retro_block_size)
     for number, (start, end) in enumerate(missing):
@@ -168,7 +181,7 @@ def add_to_index(
             "retro index: encoded chunks [%d, %d) (block %d/%d)", start, end, number + 1, len(missing)
         )
     add_codes(index, load_blocks(codes_dir, len(db), config.retro_block_size))
-    _write_index(index, path)
+    write_index(index, path)
     return path
 
 

@@ -5,12 +5,14 @@ Megatron's layout (tools/retro/preprocess_data.py `save_config`, megatron/traini
 
     DIR/config.json             the fields of `RetroProject` (Megatron's `retro_gpt_*` / `retro_bert_*` names)
     DIR/data/<prefix>.bin/.idx  the GPT token data; `retro_gpt_data_path` names prefixes relative to DIR/data
-    DIR/<vocab files>           GPT and BERT tokenizer files, relative to DIR
-    DIR/db/                     the chunk database (`retro.db.ChunkDatabase`: chunks.npy, datasets.json)
+    DIR/gpt/, DIR/bert/         GPT tokenizer files and the BERT vocab.txt, named in config.json relative to DIR
+    DIR/db/                     the chunk database (`retro.db.ChunkDatabase(db_dir(DIR))`: chunks.npy,
+                                datasets.json naming ../data/<prefix>); neighbour ids are its row numbers
     DIR/index/added.faissindex  the filled faiss index (for retrieval at generation time)
-    DIR/query/<split>/          neighbour blocks of each split (`retro.query.load_neighbours`);
+    DIR/query/<split>/          int64 [chunks, retro_query_num_neighbors_save] blocks of each split, -1 padded
+                                (`retro.query.load_neighbours`; row = sample * chunks per sample + chunk);
                                 `retro_neighbor_dirs` maps train/valid/test to these, relative to DIR/query
-    DIR/embedder/               the embedder's weights and vocabulary (`retro.embedder.load_embedder`)
+    DIR/embedder/               the embedder (`retro.embedder.load_embedder(embedder_dir(DIR))`)
 
 Pretraining takes sequence length, data blend, split, seed, sample counts and tokenizer from config.json, as
 Megatron did, so the samples it trains on are the samples the neighbours were queried for. See

@@ -25,6 +25,12 @@ STAGE_MODULES: dict[str, str] = {
         "pretrain",
         "evaluate",
         "convert",
+        "retro_embedder",
+        "retro_db",
+        "retro_embed",
+        "retro_index_train",
+        "retro_index_add",
+        "retro_query",
     )
 }
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from megatron_train.tokenizer import MegatronTokenizer, build_tokenizer
-from storage.fingerprint import canonical_json, hash_bytes, hash_file
+from storage.fingerprint import hash_path
 
 ARTIFACT_PREFIX = "tokens"
 PARTIALS_DIR = "partials"
@@ -90,21 +90,5 @@ class TokenizeParams:
         fields = {name: getattr(self, name) for name in self.OUTPUT_FIELDS}
         for name in ("vocab_file", "merge_file", "tokenizer_model"):
             if fields[name] is not None:
-                fields[name] = _path_hash(fields[name])
+                fields[name] = hash_path(fields[name])
         return fields
-
-
-def _path_hash(path: str) -> str:
-    """Content hash of a tokenizer file or folder (its files, by name); a name that is no path stays a name."""
-    if os.path.isfile(path):
-        return hash_file(path)
-    if os.path.isdir(path):
-        names = sorted(
-            os.path.relpath(os.path.join(root, name), path)
-            for root, _, files in os.walk(path)
-            for name in files
-        )
-        return hash_bytes(
-            canonical_json({name: hash_file(os.path.join(path, name)) for name in names}).encode()
-        )
-    return path

