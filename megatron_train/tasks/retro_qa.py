@@ -6,9 +6,10 @@ A QA file is JSON Lines, one question a line: {"question": str, "answers": [str,
 (tools/retro/sft/dataset_conv.py): the system line, the first `--ft-neighbours` contexts as "title: T, source: S"
 paragraphs, then "User: Answer the following question with a short span. Q\\n\\nAssistant: The answer is". A
 Retro model also retrieves neighbours for the prompt's chunks from its project (`retro.retrieval.RetrievingModel`).
-The answer is the generated text up to the first newline. Scores use SQuAD's normalization (lower case, no punctuation, no articles, single spaces): exact match against
-any answer, precision / recall / F1 of tokens against the best-matching answer (Megatron's F1 took the first
-answer only; see docs/architecture.md, conventions).
+The answer is the generated text up to the first newline. Scores use SQuAD's normalization (lower case, no
+punctuation, no articles, single spaces): exact match against any answer, precision / recall / F1 of tokens
+against the best-matching answer (Megatron's F1 took the first answer only; see docs/architecture.md,
+conventions).
 """
 
 from __future__ import annotations
