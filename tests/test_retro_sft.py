@@ -18,8 +18,11 @@ import pytest
 
 from megatron_train import pretrain_retro
 from megatron_train.arguments import parse_args
+from megatron_train.tasks import main as tasks_main
+from megatron_train.tasks.retro_qa import normalize_answer
 from megatron_train.tokenizer.bert import BertWordPieceTokenizer
 from megatron_train.tokenizer.huggingface import HuggingFaceAutoTokenizer
+from retro import retrieval
 from retro.config import ChunkDatabaseConfig
 from retro.db import ChunkDatabase, build_chunk_database
 from retro.project import DATA_DIR, RetroProject, db_dir, index_path
@@ -28,6 +31,7 @@ from storage.atomic import atomic_path
 from tests.convert_models import CHAT_SPECIALS, VOCAB, save_chat_tokenizer
 from tests.distributed import run_distributed
 from tests.retro_corpus import write_corpus
+from tests.test_retro_qa import write_jsonl
 from tests.test_training import read_metrics
 from tests.wordpiece_corpus import write_vocab
 
@@ -97,7 +101,8 @@ def project(tmp_path_factory) -> str:
 def sft_args(project: str, data: str, save: str, *extra: str) -> list[str]:
     return [
         "--retro-project-dir", project, "--retro-add-retriever", "--sft", "--train-data-path", data,
-        "--num-layers", "6", "--hidden-size", "32", "--num-attention-heads", "4", "--micro-batch-size", "4",
+        "--num-layers", "6", "--hidden-size", "32", "--num-attention-heads", "4", "--max-position-embeddings", "128",
+        "--micro-batch-size", "4",
         "--global-batch-size", "4", "--lr", "1e-2", "--lr-warmup-iters", "1", "--log-interval", "1",
         "--num-workers", "0", "--eval-iters", "0", "--hidden-dropout", "0.0", "--attention-dropout", "0.0",
         "--retro-encoder-hidden-dropout", "0.0", "--retro-encoder-attention-dropout", "0.0", "--save", save,
@@ -146,16 +151,44 @@ def test_sft_samples_mask_all_but_the_answer_and_retrieve_per_chunk(project, tmp
         RetrievingDataset(train.dataset, train.retriever, 18)
 
 
-def test_a_tiny_sft_lowers_the_loss_and_finetune_continues_from_it(project, tmp_path):
-    data = write_conversations(str(tmp_path / "qa.jsonl"))
-    first, second = str(tmp_path / "sft"), str(tmp_path / "sft2")
+@pytest.fixture(scope="module")
+def sft_runs(project, tmp_path_factory) -> dict:
+    """A 40-step SFT from scratch, then 2 steps of `--finetune --load` from its checkpoint."""
+    tmp = tmp_path_factory.mktemp("sft_runs")
+    data = write_conversations(str(tmp / "qa.jsonl"))
+    first, second = str(tmp / "sft"), str(tmp / "sft2")
     runs = [
         sft_args(project, data, first, "--train-iters", "40"),
         sft_args(project, data, second, "--train-iters", "2", "--load", first, "--finetune"),
     ]
-    (sft, finetuned) = run_distributed(sft_worker, 1, runs, timeout=300)[0]
+    sft, finetuned = run_distributed(sft_worker, 1, runs, timeout=300)[0]
+    return {"sft": sft, "finetuned": finetuned, "sft-dir": first}
+
+
+def test_a_tiny_sft_lowers_the_loss_and_finetune_continues_from_it(sft_runs):
+    sft, finetuned = sft_runs["sft"], sft_runs["finetuned"]
     losses = [r["lm loss"] for r in sft if "split" not in r]
     assert len(losses) == 40 and np.mean(losses[-5:]) < 0.7 * np.mean(losses[:3])
     continued = [r for r in finetuned if "split" not in r]
     assert [r["iteration"] for r in continued] == [1, 2]  # --finetune: from iteration 0, the weights loaded
     assert continued[0]["lm loss"] < np.mean(losses[:3])
+
+
+def test_retro_qa_on_the_sft_checkpoint_retrieves_and_scores_known_answers(
+    sft_runs, project, tmp_path, monkeypatch, capsys
+):
+    """`tasks.main --task RETRO-QA --retro-project-dir`: the Retro checkpoint answers with retrieval; the first
+    question's answers are its own greedy answer, the second's one it cannot give: EM 0.5, F1 0.5."""
+    monkeypatch.setattr(retrieval, "load_embedder", lambda path, device: word_embed)
+    questions = [{"question": "w3 w33", "ctxs": [{"title": "w1", "text": "w2 w4"}]}, {"question": "w5 w35"}]
+    load = ["--load", sft_runs["sft-dir"], "--retro-project-dir", project, "--out-seq-length", "3"]
+    probe = write_jsonl(tmp_path / "probe.jsonl", [{**q, "answers": ["x"]} for q in questions])
+    predictions = tasks_main.main(["--task", "RETRO-QA", "--valid-data", probe, *load])["predictions"]
+    assert normalize_answer(predictions[0])
+    records = [{**questions[0], "answers": [predictions[0]]}, {**questions[1], "answers": ["zzz zzz"]}]
+    path = write_jsonl(tmp_path / "qa.jsonl", records)
+    metrics = tasks_main.main(["--task", "RETRO-QA", "--valid-data", path, *load])
+    assert metrics["predictions"] == predictions and (metrics["exact_match"], metrics["f1"]) == (0.5, 0.5)
+    assert "Exact Match: 0.5000; Method: RETRO-QA; Precision: 0.5000; recall: 0.5000; f1: 0.5000" in (
+        capsys.readouterr().out
+    )
