@@ -23,6 +23,7 @@ import torch
 from megatron_train.arguments import MegatronConfig
 from megatron_train.data.retro_dataset import neighbor_tokens
 from megatron_train.inference.checkpoint import load_for_inference
+from megatron_train.models.config import TransformerConfig
 from megatron_train.models.retro import RetroModel
 from megatron_train.tokenizer import MegatronTokenizer
 from retro.config import QueryConfig
@@ -114,7 +115,7 @@ class RetrievingModel(torch.nn.Module):
         self.retriever = retriever
 
     @property
-    def config(self):
+    def config(self) -> TransformerConfig:
         return self.model.config
 
     def forward(
@@ -154,7 +155,7 @@ class RetrievingDataset(torch.utils.data.Dataset):
     """Samples of `dataset` (dicts with "tokens" [seq_length], as `SFTDataset` returns) with the neighbours of
     their chunks retrieved from the project's index, as the server retrieves for a prompt: `pretrain_retro
     --sft` trains a Retro model on instruction data that belongs to no database document (so no own-document
-    exclusion). Retrieval runs in `__getitem__`, once per sample read (the DataLoader's workers share it)."""
+    exclusion). Retrieval runs in `__getitem__`, once per sample read, in whichever DataLoader worker reads it."""
 
     def __init__(self, dataset: torch.utils.data.Dataset, retriever: Retriever, seq_length: int) -> None:
         if seq_length % retriever.chunk_length:
