@@ -13,6 +13,13 @@ decoder (its weights map one to one; the chunked cross-attention and the encoder
 `--retro-fit-freeze-decoder` then trains only those. TP, SP, DP, the distributed optimizer, mixed precision and
 recompute work as for GPT; pipeline parallelism is refused, as Megatron did. This is the one training entry
 point that reads a Retro project (`retro.project`, `retro.db`, `retro.query`); see docs/architecture.md.
+
+InstructRetro (Megatron's tools/retro/sft): `--sft --finetune --load CKPT` with `--data-path` / `--train-data-path`
+JSONL conversations instruction-tunes a Retro (or, without --retro-add-retriever, a GPT) checkpoint on
+`SFTDataset` samples, the loss on the assistant's tokens only. Only the tokenizer and chunk length are the
+project's (the sequence length defaults to it); each sample's chunks get their neighbours from the project's
+index when the sample is read (`retro.retrieval.RetrievingDataset`, the server's retrieval), not from
+pretraining's neighbour query. Megatron's sft_retro fed the encoder zeros instead.
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ from megatron_train.checkpointing import (
 from megatron_train.checkpointing.names import global_names, saved_model_type
 from megatron_train.data.builder import build_train_valid_test_datasets
 from megatron_train.data.retro_dataset import RetroDataset
+from megatron_train.data.sft_dataset import build_sft_datasets
 from megatron_train.device import get_device
 from megatron_train.models.retro import RetroModel, is_retro_parameter
 from megatron_train.parallel import state
@@ -43,9 +51,13 @@ from megatron_train.parallel.schedules import LossFunc
 from megatron_train.pretrain_gpt import gpt_model_provider, loss_func, padded_vocab_size_for
 from megatron_train.tokenizer import MegatronTokenizer, tokenizer_from_config
 from megatron_train.training.loop import get_batch, pretrain
+from retro.config import QueryConfig
 from retro.db import ChunkDatabase
-from retro.project import RetroProject, db_dir
+from retro.embedder import load_embedder
+from retro.index import load_index
+from retro.project import RetroProject, db_dir, embedder_dir, index_path
 from retro.query import SPLIT_NAMES, load_neighbours
+from retro.retrieval import Retriever, RetrievingDataset
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +82,12 @@ DEFAULT_FLAGS = {
     "data_cache_path": "--data-cache-path",
 }
 PATH_SETTINGS = ("vocab_file", "merge_file", "tokenizer_model", "data_cache_path")
+# --sft trains on its own JSONL data: only what ties the model to the database stays fixed.
+SFT_FIXED_FLAGS = {
+    dest: FIXED_FLAGS[dest]
+    for dest in ("retro_chunk_length", "tokenizer_type", "vocab_file", "merge_file", "tokenizer_model")
+}
+SFT_DEFAULT_FLAGS = {"seq_length": "--seq-length"}
 
 
 def project_settings(project: RetroProject, project_dir: str) -> dict[str, Any]:
@@ -111,22 +129,25 @@ def with_project_settings(argv: list[str]) -> list[str]:
             "give --retro-project-dir: the Retro project (config.json, data, neighbours) to train on"
         )
     settings = project_settings(RetroProject.load(project_dir), project_dir)
-    for dest, flag in FIXED_FLAGS.items():
+    sft = given.get("sft", False)
+    fixed, defaults = (SFT_FIXED_FLAGS, SFT_DEFAULT_FLAGS) if sft else (FIXED_FLAGS, DEFAULT_FLAGS)
+    for dest, flag in fixed.items():
         if dest in given and _normalised(dest, given[dest]) != _normalised(dest, settings[dest]):
             raise ValueError(
                 f"{flag} {given[dest]} differs from the Retro project's {settings[dest]} "
                 f"({os.path.join(project_dir, 'config.json')}): the neighbours were queried for the project's "
                 f"setting; drop {flag}"
             )
-    if "mock_data" in given or any(f"{split}_data_path" in given for split in ("train", "valid", "test")):
+    split_paths = any(f"{split}_data_path" in given for split in ("train", "valid", "test"))
+    if not sft and ("mock_data" in given or split_paths):
         raise ValueError(
             "pretrain_retro trains on the Retro project's --data-path blend: drop --mock-data and the "
-            "per-split --*-data-path flags"
+            "per-split --*-data-path flags (or pass --sft to instruction-tune on JSONL conversations)"
         )
     if "train_iters" in given:
         settings.pop("train_samples")
     extra: list[str] = []
-    for dest, flag in {**FIXED_FLAGS, **DEFAULT_FLAGS}.items():
+    for dest, flag in {**fixed, **defaults}.items():
         value = settings.get(dest)
         if dest not in given and value is not None:
             extra += [flag, *(str(v) for v in value)] if isinstance(value, list) else [flag, str(value)]
@@ -210,7 +231,10 @@ def forward_step(
 def datasets_provider(
     config: MegatronConfig, tokenizer: MegatronTokenizer, num_samples: tuple[int, int, int]
 ) -> tuple:
-    """The GPT datasets of the project's sample counts, wrapped as RetroDatasets with --retro-add-retriever."""
+    """The GPT datasets of the project's sample counts, wrapped as RetroDatasets with --retro-add-retriever;
+    with --sft the SFT datasets, their neighbours retrieved per sample."""
+    if config.data.sft:
+        return sft_datasets(config, tokenizer, num_samples)
     project_dir = config.retro.retro_project_dir
     project = RetroProject.load(project_dir)
     queried = project.num_samples()
@@ -248,6 +272,32 @@ def datasets_provider(
             retro.retro_verify_neighbor_count,
         )
         for split, dataset in zip(SPLIT_NAMES, datasets, strict=True)
+    )
+
+
+def sft_datasets(
+    config: MegatronConfig, tokenizer: MegatronTokenizer, num_samples: tuple[int, int, int]
+) -> tuple:
+    """`pretrain_gpt --sft`'s datasets; with --retro-add-retriever each sample's chunks retrieve their
+    neighbours from the project's index with its embedder (on CPU: the DataLoader's workers run it)."""
+    seq_length = config.model.seq_length
+    datasets = build_sft_datasets(config.data, tokenizer, seq_length, num_samples, config.training.seed)
+    retro = config.retro
+    if not retro.retro_add_retriever:
+        return datasets
+    project_dir = retro.retro_project_dir
+    query = QueryConfig()
+    retriever = Retriever(
+        ChunkDatabase(db_dir(project_dir)),
+        load_index(index_path(project_dir), query.retro_query_nprobe, query.retro_query_ef_search),
+        load_embedder(embedder_dir(project_dir), device="cpu"),
+        tokenizer,
+        retro.retro_chunk_length,
+        retro.retro_num_neighbors,
+        retro.retro_num_retrieved_chunks,
+    )
+    return tuple(
+        None if dataset is None else RetrievingDataset(dataset, retriever, seq_length) for dataset in datasets
     )
 
 

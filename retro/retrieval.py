@@ -6,23 +6,31 @@ the first holding ns mod m tokens (or m) and the rest whole, so the last chunk e
 chunk's text is embedded with the project's embedder and searched in the index (pretraining's neighbour query,
 without the own-document exclusion: a prompt belongs to no database document); the first k neighbours'
 tokens and continuations are read as `RetroDataset` reads them. Generation reruns the whole sequence each step
-(Retro has no KV cache: the chunks move as the text grows). See docs/architecture.md (Retro model).
+(Retro has no KV cache: the chunks move as the text grows). `RetrievingModel` puts model and retriever behind
+the GPT call `model(tokens, position_ids=..., kv_cache=None)`, so the generation server and `generate` serve a
+Retro checkpoint unchanged. See docs/architecture.md (Retro model).
 """
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Sequence
 
 import faiss
 import numpy as np
 import torch
 
+from megatron_train.arguments import MegatronConfig
 from megatron_train.data.retro_dataset import neighbor_tokens
+from megatron_train.inference.checkpoint import load_for_inference
+from megatron_train.models.config import TransformerConfig
 from megatron_train.models.retro import RetroModel
 from megatron_train.tokenizer import MegatronTokenizer
+from retro.config import QueryConfig
 from retro.db import ChunkDatabase
+from retro.embedder import load_embedder
 from retro.index import Embed, embed_texts, load_index
-from retro.project import db_dir, index_path
+from retro.project import db_dir, embedder_dir, index_path
 
 
 def sequence_chunks(length: int, chunk_length: int) -> list[tuple[int, int]]:
@@ -95,6 +103,32 @@ class Retriever:
         )
 
 
+class RetrievingModel(torch.nn.Module):
+    """A RetroModel that retrieves its own neighbours: forward(tokens [b, s]) retrieves for each row's text
+    and runs the model on it. `supports_kv_cache = False` tells generation to rerun the whole text each step."""
+
+    supports_kv_cache = False
+
+    def __init__(self, model: RetroModel, retriever: Retriever) -> None:
+        super().__init__()
+        self.model = model
+        self.retriever = retriever
+
+    @property
+    def config(self) -> TransformerConfig:
+        return self.model.config
+
+    def forward(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None, kv_cache: None = None
+    ) -> torch.Tensor:
+        if kv_cache is not None:
+            raise ValueError("a Retro model has no KV cache: generate with use_kv_cache=False")
+        neighbours = np.stack([self.retriever(row) for row in input_ids.tolist()])
+        return self.model(
+            input_ids, position_ids, neighbor_tokens=torch.as_tensor(neighbours, device=input_ids.device)
+        )
+
+
 @torch.no_grad()
 def generate_with_retrieval(
     model: RetroModel, retriever: Retriever, prompt: Sequence[int], tokens_to_generate: int
@@ -106,12 +140,59 @@ def generate_with_retrieval(
             "generation with retrieval needs a non-empty prompt: the first chunk is retrieved for it"
         )
     device = next(model.parameters()).device
+    retrieving = RetrievingModel(model, retriever)
     tokens = list(prompt)
     for _ in range(tokens_to_generate):
-        neighbours = torch.as_tensor(retriever(tokens), device=device).unsqueeze(0)
-        logits = model(torch.tensor([tokens], device=device), neighbor_tokens=neighbours)
+        logits = retrieving(torch.tensor([tokens], device=device))
         token = int(logits[0, -1].argmax())
         tokens.append(token)
         if token == retriever.gpt_tokenizer.eod:
             break
     return tokens[len(prompt) :]
+
+
+class RetrievingDataset(torch.utils.data.Dataset):
+    """Samples of `dataset` (dicts with "tokens" [seq_length], as `SFTDataset` returns) with the neighbours of
+    their chunks retrieved from the project's index, as the server retrieves for a prompt: `pretrain_retro
+    --sft` trains a Retro model on instruction data that belongs to no database document (so no own-document
+    exclusion). Retrieval runs in `__getitem__`, once per sample read, in whichever DataLoader worker reads it."""
+
+    def __init__(self, dataset: torch.utils.data.Dataset, retriever: Retriever, seq_length: int) -> None:
+        if seq_length % retriever.chunk_length:
+            raise ValueError(
+                f"--seq-length {seq_length} is not a multiple of the Retro chunk length "
+                f"{retriever.chunk_length}: Retro training cuts samples into whole chunks"
+            )
+        self.dataset = dataset
+        self.retriever = retriever
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, idx: int) -> dict[str, np.ndarray]:
+        sample = self.dataset[idx]
+        return {**sample, "neighbor_tokens": self.retriever(sample["tokens"].tolist())}
+
+
+def add_retrieval_flags(parser: argparse.ArgumentParser) -> None:
+    """The index's search-time flags of a tool that serves or evaluates a Retro checkpoint."""
+    group = parser.add_argument_group("Retro retrieval (with --retro-project-dir)")
+    group.add_argument("--retro-query-nprobe", type=int, default=QueryConfig.retro_query_nprobe)
+    group.add_argument("--retro-query-ef-search", type=int, default=QueryConfig.retro_query_ef_search)
+
+
+def load_for_generation(
+    args: argparse.Namespace, device: torch.device | str | None = None, embed: Embed | None = None
+) -> tuple[torch.nn.Module, MegatronTokenizer, MegatronConfig]:
+    """`load_for_inference` for the generation tools: a GPT checkpoint, or with --retro-project-dir DIR a Retro
+    checkpoint behind its retriever (DIR's index and embedder; `embed` replaces the embedder)."""
+    project_dir = getattr(args, "retro_project_dir", None)  # Megatron's flags default to "not given"
+    if not project_dir:
+        return load_for_inference(args, device=device)
+    model, tokenizer, config = load_for_inference(args, device=device, model_types=("retro",))
+    if embed is None:
+        embed = load_embedder(embedder_dir(project_dir), device=device)
+    retriever = Retriever.from_project(
+        project_dir, model, embed, tokenizer, args.retro_query_nprobe, args.retro_query_ef_search
+    )
+    return RetrievingModel(model, retriever).eval(), tokenizer, config

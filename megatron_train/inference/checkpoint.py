@@ -90,11 +90,14 @@ def check_tokenizer_fits(tokenizer: MegatronTokenizer, metadata: dict, where: st
 
 
 def load_for_inference(
-    args: argparse.Namespace, device: torch.device | str | None = None
+    args: argparse.Namespace,
+    device: torch.device | str | None = None,
+    model_types: tuple[str, ...] = ("gpt",),
 ) -> tuple[torch.nn.Module, MegatronTokenizer, MegatronConfig]:
     """(model in eval mode, tokenizer, saved MegatronConfig) from the flags of `build_inference_parser`;
     the flags and the tokenizer are checked against the checkpoint before its weights are read. With
-    model-parallel groups initialised the model is this rank's TP slice of its pipeline stage."""
+    model-parallel groups initialised the model is this rank's TP slice of its pipeline stage. A checkpoint
+    of another model type than `model_types` is refused."""
     iteration = getattr(args, "ckpt_step", None)
     iteration_dir = resolve_iteration_dir(args.load, iteration)
     if iteration_dir is None:
@@ -102,10 +105,13 @@ def load_for_inference(
             f"nothing saved in {args.load}: no latest marker; pass --ckpt-step or another --load"
         )
     metadata = read_metadata(iteration_dir)
-    if saved_model_type(metadata) != "gpt":
+    kind = saved_model_type(metadata)
+    if kind not in model_types:
+        retro_hint = "; serve or evaluate it with --retro-project-dir DIR (its retrieval database)"
         raise ValueError(
-            f"checkpoint {iteration_dir} holds a {saved_model_type(metadata)} model; generation and language-model "
-            "evaluation need a GPT checkpoint (pretrain_gpt)"
+            f"checkpoint {iteration_dir} holds a {kind} model; generation and language-model evaluation need "
+            f"a {' or '.join(t.upper() for t in model_types)} checkpoint"
+            + (retro_hint if kind == "retro" else " (pretrain_gpt)")
         )
     saved = config_from_dict(metadata["args"])
     check_model_flags(args, saved, iteration_dir)

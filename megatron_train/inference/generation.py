@@ -96,6 +96,12 @@ def max_sequence_length(model: torch.nn.Module) -> int:
     return config.max_position_embeddings or config.seq_length
 
 
+def supports_kv_cache(model: torch.nn.Module) -> bool:
+    """False for a model that reruns the whole text each step (a Retro model retrieving for its chunks, which
+    move as the text grows: `retro.retrieval.RetrievingModel`)."""
+    return getattr(model, "supports_kv_cache", True)
+
+
 def check_fits(model: torch.nn.Module, tokens: torch.Tensor) -> None:
     """Refuse padded prompts + generation [b, s] longer than the model's positions (Megatron's message)."""
     limit = max_sequence_length(model)
@@ -244,7 +250,8 @@ def generate_tokens(
     final_lengths = row_limits.clone()
     done = torch.zeros(batch_size, dtype=torch.bool, device=tokens.device)
     stopped = torch.zeros_like(done)
-    kv_cache = allocate_kv_cache(model, batch_size, total_length) if params.use_kv_cache else None
+    use_kv_cache = params.use_kv_cache and supports_kv_cache(model)
+    kv_cache = allocate_kv_cache(model, batch_size, total_length) if use_kv_cache else None
     position_ids = torch.arange(total_length, device=tokens.device).expand(batch_size, -1)
 
     previous = 0

@@ -28,7 +28,12 @@ from fastapi.responses import JSONResponse
 
 from megatron_train.inference.batcher import Batcher, BatchLimits
 from megatron_train.inference.beam_search import BeamSearchOutput, BeamSearchParams
-from megatron_train.inference.generation import GenerationOutput, GenerationParams, max_sequence_length
+from megatron_train.inference.generation import (
+    GenerationOutput,
+    GenerationParams,
+    max_sequence_length,
+    supports_kv_cache,
+)
 from megatron_train.inference.ranks import ModelRunner, Work
 from megatron_train.tokenizer.base import MegatronTokenizer
 
@@ -435,7 +440,13 @@ class GenerationService:
 
     def check_budget(self, prompts: list[str], params: GenerationParams | BeamSearchParams) -> int:
         """Megatron's "Too many tokens" guard: batch x (longest prompt + generated) <= max_tokens_to_oom, and
-        the model's positions. Returns the longest prompt's tokens."""
+        the model's positions. Returns the longest prompt's tokens. Beam search needs a KV cache, which a Retro
+        model has not."""
+        if isinstance(params, BeamSearchParams) and not supports_kv_cache(self.model):
+            raise RequestError(
+                "beam search (beam_width) is not supported for a Retro model: drop beam_width and use greedy "
+                "(top_k=1) or sampling"
+            )
         longest = max(len(ids) for ids in self.tokenizer.tokenize_batch(prompts)) + int(params.add_BOS)
         rows = params.beam_width if isinstance(params, BeamSearchParams) else len(prompts)
         total = rows * (longest + params.tokens_to_generate)

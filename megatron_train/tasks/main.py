@@ -4,6 +4,8 @@
         [--overlapping-eval 32] [--seq-length 1024]
     python -m megatron_train.tasks.main --task LAMBADA --strict-lambada --valid-data lambada_test.jsonl --load CKPT
     python -m megatron_train.tasks.main --task VALID_PPL --valid-data DATA_text_document --load CKPT
+    python -m megatron_train.tasks.main --task RETRO-QA --valid-data nq_test.jsonl --load RETRO_CKPT \
+        --retro-project-dir DIR [--ft-neighbours 5] [--out-seq-length 32]     (a GPT checkpoint: no project)
     torchrun --nproc-per-node 2 -m megatron_train.tasks.main --task MNLI --pretrained-checkpoint BERT_CKPT \\
         --train-data MNLI/train.tsv --valid-data MNLI/dev_matched.tsv MNLI/dev_mismatched.tsv --epochs 3 \\
         --micro-batch-size 8 --lr 5e-5 --lr-warmup-fraction 0.065 --seq-length 128 --save FINETUNED --load FINETUNED
@@ -33,9 +35,11 @@ from megatron_train.evaluation.wikitext import evaluate_wikitext
 from megatron_train.inference.checkpoint import build_inference_parser, load_for_inference
 from megatron_train.tasks.finetune.finetune import TASKS as FINETUNE_TASKS
 from megatron_train.tasks.finetune.finetune import add_finetune_flags, run_finetune
+from megatron_train.tasks.retro_qa import evaluate_qa
+from retro.retrieval import add_retrieval_flags, load_for_generation
 from storage.atomic import atomic_write_text
 
-ZERO_SHOT_TASKS = ("WIKITEXT103", "LAMBADA", "VALID_PPL")
+ZERO_SHOT_TASKS = ("WIKITEXT103", "LAMBADA", "VALID_PPL", "RETRO-QA")
 TASKS = (*ZERO_SHOT_TASKS, *FINETUNE_TASKS)
 DEFAULT_MICRO_BATCH_SIZE = 8
 
@@ -64,6 +68,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-eval-tokens", type=int, default=None, help="Evaluate at most N tokens (VALID_PPL)."
     )
     group.add_argument("--results-json", default=None, help="Also write the metrics to this JSON file.")
+    group.add_argument(
+        "--ft-neighbours",
+        type=int,
+        default=5,
+        help="Contexts (ctxs) put in each question's prompt (RETRO-QA).",
+    )
+    group.add_argument(
+        "--out-seq-length", type=int, default=32, help="Tokens generated per answer (RETRO-QA)."
+    )
+    add_retrieval_flags(parser)
     add_finetune_flags(parser)
     return parser
 
@@ -79,6 +93,8 @@ def run_task(args: argparse.Namespace, model, tokenizer, config):
         return evaluate_wikitext(model, tokenizer, path, seq_length, args.overlapping_eval, batch_size)
     if args.task == "LAMBADA":
         return evaluate_lambada(model, tokenizer, path, seq_length, args.strict_lambada, batch_size)
+    if args.task == "RETRO-QA":
+        return evaluate_qa(model, tokenizer, path, args.ft_neighbours, args.out_seq_length, batch_size)
     return validation_perplexity(
         model, path, seq_length, args.overlapping_eval, batch_size, args.max_eval_tokens
     )
@@ -99,8 +115,11 @@ def main(argv: list[str] | None = None) -> dict:
     if getattr(args, "load", None) is None or not args.valid_data:
         parser.error(f"--task {args.task} evaluates a GPT checkpoint: pass --load and --valid-data")
     try:
-        model, tokenizer, config = load_for_inference(args, device=get_device())
-    except (ValueError, CheckpointError) as error:
+        if args.task == "RETRO-QA":  # a Retro checkpoint with --retro-project-dir retrieves as it generates
+            model, tokenizer, config = load_for_generation(args, device=get_device())
+        else:
+            model, tokenizer, config = load_for_inference(args, device=get_device())
+    except (ValueError, CheckpointError, FileNotFoundError) as error:
         parser.error(str(error))
     result = run_task(args, model, tokenizer, config)
     line = result.megatron_line(args.task)

@@ -12,6 +12,12 @@ then unused). Under torchrun the model is split over the ranks as TP x PP says, 
 load; rank 0 answers HTTP and the other ranks follow it (docs/architecture.md, serving).
 Endpoints: PUT /api (Megatron's request and answer, beam search with beam_width), POST /v1/completions and
 POST /v1/chat/completions (OpenAI-style), GET /health.
+
+    python -m megatron_train.tools.run_text_generation_server --load RETRO_CKPT --retro-project-dir DIR
+
+serves a Retro checkpoint: every forward step retrieves the neighbours of the text's chunks from the project's
+filled index with its embedder (`retro.retrieval.RetrievingModel`). One process only, no beam search (Retro
+has no KV cache); greedy and sampling as for GPT.
 """
 
 from __future__ import annotations
@@ -25,12 +31,13 @@ import uvicorn
 
 from megatron_train.checkpointing import CheckpointError
 from megatron_train.device import get_device
-from megatron_train.inference.checkpoint import build_inference_parser, load_for_inference
+from megatron_train.inference.checkpoint import build_inference_parser
 from megatron_train.inference.ranks import follow
 from megatron_train.inference.server import ServerLimits, create_app
 from megatron_train.parallel import state
 from megatron_train.training.config import TrainingConfig
 from megatron_train.training.setup import initialize_distributed
+from retro.retrieval import add_retrieval_flags, load_for_generation
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -62,6 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=10.0,
         help="How long the oldest waiting request waits for others to join its batch.",
     )
+    add_retrieval_flags(parser)
     # Megatron's script takes these too; here every request carries its own sampling settings.
     unused = parser.add_argument_group("accepted for Megatron's scripts (requests set their own sampling)")
     unused.add_argument("--temperature", type=float, default=1.0)
@@ -94,11 +102,16 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     multi_rank = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    if multi_rank and getattr(args, "retro_project_dir", None):
+        parser.error(
+            "--retro-project-dir: a Retro model is served by one process (retrieval runs on rank 0 only); "
+            "start the server without torchrun"
+        )
     try:
         if multi_rank:
             start_model_parallel(args)
-        model, tokenizer, _ = load_for_inference(args, device=get_device())
-    except (ValueError, CheckpointError) as error:
+        model, tokenizer, _ = load_for_generation(args, device=get_device())
+    except (ValueError, CheckpointError, FileNotFoundError) as error:
         parser.error(str(error))
     try:
         if multi_rank and dist.get_rank() != 0:
