@@ -36,7 +36,9 @@ def cut_layers(source: str, num_layers: int, out_dir: str) -> None:
     config["num_hidden_layers"] = num_layers
     dropped = tuple(f"encoder.layer.{i}." for i in range(num_layers, 1000))
     weights = {
-        name: t.contiguous() for name, t in read_hf_weights(source).items() if not name.startswith(dropped)
+        name: t.contiguous()
+        for name, t in read_hf_weights(source).items()
+        if not name.removeprefix("bert.").startswith(dropped)
     }
     save_file(weights, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(out_dir, "config.json"), "w", encoding="utf-8") as f:

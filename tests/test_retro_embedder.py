@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from megatron_train.checkpointing.inference import load_model_for_inference
-from megatron_train.models.hf_bert import load_hf_bert
+from megatron_train.models.hf_bert import load_hf_bert, read_hf_weights
 from retro.embedder import BertEmbedder, Pooling, embedder_tokenizer, load_embedder, read_pooling
 from stages import retro_embedder
 from stages.retro_params import DbParams, EmbedderParams, local_dir
@@ -99,6 +99,8 @@ def test_the_embedder_stage_keeps_the_first_layers_and_pools_as_the_source(tmp_p
     assert whole.key != cut.key and sorted(whole.files()) == sorted(cut.files())
     full, one = load_hf_bert(local_dir(whole)), load_hf_bert(local_dir(cut))
     assert (full.config.num_layers, one.config.num_layers) == (2, 1)
+    saved = read_hf_weights(local_dir(cut))
+    assert saved and not any("encoder.layer.1." in name for name in saved)  # the dropped layer is not kept
     first_layer = {k: v for k, v in full.model.state_dict().items() if not k.startswith("encoder.layers.1.")}
     for name, tensor in one.model.state_dict().items():
         if name in one.missing:  # heads the BertModel checkpoint does not have

@@ -67,8 +67,7 @@ def transformer_config_from_hf(hf_config: dict, where: str = "config.json") -> T
 
 
 def read_hf_weights(directory: str) -> StateDict:
-    """The checkpoint's tensors under `BertForPreTraining`'s names (a plain `BertModel`'s get the `bert.` prefix),
-    old `gamma`/`beta` norm names renamed."""
+    """The tensors of a Hugging Face checkpoint directory, under the names it saved them with."""
     for name in WEIGHT_FILES:
         path = os.path.join(directory, name)
         if os.path.exists(path):
@@ -83,7 +82,13 @@ def read_hf_weights(directory: str) -> StateDict:
         weights = load_file(path)
     else:
         weights = torch.load(path, map_location="cpu", weights_only=True)
-    return {hf_bert_name(key): tensor for key, tensor in weights.items()}
+    return weights
+
+
+def read_hf_bert_weights(directory: str) -> StateDict:
+    """A BERT checkpoint's tensors under `BertForPreTraining`'s names (a plain `BertModel`'s get the `bert.`
+    prefix), old `gamma`/`beta` norm names renamed."""
+    return {hf_bert_name(key): tensor for key, tensor in read_hf_weights(directory).items()}
 
 
 def hf_bert_name(key: str) -> str:
@@ -110,7 +115,7 @@ def load_hf_bert(directory: str, padded_vocab_size: int | None = None) -> Loaded
     with open(config_path, encoding="utf-8") as handle:
         hf_config = json.load(handle)
     config = transformer_config_from_hf(hf_config, config_path)
-    weights = bert_state_dict_from_hf(read_hf_weights(directory), config)
+    weights = bert_state_dict_from_hf(read_hf_bert_weights(directory), config)
     vocab_size = padded_vocab_size or config.true_vocab_size
     model = BertModel(
         config,
