@@ -175,6 +175,8 @@ def test_console_lines_carry_every_loss_of_the_loss_dict() -> None:
 def two_losses_worker(rank: int, world_size: int, argv: list[str]) -> list[dict]:
     """`pretrain` with GPT's loss_func plus a second entry, `half loss`, in its dict (as BERT adds `sop loss`)."""
     from megatron_train import pretrain_gpt
+    from megatron_train.tokenizer import tokenizer_from_config
+    from megatron_train.training.entry import padded_vocab_size_for
     from megatron_train.training.loop import pretrain
 
     def forward_step(data_iterator, model):
@@ -187,13 +189,13 @@ def two_losses_worker(rank: int, world_size: int, argv: list[str]) -> list[dict]
         return output_tensor, two_losses
 
     config = parse_args(argv, world_size)
-    tokenizer = pretrain_gpt.tokenizer_from_config(config.tokenizer)
+    tokenizer = tokenizer_from_config(config.tokenizer)
     pretrain(
         config,
         pretrain_gpt.gpt_model_provider,
         functools.partial(pretrain_gpt.datasets_provider, config, tokenizer),
         forward_step,
-        pretrain_gpt.padded_vocab_size_for(config, tokenizer),
+        padded_vocab_size_for(config, tokenizer),
     )
     return read_metrics(argv[argv.index("--save") + 1]) if rank == world_size - 1 else []
 

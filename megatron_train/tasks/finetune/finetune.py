@@ -29,13 +29,13 @@ from megatron_train.checkpointing import read_metadata, resolve_iteration_dir
 from megatron_train.device import get_device
 from megatron_train.inference.checkpoint import check_model_flags, check_tokenizer_fits, tokenizer_for
 from megatron_train.parallel import state
-from megatron_train.pretrain_gpt import padded_vocab_size_for
 from megatron_train.tasks.finetune.glue import glue_split_name, read_mnli, read_qqp
 from megatron_train.tasks.finetune.hf import DEFAULT_SPLITS, hf_records
 from megatron_train.tasks.finetune.model import BertClassifier, check_bert_checkpoint, load_pretrained_bert
 from megatron_train.tasks.finetune.race import race_split_name, read_race
 from megatron_train.tasks.finetune.samples import build_samples
 from megatron_train.tokenizer import MegatronTokenizer, tokenizer_from_config
+from megatron_train.training.entry import model_build_options, padded_vocab_size_for
 from megatron_train.training.loop import Trainer, build_metrics_writer, get_batch
 from megatron_train.training.setup import initialize_distributed, set_random_seed, setup_model_and_optimizer
 
@@ -301,8 +301,7 @@ def classifier_provider(
         config.model,
         padded_vocab_size,
         num_classes,
-        sequence_parallel=config.parallel.sequence_parallel,
-        init_seed=config.training.seed if config.training.use_cpu_initialization else None,
+        **model_build_options(config),
     )
 
 
