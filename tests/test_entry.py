@@ -1,12 +1,18 @@
 """The pretrain entry points' shared shell (`training.entry.run_pretrain`): what each refuses, naming itself and
-the flag, before any process group or data is touched."""
+the flag, before any process group or data is touched; and the process-group session every run opens."""
 
 from __future__ import annotations
 
 import importlib
+import os
+from unittest import mock
 
 import pytest
+import torch.distributed as dist
 
+from megatron_train.arguments import parse_args
+from megatron_train.parallel import state
+from megatron_train.training.setup import model_parallel_session
 from tests.test_training import tiny_args
 
 
@@ -31,3 +37,12 @@ def test_a_tokenizer_error_names_the_entry_point(tmp_path, entry) -> None:
     argv += ["--tokenizer-type", "BertWordPieceLowerCase"]
     with pytest.raises(SystemExit, match=f"^{entry}: BertWordPieceLowerCase needs --vocab-file"):
         main(argv)
+
+
+def test_model_parallel_session_tears_the_groups_down_after_an_error(tmp_path) -> None:
+    config = parse_args(tiny_args(str(tmp_path), "--mock-data", "--train-iters", "1"))
+    session = model_parallel_session(config, pipeline_size=1, virtual_pipeline_size=None)
+    with mock.patch.dict(os.environ), pytest.raises(RuntimeError, match="the run failed"), session:
+        assert dist.get_world_size() == 1 and state.model_parallel_is_initialized()
+        raise RuntimeError("the run failed")
+    assert not dist.is_initialized() and not state.model_parallel_is_initialized()
