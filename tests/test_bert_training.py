@@ -148,18 +148,8 @@ def test_a_gpt_checkpoint_is_refused_by_pretrain_bert(tmp_path, corpus) -> None:
 
 def test_sigkill_and_resume_is_bitwise(tmp_path, corpus) -> None:
     """With dropout on, a run killed by SIGKILL and resumed with --load logs exactly the uninterrupted losses."""
-    flags = [
-        "--train-iters",
-        "12",
-        "--save-interval",
-        "2",
-        "--hidden-dropout",
-        "0.1",
-        "--attention-dropout",
-        "0.1",
-    ]
     output, expected, resumed = sigkill_and_resume(
-        "megatron_train.pretrain_bert", lambda run: bert_argv(run, corpus, *flags), tmp_path, 12
+        "megatron_train.pretrain_bert", lambda run, *flags: bert_argv(run, corpus, *flags), tmp_path, 12
     )
     assert "sop loss:" in output
     assert losses(resumed) == losses(expected)  # bitwise: JSON floats

@@ -133,18 +133,8 @@ def test_checkpoint_saved_at_tp2_continues_at_tp1_with_tp2s_losses(tmp_path, cor
 def test_sigkill_and_resume_is_bitwise(tmp_path, corpus) -> None:
     """Learned positions (Megatron's default), dropout on: a run killed by SIGKILL and resumed with --load logs
     exactly the uninterrupted losses."""
-    flags = [
-        "--train-iters",
-        "10",
-        "--save-interval",
-        "2",
-        "--hidden-dropout",
-        "0.1",
-        "--attention-dropout",
-        "0.1",
-    ]
     output, expected, resumed = sigkill_and_resume(
-        "megatron_train.pretrain_t5", lambda run: t5_argv(run, corpus, *flags), tmp_path, 10
+        "megatron_train.pretrain_t5", lambda run, *flags: t5_argv(run, corpus, *flags), tmp_path, 10
     )
     assert "lm loss:" in output
     assert [r["lm loss"] for r in resumed] == [r["lm loss"] for r in expected]  # bitwise: JSON floats
