@@ -16,7 +16,7 @@ from megatron_train.inference.checkpoint import build_inference_parser, load_for
 from megatron_train.models.bert import BertModel
 from tests.distributed import run_distributed
 from tests.test_training import read_metrics, sigkill_and_resume, tiny_args
-from tests.wordpiece_corpus import build_tokenizer, write_sentence_corpus
+from tests.wordpiece_corpus import write_wordpiece_corpus
 
 LOSS_KEYS = ("lm loss", "sop loss")
 TP2, PP2 = ["--tensor-model-parallel-size", "2"], ["--pipeline-model-parallel-size", "2"]
@@ -40,11 +40,7 @@ LAYOUTS = {  # name: (world size, flags); the 148-token vocabulary pads to 192 r
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> tuple[str, str]:
     """(vocab file, --data-path prefix) of a sentence-split WordPiece corpus."""
-    directory = tmp_path_factory.mktemp("bert-data")
-    tokenizer = build_tokenizer(directory)
-    prefix = str(directory / "corpus_text_sentence")
-    write_sentence_corpus(prefix, tokenizer, 300)
-    return str(directory / "vocab.txt"), prefix
+    return write_wordpiece_corpus(tmp_path_factory.mktemp("bert-data"), 300)
 
 
 def bert_argv(run_dir: str, corpus: tuple[str, str], *extra: str) -> list[str]:
