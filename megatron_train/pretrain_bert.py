@@ -9,22 +9,21 @@ head and loss.
 from __future__ import annotations
 
 import functools
-import logging
 import sys
 from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
 
-from megatron_train.arguments import MegatronConfig, parse_args
+from megatron_train.arguments import MegatronConfig
 from megatron_train.data.bert_dataset import BERTDatasetConfig
 from megatron_train.data.builder import build_masked_train_valid_test_datasets
 from megatron_train.device import get_device
 from megatron_train.models.bert import BertModel, bert_model_provider
 from megatron_train.parallel.schedules import LossFunc
-from megatron_train.pretrain_gpt import padded_vocab_size_for
-from megatron_train.tokenizer import MegatronTokenizer, tokenizer_from_config
-from megatron_train.training.loop import get_batch, pretrain
+from megatron_train.tokenizer import MegatronTokenizer
+from megatron_train.training.entry import model_build_options, run_pretrain
+from megatron_train.training.loop import get_batch
 
 
 def model_provider(
@@ -41,9 +40,8 @@ def model_provider(
         pre_process,
         post_process,
         add_binary_head=config.model.bert_binary_head,
-        sequence_parallel=config.parallel.sequence_parallel,
-        init_seed=config.training.seed if config.training.use_cpu_initialization else None,
         vp_stage=vp_stage,
+        **model_build_options(config),
     )
 
 
@@ -86,22 +84,13 @@ def datasets_provider(
 
 
 def main(argv: list[str] | None = None) -> None:
-    logging.basicConfig(level=logging.INFO, format="[%(asctime)s] %(levelname)s %(name)s: %(message)s")
-    config = parse_args(argv)
-    if config.training.calculate_per_token_loss:
-        raise SystemExit(
-            "pretrain_bert: --calculate-per-token-loss is GPT's; Megatron's BERT loss is per micro-batch"
-        )
-    try:
-        tokenizer = tokenizer_from_config(config.tokenizer)
-    except ValueError as error:
-        raise SystemExit(f"pretrain_bert: {error}") from None
-    pretrain(
-        config,
+    run_pretrain(
+        "pretrain_bert",
+        argv,
         model_provider,
-        functools.partial(datasets_provider, config, tokenizer),
+        datasets_provider,
         forward_step,
-        padded_vocab_size_for(config, tokenizer),
+        refuse_per_token_loss_for="BERT",
     )
 
 

@@ -6,38 +6,25 @@ The GPT-specific pieces (model, datasets, loss) plugged into the generic loop, a
 from __future__ import annotations
 
 import functools
-import logging
 import sys
 from collections.abc import Iterator
 
 import torch
 
-from megatron_train.arguments import MegatronConfig, parse_args
+from megatron_train.arguments import MegatronConfig
 from megatron_train.data.builder import build_train_valid_test_datasets
 from megatron_train.data.sft_dataset import build_sft_datasets
 from megatron_train.device import get_device
 from megatron_train.models.gpt import GPTModel, model_provider
 from megatron_train.parallel.schedules import LossFunc
-from megatron_train.tokenizer import MegatronTokenizer, tokenizer_from_config, vocab_size_with_padding
-from megatron_train.training.loop import get_batch, pretrain
+from megatron_train.tokenizer import MegatronTokenizer
+from megatron_train.training.entry import (  # noqa: F401  padded_vocab_size_for: pretrain_retro imports it from here
+    model_build_options,
+    padded_vocab_size_for,
+    run_pretrain,
+)
+from megatron_train.training.loop import get_batch
 from megatron_train.training.per_token_loss import NUM_TOKENS_KEY
-
-
-def padded_vocab_size_for(config: MegatronConfig, tokenizer: MegatronTokenizer) -> int:
-    """Record the tokenizer's vocabulary size as the model's true one (its padding rows are masked out of the
-    loss) and return the padded size (--make-vocab-size-divisible-by x TP) the model is built with."""
-    if config.model.true_vocab_size is None:
-        config.model.true_vocab_size = tokenizer.vocab_size
-    elif config.model.true_vocab_size != tokenizer.vocab_size:
-        raise SystemExit(
-            f"--true-vocab-size {config.model.true_vocab_size} differs from the tokenizer's vocabulary size "
-            f"{tokenizer.vocab_size}; drop the flag or use the matching tokenizer"
-        )
-    return vocab_size_with_padding(
-        tokenizer.vocab_size,
-        config.tokenizer.make_vocab_size_divisible_by,
-        config.parallel.tensor_model_parallel_size,
-    )
 
 
 def gpt_model_provider(
@@ -53,9 +40,8 @@ def gpt_model_provider(
         padded_vocab_size,
         pre_process,
         post_process,
-        sequence_parallel=config.parallel.sequence_parallel,
-        init_seed=config.training.seed if config.training.use_cpu_initialization else None,
         vp_stage=vp_stage,
+        **model_build_options(config),
     )
 
 
@@ -100,19 +86,7 @@ def datasets_provider(
 
 
 def main(argv: list[str] | None = None) -> None:
-    logging.basicConfig(level=logging.INFO, format="[%(asctime)s] %(levelname)s %(name)s: %(message)s")
-    config = parse_args(argv)
-    try:
-        tokenizer = tokenizer_from_config(config.tokenizer)
-    except ValueError as error:
-        raise SystemExit(f"pretrain_gpt: {error}") from None
-    pretrain(
-        config,
-        gpt_model_provider,
-        functools.partial(datasets_provider, config, tokenizer),
-        functools.partial(forward_step, per_token_loss=config.training.calculate_per_token_loss),
-        padded_vocab_size_for(config, tokenizer),
-    )
+    run_pretrain("pretrain_gpt", argv, gpt_model_provider, datasets_provider, forward_step)
 
 
 if __name__ == "__main__":

@@ -10,21 +10,21 @@ parallelism is refused, as Megatron-Core's pretrain_t5 does.
 from __future__ import annotations
 
 import functools
-import logging
 import sys
 from collections.abc import Iterator
 
 import torch
 
-from megatron_train.arguments import MegatronConfig, parse_args
+from megatron_train.arguments import MegatronConfig
 from megatron_train.data.builder import build_masked_train_valid_test_datasets
 from megatron_train.data.t5_dataset import T5DatasetConfig
 from megatron_train.device import get_device
 from megatron_train.models.t5 import T5Model
 from megatron_train.parallel.schedules import LossFunc
-from megatron_train.pretrain_gpt import loss_func, padded_vocab_size_for
-from megatron_train.tokenizer import MegatronTokenizer, tokenizer_from_config
-from megatron_train.training.loop import get_batch, pretrain
+from megatron_train.pretrain_gpt import loss_func
+from megatron_train.tokenizer import MegatronTokenizer
+from megatron_train.training.entry import model_build_options, run_pretrain
+from megatron_train.training.loop import get_batch
 
 
 def model_provider(
@@ -40,8 +40,7 @@ def model_provider(
         padded_vocab_size,
         pre_process,
         post_process,
-        sequence_parallel=config.parallel.sequence_parallel,
-        init_seed=config.training.seed if config.training.use_cpu_initialization else None,
+        **model_build_options(config),
     )
 
 
@@ -83,26 +82,17 @@ def check_t5_config(config: MegatronConfig) -> None:
         raise SystemExit(
             "pretrain_t5: set --decoder-seq-length (the decoder's input length; Megatron's T5: 128)"
         )
-    if config.training.calculate_per_token_loss:
-        raise SystemExit(
-            "pretrain_t5: --calculate-per-token-loss is GPT's; Megatron's T5 loss is per micro-batch"
-        )
 
 
 def main(argv: list[str] | None = None) -> None:
-    logging.basicConfig(level=logging.INFO, format="[%(asctime)s] %(levelname)s %(name)s: %(message)s")
-    config = parse_args(argv)
-    check_t5_config(config)
-    try:
-        tokenizer = tokenizer_from_config(config.tokenizer)
-    except ValueError as error:
-        raise SystemExit(f"pretrain_t5: {error}") from None
-    pretrain(
-        config,
+    run_pretrain(
+        "pretrain_t5",
+        argv,
         model_provider,
-        functools.partial(datasets_provider, config, tokenizer),
+        datasets_provider,
         forward_step,
-        padded_vocab_size_for(config, tokenizer),
+        refuse_per_token_loss_for="T5",
+        check_config=check_t5_config,
     )
 
 

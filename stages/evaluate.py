@@ -24,7 +24,7 @@ from megatron_train.data.samplers import collate
 from megatron_train.evaluation.lambada import evaluate_lambada
 from megatron_train.evaluation.wikitext import evaluate_wikitext
 from megatron_train.inference.generation import GenerationParams, generate
-from megatron_train.pretrain_gpt import tokenizer_from_config
+from megatron_train.tokenizer import tokenizer_from_config
 from stages.base import Inputs, Stage, expect_inputs
 from stages.pretrain import run_directory
 from storage.artifacts import (

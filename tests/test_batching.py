@@ -10,7 +10,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 import pytest
-import uvicorn
 from fastapi.testclient import TestClient
 
 from megatron_train.inference.batcher import Batcher, BatchLimits
@@ -18,12 +17,12 @@ from megatron_train.inference.generation import GenerationParams, generate
 from megatron_train.inference.ranks import ModelRunner, Work
 from megatron_train.inference.server import ServerLimits, create_app
 from megatron_train.tools.text_generation_cli import put_request
-from tests.distributed import free_port
 from tests.test_generation import (  # noqa: F401 (one_torch_thread is an autouse fixture)
     CharTokenizer,
     build_tiny_gpt,
     one_torch_thread,
 )
+from tests.test_server import uvicorn_serving
 
 GREEDY = GenerationParams(tokens_to_generate=5, top_k=1, return_output_log_probs=True)
 PROMPTS = ["hello", "ab", "the quick fox", "z", "abc def", "hi!"]
@@ -126,17 +125,8 @@ def live_server(model):
     runner = app.state.service.batcher.runner
     run = runner.run
     runner.run = lambda work: batches.append(len(work.prompts)) or run(work)
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline, "uvicorn did not start within 30 s"
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}", batches
-    server.should_exit = True
-    thread.join(timeout=10)
+    with uvicorn_serving(app) as address:
+        yield f"http://{address}", batches
 
 
 def test_concurrent_requests_are_batched_and_equal_sequential_ones(live_server, model):

@@ -8,17 +8,13 @@ import pytest
 
 from tests.distributed import run_distributed
 from tests.test_bert_training import LOSS_KEYS, bert_argv, bert_worker, losses
-from tests.wordpiece_corpus import build_tokenizer, write_sentence_corpus
+from tests.wordpiece_corpus import write_wordpiece_corpus
 
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> tuple[str, str]:
     """(vocab file, --data-path prefix) of a sentence-split WordPiece corpus."""
-    directory = tmp_path_factory.mktemp("bert-precision-data")
-    tokenizer = build_tokenizer(directory)
-    prefix = str(directory / "corpus_text_sentence")
-    write_sentence_corpus(prefix, tokenizer, 300)
-    return str(directory / "vocab.txt"), prefix
+    return write_wordpiece_corpus(tmp_path_factory.mktemp("bert-precision-data"), 300)
 
 
 @pytest.fixture(scope="module")

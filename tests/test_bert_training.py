@@ -16,7 +16,7 @@ from megatron_train.inference.checkpoint import build_inference_parser, load_for
 from megatron_train.models.bert import BertModel
 from tests.distributed import run_distributed
 from tests.test_training import read_metrics, sigkill_and_resume, tiny_args
-from tests.wordpiece_corpus import build_tokenizer, write_sentence_corpus
+from tests.wordpiece_corpus import write_wordpiece_corpus
 
 LOSS_KEYS = ("lm loss", "sop loss")
 TP2, PP2 = ["--tensor-model-parallel-size", "2"], ["--pipeline-model-parallel-size", "2"]
@@ -40,11 +40,7 @@ LAYOUTS = {  # name: (world size, flags); the 148-token vocabulary pads to 192 r
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> tuple[str, str]:
     """(vocab file, --data-path prefix) of a sentence-split WordPiece corpus."""
-    directory = tmp_path_factory.mktemp("bert-data")
-    tokenizer = build_tokenizer(directory)
-    prefix = str(directory / "corpus_text_sentence")
-    write_sentence_corpus(prefix, tokenizer, 300)
-    return str(directory / "vocab.txt"), prefix
+    return write_wordpiece_corpus(tmp_path_factory.mktemp("bert-data"), 300)
 
 
 def bert_argv(run_dir: str, corpus: tuple[str, str], *extra: str) -> list[str]:
@@ -148,18 +144,8 @@ def test_a_gpt_checkpoint_is_refused_by_pretrain_bert(tmp_path, corpus) -> None:
 
 def test_sigkill_and_resume_is_bitwise(tmp_path, corpus) -> None:
     """With dropout on, a run killed by SIGKILL and resumed with --load logs exactly the uninterrupted losses."""
-    flags = [
-        "--train-iters",
-        "12",
-        "--save-interval",
-        "2",
-        "--hidden-dropout",
-        "0.1",
-        "--attention-dropout",
-        "0.1",
-    ]
     output, expected, resumed = sigkill_and_resume(
-        "megatron_train.pretrain_bert", lambda run: bert_argv(run, corpus, *flags), tmp_path, 12
+        "megatron_train.pretrain_bert", lambda run, *flags: bert_argv(run, corpus, *flags), tmp_path, 12
     )
     assert "sop loss:" in output
     assert losses(resumed) == losses(expected)  # bitwise: JSON floats

@@ -28,7 +28,7 @@ from megatron_train.tasks.finetune.samples import (
 from tests.distributed import run_distributed
 from tests.test_bert_training import bert_argv
 from tests.test_training import read_metrics
-from tests.wordpiece_corpus import STEMS, build_tokenizer, write_sentence_corpus
+from tests.wordpiece_corpus import STEMS, build_tokenizer, write_wordpiece_corpus
 
 MNLI_HEADER = [
     "index", "promptID", "pairID", "genre", "sentence1_binary_parse", "sentence2_binary_parse", "sentence1_parse",
@@ -258,12 +258,10 @@ def pretrain_worker(rank: int, world_size: int, argv: list[str]) -> None:
 def pretrained(tmp_path_factory) -> tuple[str, str]:
     """(vocab file, checkpoint folder) of a tiny BERT pretrained for 4 steps."""
     directory = tmp_path_factory.mktemp("finetune-pretrained")
-    tokenizer = build_tokenizer(directory)
-    prefix = str(directory / "corpus_text_sentence")
-    write_sentence_corpus(prefix, tokenizer, 200)
+    vocab, prefix = write_wordpiece_corpus(directory, 200)
     save = str(directory / "bert")
-    run_distributed(pretrain_worker, 1, bert_argv(save, (str(directory / "vocab.txt"), prefix)), timeout=300)
-    return str(directory / "vocab.txt"), save
+    run_distributed(pretrain_worker, 1, bert_argv(save, (vocab, prefix)), timeout=300)
+    return vocab, save
 
 
 @pytest.fixture(scope="module")

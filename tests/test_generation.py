@@ -80,14 +80,15 @@ def build_tiny_gpt(seed: int = 0, max_position_embeddings: int = 64):
     return GPTModel(config, vocab_size=128).eval()
 
 
-def save_tiny_checkpoint(directory: str) -> str:
-    """A real checkpoint of build_tiny_gpt() whose recorded tokenizer is NullTokenizer(vocab_size=100)."""
+def save_tiny_checkpoint(directory: str, model: torch.nn.Module | None = None) -> str:
+    """A real checkpoint of `model` (default build_tiny_gpt(); padded vocabulary 128) whose recorded tokenizer
+    is NullTokenizer(vocab_size=100)."""
     from megatron_train.arguments import MegatronConfig
     from megatron_train.checkpointing import TrainingProgress, save_checkpoint
     from megatron_train.data.config import DataConfig
     from megatron_train.training.config import CheckpointConfig, TokenizerConfig
 
-    model = build_tiny_gpt()
+    model = build_tiny_gpt() if model is None else model
     config = MegatronConfig(
         model=model.config,
         data=DataConfig(),

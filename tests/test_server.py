@@ -3,6 +3,7 @@ the interactive client."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -11,10 +12,12 @@ import sys
 import threading
 import time
 import urllib.request
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import uvicorn
+from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from megatron_train.checkpointing import load_model_for_inference
@@ -267,22 +270,29 @@ def test_completions_bad_requests(client, body, message):
     assert message in answer["error"]["message"] and answer["error"]["type"] == "invalid_request_error"
 
 
-@pytest.fixture(scope="module")
-def live_server(model, tokenizer):
-    """A real uvicorn server on 127.0.0.1 and a free port, stopped after the module's tests."""
+@contextlib.contextmanager
+def uvicorn_serving(app: FastAPI) -> Iterator[str]:
+    """`app` served by a real uvicorn server on 127.0.0.1 and a free port ("127.0.0.1:PORT"), stopped after."""
     port = free_port()
-    server = uvicorn.Server(
-        uvicorn.Config(create_app(model, tokenizer, LIMITS), port=port, log_level="warning")
-    )
+    server = uvicorn.Server(uvicorn.Config(app, port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
     while not server.started:
         assert time.monotonic() < deadline, "uvicorn did not start within 30 s"
         time.sleep(0.05)
-    yield f"127.0.0.1:{port}"
-    server.should_exit = True
-    thread.join(timeout=10)
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def live_server(model, tokenizer):
+    """A real uvicorn server, stopped after the module's tests."""
+    with uvicorn_serving(create_app(model, tokenizer, LIMITS)) as address:
+        yield address
 
 
 def test_real_server_answers_concurrent_requests(live_server, model, tokenizer):

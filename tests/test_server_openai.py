@@ -12,6 +12,7 @@ from fastapi.testclient import TestClient
 from megatron_train.inference.beam_search import BeamSearchParams, beam_search
 from megatron_train.inference.generation import GenerationParams, generate
 from megatron_train.inference.server import ServerLimits, create_app
+from megatron_train.tokenizer.chat import ChatFormat, serving_chat_format
 from tests.test_generation import (  # noqa: F401 (one_torch_thread is an autouse fixture)
     CharTokenizer,
     build_tiny_gpt,
@@ -110,7 +111,7 @@ def test_chat_completion_uses_the_chat_template(model, chat_tokenizer_dir):
 
     tokenizer = build_tokenizer("HuggingFaceTokenizer", tokenizer_model=chat_tokenizer_dir)
     hf = transformers.AutoTokenizer.from_pretrained(chat_tokenizer_dir)
-    prompt = tokenizer.apply_chat_template(MESSAGES)
+    prompt = serving_chat_format(tokenizer, None).prompt(MESSAGES)
     # the ids we generate from are exactly transformers' chat ids: one BOS, then the template's text
     hf_ids = hf.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True, return_dict=False)
     assert tokenizer.tokenize(prompt) == list(hf_ids)
@@ -162,6 +163,34 @@ CHAT_ERRORS = [
 def test_chat_bad_requests_answer_400(client, body, message):
     status, answer = post(client, "/v1/chat/completions", body)
     assert status == 400 and message in answer["error"]["message"], answer
+
+
+@pytest.mark.parametrize("prompt_format", ["chat-template", "chatml"])
+def test_a_model_trained_with_sft_is_served_the_prompt_it_was_trained_on(
+    model, chat_tokenizer_dir, prompt_format
+):
+    from megatron_train.tokenizer import build_tokenizer
+
+    tokenizer = build_tokenizer("HuggingFaceTokenizer", tokenizer_model=chat_tokenizer_dir)
+    question = [
+        {"role": "user", "content": "hi"}
+    ]  # short: ChatML's prompt fits the tiny model's 64 positions
+    conversation = [*question, {"role": "assistant", "content": "hello"}]
+    trained = ChatFormat(tokenizer, prompt_format).segments(conversation)
+    assert [is_assistant for _, is_assistant in trained] == [False, True]
+    prompt = serving_chat_format(tokenizer, prompt_format).prompt(question)
+    if prompt_format == "chat-template":  # the template writes BOS; tokenize adds it again, so it is left out
+        assert "<s>" + prompt == trained[0][0] == "<s><user>hi<assistant>"
+        trained_ids, assistant = ChatFormat(tokenizer, prompt_format).tokenize(conversation)
+        assert tokenizer.tokenize(prompt) == trained_ids[: assistant.index(True)]
+    else:
+        assert prompt == trained[0][0] and prompt.endswith("<|im_start|>assistant\n")
+    client = TestClient(create_app(model, tokenizer, LIMITS, sft_prompt_format=prompt_format))
+    status, answer = post(
+        client, "/v1/chat/completions", {"messages": question, "max_tokens": 3, "temperature": 0}
+    )
+    expected = generate(model, tokenizer, [prompt], GenerationParams(tokens_to_generate=3, top_k=1))
+    assert status == 200 and answer["choices"][0]["message"]["content"] == expected.completions[0]
 
 
 def test_chat_without_a_chat_template_answers_400(client):

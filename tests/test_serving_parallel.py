@@ -30,23 +30,12 @@ LAYOUTS = [(2, 1), (1, 2)]  # (TP, PP)
 
 def save_tiny_llama_checkpoint(directory: str) -> str:
     """A tiny Llama (GQA, RoPE, untied output layer) checkpoint whose tokenizer is NullTokenizer(100)."""
-    from megatron_train.arguments import MegatronConfig
-    from megatron_train.checkpointing import TrainingProgress, save_checkpoint
-    from megatron_train.data.config import DataConfig
     from megatron_train.models.gpt import GPTModel
-    from megatron_train.training.config import CheckpointConfig, TokenizerConfig
     from tests.tiny import tiny_llama_config
 
     torch.manual_seed(1)
     model = GPTModel(tiny_llama_config(seq_length=64, init_method_std=0.2), vocab_size=128)
-    config = MegatronConfig(
-        model=model.config,
-        data=DataConfig(),
-        checkpoint=CheckpointConfig(save=directory),
-        tokenizer=TokenizerConfig(tokenizer_type="NullTokenizer", vocab_size=100),
-    )
-    save_checkpoint(1, model, None, None, TrainingProgress(), config, padded_vocab_size=128)
-    return directory
+    return save_tiny_checkpoint(directory, model)
 
 
 def answers(model: torch.nn.Module) -> dict:

@@ -20,7 +20,7 @@ from tests.distributed import run_distributed
 from tests.test_bert_training import RECOMPUTE, TP2
 from tests.test_megatron_examples import example_argv
 from tests.test_training import read_metrics, sigkill_and_resume, tiny_args
-from tests.wordpiece_corpus import build_tokenizer, write_sentence_corpus
+from tests.wordpiece_corpus import write_wordpiece_corpus
 
 RELATIVE = ["--position-embedding-type", "relative", "--relative-attention-num-buckets", "8"]
 LAYOUTS = {  # name: (world size, flags); the 158-token vocabulary pads to 192 rows at TP=1, 256 at TP=2
@@ -35,11 +35,7 @@ MIXED_PRECISION = {"bf16": ["--bf16"], "fp16": ["--fp16", "--initial-loss-scale"
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> tuple[str, str]:
     """(vocab file, --data-path prefix) of a sentence-split WordPiece corpus."""
-    directory = tmp_path_factory.mktemp("t5-data")
-    tokenizer = build_tokenizer(directory, vocab_extra_ids=10)
-    prefix = str(directory / "corpus_text_sentence")
-    write_sentence_corpus(prefix, tokenizer, 300)
-    return str(directory / "vocab.txt"), prefix
+    return write_wordpiece_corpus(tmp_path_factory.mktemp("t5-data"), 300, vocab_extra_ids=10)
 
 
 def t5_argv(run_dir: str, corpus: tuple[str, str], *extra: str) -> list[str]:
@@ -133,18 +129,8 @@ def test_checkpoint_saved_at_tp2_continues_at_tp1_with_tp2s_losses(tmp_path, cor
 def test_sigkill_and_resume_is_bitwise(tmp_path, corpus) -> None:
     """Learned positions (Megatron's default), dropout on: a run killed by SIGKILL and resumed with --load logs
     exactly the uninterrupted losses."""
-    flags = [
-        "--train-iters",
-        "10",
-        "--save-interval",
-        "2",
-        "--hidden-dropout",
-        "0.1",
-        "--attention-dropout",
-        "0.1",
-    ]
     output, expected, resumed = sigkill_and_resume(
-        "megatron_train.pretrain_t5", lambda run: t5_argv(run, corpus, *flags), tmp_path, 10
+        "megatron_train.pretrain_t5", lambda run, *flags: t5_argv(run, corpus, *flags), tmp_path, 10
     )
     assert "lm loss:" in output
     assert [r["lm loss"] for r in resumed] == [r["lm loss"] for r in expected]  # bitwise: JSON floats

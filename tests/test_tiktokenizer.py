@@ -7,8 +7,7 @@ import json
 
 import pytest
 
-from megatron_train.pretrain_gpt import tokenizer_from_config
-from megatron_train.tokenizer import build_tokenizer
+from megatron_train.tokenizer import build_tokenizer, tokenizer_from_config
 from megatron_train.training.config import TokenizerConfig
 
 pytest.importorskip("tiktoken")

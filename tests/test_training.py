@@ -175,6 +175,8 @@ def test_console_lines_carry_every_loss_of_the_loss_dict() -> None:
 def two_losses_worker(rank: int, world_size: int, argv: list[str]) -> list[dict]:
     """`pretrain` with GPT's loss_func plus a second entry, `half loss`, in its dict (as BERT adds `sop loss`)."""
     from megatron_train import pretrain_gpt
+    from megatron_train.tokenizer import tokenizer_from_config
+    from megatron_train.training.entry import padded_vocab_size_for
     from megatron_train.training.loop import pretrain
 
     def forward_step(data_iterator, model):
@@ -187,13 +189,13 @@ def two_losses_worker(rank: int, world_size: int, argv: list[str]) -> list[dict]
         return output_tensor, two_losses
 
     config = parse_args(argv, world_size)
-    tokenizer = pretrain_gpt.tokenizer_from_config(config.tokenizer)
+    tokenizer = tokenizer_from_config(config.tokenizer)
     pretrain(
         config,
         pretrain_gpt.gpt_model_provider,
         functools.partial(pretrain_gpt.datasets_provider, config, tokenizer),
         forward_step,
-        pretrain_gpt.padded_vocab_size_for(config, tokenizer),
+        padded_vocab_size_for(config, tokenizer),
     )
     return read_metrics(argv[argv.index("--save") + 1]) if rank == world_size - 1 else []
 
@@ -234,17 +236,20 @@ def sigkill_at_iteration(proc: subprocess.Popen, iteration: int) -> None:
 
 
 def sigkill_and_resume(
-    module: str, argv_for: Callable[[str], list[str]], root: Path, iterations: int
+    module: str, argv_for: Callable[..., list[str]], root: Path, iterations: int
 ) -> tuple[str, list[dict], list[dict]]:
-    """Train `module` uninterrupted in `root`/reference; train it again in `root`/killed, SIGKILL it at iteration
-    5 (the argv saves every 2 iterations) and rerun it to the end with the same argv (`argv_for(run dir)`).
-    Returns the reference's console output and both runs' training records."""
+    """Train `module` for `iterations` with dropout on, saving every 2, uninterrupted in `root`/reference; train
+    it again in `root`/killed, SIGKILL it at iteration 5 and rerun it to the end with the same argv
+    (`argv_for(run dir, *those flags)`). Returns the reference's console output and both runs' training records."""
+    flags = ["--train-iters", str(iterations), "--save-interval", "2", "--hidden-dropout", "0.1",
+             "--attention-dropout", "0.1"]  # fmt: skip
     reference, killed = str(root / "reference"), str(root / "killed")
-    output, _ = run_entry_point(module, argv_for(reference)).communicate(timeout=300)
+    output, _ = run_entry_point(module, argv_for(reference, *flags)).communicate(timeout=300)
     assert read_marker(reference) == iterations, output
-    sigkill_at_iteration(run_entry_point(module, argv_for(killed)), 5)  # checkpoints at 2 and 4 are on disk
+    killed_argv = argv_for(killed, *flags)
+    sigkill_at_iteration(run_entry_point(module, killed_argv), 5)  # checkpoints at 2 and 4 are on disk
     assert 4 <= read_marker(killed) < iterations
-    resumed_output, _ = run_entry_point(module, argv_for(killed)).communicate(timeout=300)
+    resumed_output, _ = run_entry_point(module, killed_argv).communicate(timeout=300)
     assert read_marker(killed) == iterations, resumed_output
     return output, *([r for r in read_metrics(run) if "split" not in r] for run in (reference, killed))
 

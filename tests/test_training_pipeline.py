@@ -24,13 +24,9 @@ from megatron_train.checkpointing.layout import (
 )
 from megatron_train.models.gpt import GPTModel
 from megatron_train.parallel import state
-from megatron_train.pretrain_gpt import (
-    datasets_provider,
-    forward_step,
-    gpt_model_provider,
-    padded_vocab_size_for,
-    tokenizer_from_config,
-)
+from megatron_train.pretrain_gpt import datasets_provider, forward_step, gpt_model_provider
+from megatron_train.tokenizer import tokenizer_from_config
+from megatron_train.training.entry import padded_vocab_size_for
 from megatron_train.training.loop import pretrain
 from tests.distributed import run_distributed
 from tests.test_training import pretrain_worker, read_marker, read_metrics, tiny_args, write_corpus

@@ -46,3 +46,10 @@ def write_sentence_corpus(
         builder.end_document()
     builder.finalize(index_file_path(prefix))
     return documents
+
+
+def write_wordpiece_corpus(directory, num_documents: int, vocab_extra_ids: int = 0) -> tuple[str, str]:
+    """(vocab file, --data-path prefix) of a sentence-split corpus of `num_documents` written in `directory`."""
+    prefix = str(directory / "corpus_text_sentence")
+    write_sentence_corpus(prefix, build_tokenizer(directory, vocab_extra_ids), num_documents)
+    return str(directory / "vocab.txt"), prefix

@@ -42,6 +42,27 @@ def build_saved_model(
     )
 
 
+def open_saved_checkpoint(load_dir: str, iteration: int | None) -> tuple[str, SavedCheckpoint]:
+    """(iteration folder, its SavedCheckpoint) of `iteration` in `load_dir`, the latest when None."""
+    iteration_dir = resolve_iteration_dir(load_dir, iteration)
+    if iteration_dir is None:
+        raise CheckpointError(
+            f"no {TRACKER_FILENAME} in {load_dir} (complete iterations there: {complete_iterations(load_dir)}): "
+            "pass iteration= or a directory with a save"
+        )
+    return iteration_dir, SavedCheckpoint(iteration_dir)
+
+
+def saved_config_for_layout(saved: SavedCheckpoint, tp_size: int, pp_size: int) -> MegatronConfig:
+    """The config the checkpoint was trained with, set to the (TP, PP) layout it is loaded under; inference
+    runs without sequence parallelism."""
+    config = config_from_dict(saved.metadata["args"])
+    config.parallel.tensor_model_parallel_size = tp_size
+    config.parallel.pipeline_model_parallel_size = pp_size
+    config.parallel.sequence_parallel = False
+    return config
+
+
 def load_model_for_inference(
     load_dir: str, iteration: int | None = None, device: torch.device | str | None = None
 ) -> tuple[torch.nn.Module, MegatronConfig]:
@@ -51,17 +72,8 @@ def load_model_for_inference(
     Single process: the TP shards and PP stages of any saved layout are merged into one model; every file is
     verified against its recorded hash, so a damaged checkpoint fails naming the file.
     """
-    iteration_dir = resolve_iteration_dir(load_dir, iteration)
-    if iteration_dir is None:
-        raise CheckpointError(
-            f"no {TRACKER_FILENAME} in {load_dir} (complete iterations there: {complete_iterations(load_dir)}): "
-            "pass iteration= or a directory with a save"
-        )
-    saved = SavedCheckpoint(iteration_dir)
-    config = config_from_dict(saved.metadata["args"])
-    config.parallel.tensor_model_parallel_size = 1
-    config.parallel.pipeline_model_parallel_size = 1
-    config.parallel.sequence_parallel = False
+    iteration_dir, saved = open_saved_checkpoint(load_dir, iteration)
+    config = saved_config_for_layout(saved, tp_size=1, pp_size=1)
     model = build_saved_model(
         saved_model_type(saved.metadata), config, saved.padded_vocab_size, iteration_dir
     )
@@ -81,22 +93,13 @@ def load_model_stage_for_inference(
     The checkpoint may have been saved under any (TP, PP) layout: each weight is resharded on load; the
     vocabulary is padded further when this TP size needs it (padding rows are never predicted).
     """
-    iteration_dir = resolve_iteration_dir(load_dir, iteration)
-    if iteration_dir is None:
-        raise CheckpointError(
-            f"no {TRACKER_FILENAME} in {load_dir} (complete iterations there: {complete_iterations(load_dir)}): "
-            "pass iteration= or a directory with a save"
-        )
-    saved = SavedCheckpoint(iteration_dir)
+    iteration_dir, saved = open_saved_checkpoint(load_dir, iteration)
     if saved_model_type(saved.metadata) != "gpt":
         raise CheckpointError(
             f"checkpoint {iteration_dir} holds a {saved_model_type(saved.metadata)} model, not GPT"
         )
-    config = config_from_dict(saved.metadata["args"])
     tp_size, tp_rank = state.get_tensor_model_parallel_world_size(), state.get_tensor_model_parallel_rank()
-    config.parallel.tensor_model_parallel_size = tp_size
-    config.parallel.pipeline_model_parallel_size = state.get_pipeline_model_parallel_world_size()
-    config.parallel.sequence_parallel = False
+    config = saved_config_for_layout(saved, tp_size, state.get_pipeline_model_parallel_world_size())
     padded_vocab_size = vocab_size_with_padding(
         saved.padded_vocab_size, config.tokenizer.make_vocab_size_divisible_by, tp_size
     )

@@ -23,18 +23,18 @@ from megatron_train.checkpointing import (
     write_metadata_and_marker,
     write_shard,
 )
-from megatron_train.checkpointing.layout import check_layout, split_tp_shard, stage_tensor_names
+from megatron_train.checkpointing.layout import split_tp_shard, stage_tensor_names
 from megatron_train.checkpointing.names import saved_model_type
 from megatron_train.checkpointing.saved import saved_true_vocab_range
 from megatron_train.convert.weights import (
     ModelWeights,
     model_shardings,
     pad_vocab,
+    padded_vocab_for_layout,
     tokenizer_files_in,
     trim_vocab,
 )
 from megatron_train.models.transformer import get_layer_range
-from megatron_train.tokenizer import vocab_size_with_padding
 from storage.atomic import atomic_copy
 
 TOKENIZER_FOLDER = "tokenizer"
@@ -85,10 +85,7 @@ def save(weights: ModelWeights, save_dir: str, target_tp: int = 1, target_pp: in
 
     Tokenizer files go to `<save_dir>/tokenizer/`, which the saved args name (HuggingFaceTokenizer)."""
     config = weights.config
-    padded_vocab_size = vocab_size_with_padding(
-        weights.true_vocab_size, config.tokenizer.make_vocab_size_divisible_by, target_tp
-    )
-    check_layout(config.model, padded_vocab_size, target_tp, target_pp)
+    padded_vocab_size = padded_vocab_for_layout(weights, target_tp, target_pp)
     out_dir = checkpoint_dir(save_dir, weights.iteration)
     if os.path.exists(os.path.join(out_dir, METADATA_FILENAME)):
         raise ValueError(

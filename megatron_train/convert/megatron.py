@@ -30,7 +30,6 @@ from megatron_train.checkpointing import TRACKER_FILENAME, CheckpointError, chec
 from megatron_train.checkpointing.layout import (
     OUTPUT_WEIGHT,
     WORD_EMBEDDING,
-    check_layout,
     merge_tp_shards,
     split_tp_shard,
     stage_tensor_names,
@@ -41,12 +40,12 @@ from megatron_train.convert.weights import (
     check_tensor_names,
     model_shardings,
     pad_vocab,
+    padded_vocab_for_layout,
     trim_vocab,
 )
 from megatron_train.data.config import DataConfig
 from megatron_train.models.config import TransformerConfig
 from megatron_train.models.transformer import get_layer_range
-from megatron_train.tokenizer import vocab_size_with_padding
 from megatron_train.training.config import TokenizerConfig
 from storage.atomic import atomic_path, atomic_write_text
 
@@ -305,10 +304,7 @@ def megatron_args(weights: ModelWeights, tp: int, pp: int, padded_vocab_size: in
 def save(weights: ModelWeights, save_dir: str, target_tp: int = 1, target_pp: int = 1) -> str:
     """Write `weights` as a Megatron-LM `torch` checkpoint for (target_tp, target_pp); returns the folder."""
     config = weights.config
-    padded = vocab_size_with_padding(
-        weights.true_vocab_size, config.tokenizer.make_vocab_size_divisible_by, target_tp
-    )
-    check_layout(config.model, padded, target_tp, target_pp)
+    padded = padded_vocab_for_layout(weights, target_tp, target_pp)
     tensors = pad_vocab(weights.tensors, padded)
     shardings = model_shardings(config, padded, weights.model_type)
     tied = not config.model.untie_embeddings_and_output_weights

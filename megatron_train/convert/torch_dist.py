@@ -47,7 +47,7 @@ from torch.distributed.checkpoint.planner import (
 )
 
 from megatron_train.checkpointing import TRACKER_FILENAME, CheckpointError, checkpoint_dir
-from megatron_train.checkpointing.layout import TensorSharding, check_layout, stage_tensor_names
+from megatron_train.checkpointing.layout import TensorSharding, stage_tensor_names
 from megatron_train.convert.megatron import (
     CHECKPOINT_VERSION,
     TE_NAMES,
@@ -61,10 +61,10 @@ from megatron_train.convert.weights import (
     check_tensor_names,
     model_shardings,
     pad_vocab,
+    padded_vocab_for_layout,
     trim_vocab,
 )
 from megatron_train.models.transformer import get_layer_range
-from megatron_train.tokenizer import vocab_size_with_padding
 from storage.atomic import atomic_path, atomic_write_text
 
 CONFIG_FILE = "metadata.json"
@@ -337,10 +337,7 @@ def _rank_state(
 def save(weights: ModelWeights, save_dir: str, target_tp: int = 1, target_pp: int = 1) -> str:
     """Write `weights` as Megatron-Core would save them from (target_tp, target_pp) ranks; returns the folder."""
     config = weights.config
-    padded = vocab_size_with_padding(
-        weights.true_vocab_size, config.tokenizer.make_vocab_size_divisible_by, target_tp
-    )
-    check_layout(config.model, padded, target_tp, target_pp)
+    padded = padded_vocab_for_layout(weights, target_tp, target_pp)
     iteration_dir = checkpoint_dir(save_dir, weights.iteration)
     if os.path.exists(os.path.join(iteration_dir, CONFIG_FILE)):
         raise ValueError(f"{iteration_dir} already holds a checkpoint: delete it or pick another --save-dir")

@@ -16,7 +16,8 @@ import torch
 
 from megatron_train.arguments import MegatronConfig
 from megatron_train.checkpointing.inference import build_saved_model
-from megatron_train.checkpointing.layout import VOCAB_PARAMS, TensorSharding, resize_vocab
+from megatron_train.checkpointing.layout import VOCAB_PARAMS, TensorSharding, check_layout, resize_vocab
+from megatron_train.tokenizer import vocab_size_with_padding
 
 # A Hugging Face tokenizer's files, any of which a model folder may hold.
 TOKENIZER_FILES = (
@@ -92,6 +93,17 @@ def trim_vocab(tensors: dict[str, torch.Tensor], true_vocab_size: int) -> dict[s
     return {
         name: tensor[:true_vocab_size] if name in VOCAB_PARAMS else tensor for name, tensor in tensors.items()
     }
+
+
+def padded_vocab_for_layout(weights: ModelWeights, target_tp: int, target_pp: int) -> int:
+    """The vocabulary size a saver pads to for `target_tp` (--make-vocab-size-divisible-by x TP), after
+    refusing a (TP, PP) layout the model cannot be cut into, naming the setting."""
+    config = weights.config
+    padded = vocab_size_with_padding(
+        weights.true_vocab_size, config.tokenizer.make_vocab_size_divisible_by, target_tp
+    )
+    check_layout(config.model, padded, target_tp, target_pp)
+    return padded
 
 
 def pad_vocab(tensors: dict[str, torch.Tensor], padded_vocab_size: int) -> dict[str, torch.Tensor]:

@@ -36,6 +36,7 @@ from megatron_train.inference.generation import (
 )
 from megatron_train.inference.ranks import ModelRunner, Work
 from megatron_train.tokenizer.base import MegatronTokenizer
+from megatron_train.tokenizer.chat import PromptFormat, serving_chat_format
 
 logger = logging.getLogger(__name__)
 
@@ -293,9 +294,13 @@ def parse_completion_request(body: dict, limits: ServerLimits) -> tuple[list[str
 
 
 def parse_chat_request(
-    body: dict, limits: ServerLimits, tokenizer: MegatronTokenizer
+    body: dict,
+    limits: ServerLimits,
+    tokenizer: MegatronTokenizer,
+    sft_prompt_format: PromptFormat | None = None,
 ) -> tuple[str, GenerationParams]:
-    """OpenAI's chat completion request -> (the prompt the tokenizer's chat template makes of the messages,
+    """OpenAI's chat completion request -> (the prompt the chat format makes of the messages: SFT's when the
+    model was trained with --sft, else the tokenizer's template; see `tokenizer.chat.serving_chat_format`,
     params). `logprobs: true` returns each token's logprob, `top_logprobs: n` the n most likely tokens too."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
@@ -324,7 +329,7 @@ def parse_chat_request(
     if top_logprobs and not logprobs:
         raise RequestError("top_logprobs needs logprobs=true")
     try:
-        prompt = tokenizer.apply_chat_template(
+        prompt = serving_chat_format(tokenizer, sft_prompt_format).prompt(
             [{"role": m["role"], "content": m["content"]} for m in messages]
         )
     except ValueError as error:
@@ -495,9 +500,12 @@ def create_app(
     model_name: str = "megatron-flow",
     dynamic_batching: bool = True,
     max_batch_wait_s: float = 0.01,
+    sft_prompt_format: PromptFormat | None = None,
 ) -> FastAPI:
     """The FastAPI app serving `model` (this rank's stage of it in a multi-rank server, where this is rank 0);
-    run it with uvicorn (see tools/run_text_generation_server.py). Shutting it down stops the follower ranks."""
+    run it with uvicorn (see tools/run_text_generation_server.py). Shutting it down stops the follower ranks.
+    `sft_prompt_format` is the --sft-tokenizer-prompt-format of a model trained with --sft: chat requests are
+    rendered as it was trained."""
     service = GenerationService(
         model, tokenizer, limits, ModelRunner(model, tokenizer), dynamic_batching, max_batch_wait_s
     )
@@ -559,7 +567,7 @@ def create_app(
     async def chat_completions(request: Request):
         try:
             body = await read_json_body(request, limits.max_request_bytes)
-            prompt, params = parse_chat_request(body, limits, tokenizer)
+            prompt, params = parse_chat_request(body, limits, tokenizer, sft_prompt_format)
             logger.info("chat request from %s: %s", _client(request), request_summary([prompt], params))
             output = await service.generate([prompt], params)
         except ValueError as error:

@@ -96,21 +96,14 @@ class BertModel(LanguageModule):
         init_seed: int | None = None,
         vp_stage: int = 0,
     ) -> None:
-        super().__init__()
+        super().__init__(config, vocab_size, pre_process, post_process, has_output_layer=add_lm_head)
         if config.position_embedding_type != "learned_absolute":
             raise ValueError(
                 f"BERT uses learned absolute positions; got --position-embedding-type "
                 f"{config.position_embedding_type}"
             )
-        self.config = config
-        self.vocab_size = vocab_size
-        self.pre_process = pre_process
-        self.post_process = post_process
         self.add_binary_head = add_binary_head
         self.sequence_parallel = sequence_parallel
-        self.share_embeddings_and_output_weights = (
-            add_lm_head and not config.untie_embeddings_and_output_weights
-        )
         self.embedding = (
             LanguageModelEmbedding(config, vocab_size, sequence_parallel, init_seed, num_tokentypes)
             if pre_process

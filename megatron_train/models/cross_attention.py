@@ -15,9 +15,9 @@ import torch
 from torch import nn
 
 from megatron_train.models.config import TransformerConfig
-from megatron_train.models.transformer import CoreAttention, init_method_normal, scaled_init_method_normal
+from megatron_train.models.transformer import CoreAttention, attention_output_projection, init_method_normal
 from megatron_train.parallel import state
-from megatron_train.parallel.layers import ColumnParallelLinear, RowParallelLinear, divide
+from megatron_train.parallel.layers import ColumnParallelLinear, divide
 
 
 class CrossAttention(nn.Module):
@@ -41,14 +41,7 @@ class CrossAttention(nn.Module):
             config.hidden_size, 2 * groups * self.head_dim, init_method=init, **column
         )
         self.core_attention = CoreAttention(config, sequence_parallel, causal=False)
-        self.linear_proj = RowParallelLinear(
-            config.num_attention_heads * self.head_dim,
-            config.hidden_size,
-            init_method=scaled_init_method_normal(config.init_method_std, config.num_layers),
-            bias=config.add_bias_linear,
-            sequence_parallel=sequence_parallel,
-            params_dtype=config.params_dtype,
-        )
+        self.linear_proj = attention_output_projection(config, sequence_parallel)
 
     def forward(
         self, hidden: torch.Tensor, context: torch.Tensor, context_mask: torch.Tensor | None = None

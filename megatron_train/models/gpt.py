@@ -150,13 +150,30 @@ def build_output_layer(
 
 class LanguageModule(nn.Module):
     """What GPT and BERT share (Megatron-Core's LanguageModule): the word embedding on the first pipeline
-    stage, tied to the output layer on the last. Subclasses set `embedding`, `output_layer` and the flags."""
+    stage, tied to the output layer on the last. Subclasses set `embedding` and `output_layer`."""
 
-    pre_process: bool
-    post_process: bool
-    share_embeddings_and_output_weights: bool
     embedding: LanguageModelEmbedding | None
     output_layer: ColumnParallelLinear | None
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        vocab_size: int,
+        pre_process: bool,
+        post_process: bool,
+        has_output_layer: bool = True,
+    ) -> None:
+        """`vocab_size` is the padded vocabulary; `pre_process` / `post_process` say whether this pipeline stage
+        holds the embedding / the output end; the output layer (when the model has one) is tied to the word
+        embedding unless --untie-embeddings-and-output-weights."""
+        super().__init__()
+        self.config = config
+        self.vocab_size = vocab_size
+        self.pre_process = pre_process
+        self.post_process = post_process
+        self.share_embeddings_and_output_weights = (
+            has_output_layer and not config.untie_embeddings_and_output_weights
+        )
 
     def mark_first_stage_embedding_copy(self) -> None:
         """The first stage's copy of the tied word embedding (parallel.tied_embeddings), when the output layer
@@ -201,16 +218,11 @@ class GPTModel(LanguageModule):
         vp_stage: int = 0,
         cross_attention_for: Callable[[int], nn.Module | None] | None = None,
     ) -> None:
-        super().__init__()
+        super().__init__(config, vocab_size, pre_process, post_process)
         if config.position_embedding_type == "relative":
             raise ValueError(
                 "--position-embedding-type relative is T5's attention bias; GPT takes learned_absolute or rope"
             )
-        self.config = config
-        self.vocab_size = vocab_size
-        self.pre_process = pre_process
-        self.post_process = post_process
-        self.share_embeddings_and_output_weights = not config.untie_embeddings_and_output_weights
         self.embedding = (
             LanguageModelEmbedding(config, vocab_size, sequence_parallel, init_seed) if pre_process else None
         )

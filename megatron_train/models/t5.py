@@ -121,18 +121,13 @@ class T5Model(LanguageModule):
         sequence_parallel: bool = False,
         init_seed: int | None = None,
     ) -> None:
-        super().__init__()
+        super().__init__(config, vocab_size, pre_process, post_process)
         if not (pre_process and post_process) or state.get_pipeline_model_parallel_world_size() > 1:
             raise ValueError(
                 "T5 is not split across pipeline stages: use --pipeline-model-parallel-size 1 (TP, SP and DP apply)"
             )
         if config.position_embedding_type == "rope":
             raise ValueError("T5 takes --position-embedding-type learned_absolute or relative, not rope")
-        self.config = config
-        self.vocab_size = vocab_size
-        self.pre_process = pre_process
-        self.post_process = post_process
-        self.share_embeddings_and_output_weights = not config.untie_embeddings_and_output_weights
         self.embedding = LanguageModelEmbedding(config, vocab_size, sequence_parallel, init_seed)
         self.encoder_relative_position = self.decoder_relative_position = None
         if config.position_embedding_type == "relative":

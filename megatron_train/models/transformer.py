@@ -177,6 +177,19 @@ def _load_flash_attn() -> Callable[..., torch.Tensor]:
     return flash_attn_func
 
 
+def attention_output_projection(config: TransformerConfig, sequence_parallel: bool) -> RowParallelLinear:
+    """The attention's output projection (all heads -> hidden, row-parallel over the heads), its init scaled by
+    the depth as Megatron's output layers are; self- and cross-attention share it."""
+    return RowParallelLinear(
+        config.num_attention_heads * config.kv_channels,
+        config.hidden_size,
+        init_method=scaled_init_method_normal(config.init_method_std, config.num_layers),
+        bias=config.add_bias_linear,
+        sequence_parallel=sequence_parallel,
+        params_dtype=config.params_dtype,
+    )
+
+
 class SelfAttention(nn.Module):
     """Self-attention with this TP rank's query groups (causal, or over `attention_mask`); optional RoPE and KV
     cache."""
@@ -201,14 +214,7 @@ class SelfAttention(nn.Module):
             params_dtype=config.params_dtype,
         )
         self.core_attention = CoreAttention(config, sequence_parallel)
-        self.linear_proj = RowParallelLinear(
-            config.num_attention_heads * self.head_dim,
-            config.hidden_size,
-            init_method=scaled_init_method_normal(config.init_method_std, config.num_layers),
-            bias=config.add_bias_linear,
-            sequence_parallel=sequence_parallel,
-            params_dtype=config.params_dtype,
-        )
+        self.linear_proj = attention_output_projection(config, sequence_parallel)
 
     def forward(
         self,

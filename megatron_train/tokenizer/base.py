@@ -66,15 +66,6 @@ class MegatronTokenizer(abc.ABC):
     def detokenize(self, ids: Sequence[int]) -> str:
         """The text of a sequence of ids."""
 
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
-        """The prompt text of a conversation ([{"role", "content"}]) ending where the assistant answers, by
-        the tokenizer's chat template. Only Hugging Face tokenizer folders carry one."""
-        raise ValueError(
-            f"the tokenizer ({type(self).__name__}) has no chat template: serve a checkpoint whose tokenizer is a "
-            "Hugging Face folder with a chat_template (--tokenizer-type HuggingFaceTokenizer --tokenizer-model "
-            "DIR), or use /v1/completions"
-        )
-
     eod = _absent("end-of-document")
     cls = _absent("[CLS]")
     sep = _absent("[SEP]")

@@ -5,7 +5,8 @@ tokenizer's own Jinja chat template (a Hugging Face tokenizer folder's `chat_tem
 `transformers`' `apply_chat_template` renders it, or with `CHATML_TEMPLATE` when the tokenizer carries none.
 The assistant's part of each turn is found by rendering the prefixes of the conversation: the text between
 "everything before, with the generation prompt" and "everything up to this turn" is what the model must learn
-to write, its end-of-turn tokens included (docs/architecture.md, SFT).
+to write, its end-of-turn tokens included (docs/architecture.md, SFT). The server's /v1/chat/completions
+renders its prompts with the same class (`serving_chat_format`), so it serves exactly what SFT trained on.
 """
 
 from __future__ import annotations
@@ -68,6 +69,15 @@ class ChatFormat:
             messages=messages, add_generation_prompt=add_generation_prompt, **self.special_tokens
         )
 
+    def prompt(self, messages: list[dict[str, Any]]) -> str:
+        """The text a model answers `messages` from: the rendering up to the assistant's turn opening. A BOS
+        the template writes first is left out when `tokenize` adds one itself (no BOS twice)."""
+        text = self.render(messages, add_generation_prompt=True)
+        bos = self.special_tokens["bos_token"]
+        if bos and text.startswith(bos) and self.tokenizer.tokenize("")[:1] == [self.tokenizer.bos]:
+            text = text[len(bos) :]
+        return text
+
     def segments(self, messages: list[dict[str, Any]]) -> list[tuple[str, bool]]:
         """The rendered conversation cut into (text, written by the assistant) pieces, in order."""
         full = self.render(messages)
@@ -97,3 +107,16 @@ class ChatFormat:
             tokens += ids
             assistant += [is_assistant] * len(ids)
         return tokens, assistant
+
+
+def serving_chat_format(tokenizer: MegatronTokenizer, sft_prompt_format: PromptFormat | None) -> ChatFormat:
+    """The chat format a server renders conversations with: the one the checkpoint's SFT run trained on
+    (`--sft --sft-tokenizer-prompt-format`), else the tokenizer's own template, which a model trained without
+    --sft needs (it was never taught ChatML)."""
+    if sft_prompt_format is None and tokenizer.chat_template is None:
+        raise ValueError(
+            f"the tokenizer ({type(tokenizer).__name__}) has no chat template: serve a checkpoint whose tokenizer "
+            "is a Hugging Face folder with a chat_template (--tokenizer-type HuggingFaceTokenizer "
+            "--tokenizer-model DIR) or one trained with --sft, or use /v1/completions"
+        )
+    return ChatFormat(tokenizer, sft_prompt_format or "chat-template")

@@ -106,21 +106,6 @@ class HuggingFaceAutoTokenizer(MegatronTokenizer):
     def vocab_size(self) -> int:
         return len(self._tokenizer)
 
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
-        """The template's text for `messages` plus the assistant's turn opening. `tokenize` adds the
-        tokenizer's own BOS, so a BOS the template writes first is left out here (no BOS twice)."""
-        if not self._tokenizer.chat_template:
-            super().apply_chat_template(messages)
-        text = self._tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        bos = self._tokenizer.bos_token
-        if (
-            bos
-            and text.startswith(bos)
-            and self._tokenizer("").input_ids[:1] == [self._tokenizer.bos_token_id]
-        ):
-            text = text[len(bos) :]
-        return text
-
     @cached_property
     def vocab(self) -> dict[str, int]:
         return self._tokenizer.get_vocab()

@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         if multi_rank:
             start_model_parallel(args)
-        model, tokenizer, _ = load_for_generation(args, device=get_device())
+        model, tokenizer, config = load_for_generation(args, device=get_device())
     except (ValueError, CheckpointError, FileNotFoundError) as error:
         parser.error(str(error))
     try:
@@ -130,6 +130,7 @@ def main(argv: list[str] | None = None) -> None:
             model_name=args.load,
             dynamic_batching=args.dynamic_batching,
             max_batch_wait_s=args.max_batch_wait_ms / 1000,
+            sft_prompt_format=config.data.sft_tokenizer_prompt_format if config.data.sft else None,
         )
         try:
             uvicorn.run(app, host=args.host, port=args.port, log_level="info")

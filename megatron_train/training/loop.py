@@ -36,7 +36,7 @@ from megatron_train.training.setup import (
     TrainingSetup,
     build_data_iterators,
     checkpoint_model,
-    initialize_distributed,
+    model_parallel_session,
     set_random_seed,
     setup_model_and_optimizer,
 )
@@ -374,36 +374,29 @@ def pretrain(
     averages and logs (`lm loss` for GPT).
     Returns the final iteration and consumed sample counts.
     """
-    created_group = initialize_distributed(config.training.distributed_timeout_minutes)
     parallel = config.parallel
-    state.initialize_model_parallel(
-        parallel.tensor_model_parallel_size,
-        parallel.pipeline_model_parallel_size,
-        parallel.virtual_pipeline_model_parallel_size(config.model.num_layers),
-    )
-    writer = None
-    try:
-        set_random_seed(config.training.seed)
-        setup = setup_model_and_optimizer(config, model_provider, padded_vocab_size, get_device())
-        train_iters, valid_iters, test_iters = build_data_iterators(
-            config, datasets_provider, setup.train_iters, setup.loaded, num_chunks=len(setup.model)
-        )
-        writer = build_metrics_writer(config, setup.loaded.iteration)
-        trainer = Trainer(config, setup, forward_step_func, padded_vocab_size, writer)
-        exited_early = False
-        if not config.training.skip_train and train_iters is not None:
-            exited_early = trainer.train(train_iters, valid_iters)
+    virtual_pipeline_size = parallel.virtual_pipeline_model_parallel_size(config.model.num_layers)
+    with model_parallel_session(config, parallel.pipeline_model_parallel_size, virtual_pipeline_size):
+        writer = None
+        try:
+            set_random_seed(config.training.seed)
+            setup = setup_model_and_optimizer(config, model_provider, padded_vocab_size, get_device())
+            train_iters, valid_iters, test_iters = build_data_iterators(
+                config, datasets_provider, setup.train_iters, setup.loaded, num_chunks=len(setup.model)
+            )
+            writer = build_metrics_writer(config, setup.loaded.iteration)
+            trainer = Trainer(config, setup, forward_step_func, padded_vocab_size, writer)
+            exited_early = False
+            if not config.training.skip_train and train_iters is not None:
+                exited_early = trainer.train(train_iters, valid_iters)
+                if not exited_early:
+                    trainer.save()
             if not exited_early:
-                trainer.save()
-        if not exited_early:
-            if valid_iters is not None and config.training.eval_iters:
-                trainer.evaluate_and_log(valid_iters, "valid", "the end of training for val data")
-            if test_iters is not None and config.training.eval_iters:
-                trainer.evaluate_and_log(test_iters, "test", "the end of training for test data")
-        return trainer.progress
-    finally:
-        if writer is not None:
-            writer.close()
-        state.destroy_model_parallel()
-        if created_group:
-            dist.destroy_process_group()
+                if valid_iters is not None and config.training.eval_iters:
+                    trainer.evaluate_and_log(valid_iters, "valid", "the end of training for val data")
+                if test_iters is not None and config.training.eval_iters:
+                    trainer.evaluate_and_log(test_iters, "test", "the end of training for test data")
+            return trainer.progress
+        finally:
+            if writer is not None:
+                writer.close()

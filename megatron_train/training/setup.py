@@ -49,6 +49,24 @@ def initialize_distributed(timeout_minutes: int) -> bool:
     return True
 
 
+@contextlib.contextmanager
+def model_parallel_session(
+    config: MegatronConfig, pipeline_size: int, virtual_pipeline_size: int | None
+) -> Iterator[None]:
+    """A run's process group (joined, or created here and destroyed at the end) and model-parallel groups
+    (--tensor-model-parallel-size x `pipeline_size`), torn down when the run ends, also on an error."""
+    created_group = initialize_distributed(config.training.distributed_timeout_minutes)
+    state.initialize_model_parallel(
+        config.parallel.tensor_model_parallel_size, pipeline_size, virtual_pipeline_size
+    )
+    try:
+        yield
+    finally:
+        state.destroy_model_parallel()
+        if created_group:
+            dist.destroy_process_group()
+
+
 def set_random_seed(seed: int) -> None:
     """Megatron's seeding: offset by the pipeline rank, same on TP and DP ranks; model-parallel RNG per TP rank."""
     seed = seed + 100 * state.get_pipeline_model_parallel_rank()

@@ -29,15 +29,15 @@ from megatron_train.checkpointing import read_metadata, resolve_iteration_dir
 from megatron_train.device import get_device
 from megatron_train.inference.checkpoint import check_model_flags, check_tokenizer_fits, tokenizer_for
 from megatron_train.parallel import state
-from megatron_train.pretrain_gpt import padded_vocab_size_for
 from megatron_train.tasks.finetune.glue import glue_split_name, read_mnli, read_qqp
 from megatron_train.tasks.finetune.hf import DEFAULT_SPLITS, hf_records
 from megatron_train.tasks.finetune.model import BertClassifier, check_bert_checkpoint, load_pretrained_bert
 from megatron_train.tasks.finetune.race import race_split_name, read_race
 from megatron_train.tasks.finetune.samples import build_samples
 from megatron_train.tokenizer import MegatronTokenizer, tokenizer_from_config
+from megatron_train.training.entry import model_build_options, padded_vocab_size_for
 from megatron_train.training.loop import Trainer, build_metrics_writer, get_batch
-from megatron_train.training.setup import initialize_distributed, set_random_seed, setup_model_and_optimizer
+from megatron_train.training.setup import model_parallel_session, set_random_seed, setup_model_and_optimizer
 
 
 @dataclass(frozen=True)
@@ -301,8 +301,7 @@ def classifier_provider(
         config.model,
         padded_vocab_size,
         num_classes,
-        sequence_parallel=config.parallel.sequence_parallel,
-        init_seed=config.training.seed if config.training.use_cpu_initialization else None,
+        **model_build_options(config),
     )
 
 
@@ -331,43 +330,39 @@ def run_finetune(args: argparse.Namespace) -> dict:
     """Finetune (or, with --epochs 0, only evaluate) as the flags say; returns the accuracies of each epoch."""
     config, padded_vocab_size, data, steps_per_epoch = prepare_finetune(args)
     epochs = args.epochs or 0
-    created_group = initialize_distributed(config.training.distributed_timeout_minutes)
-    state.initialize_model_parallel(config.parallel.tensor_model_parallel_size, 1, None)
-    writer = None
-    try:
-        set_random_seed(config.training.seed)
-        model_provider = functools.partial(classifier_provider, TASKS[args.task].num_classes)
-        setup = setup_model_and_optimizer(config, model_provider, padded_vocab_size, get_device())
-        if setup.loaded.iteration == 0 and args.pretrained_checkpoint:
-            load_pretrained_bert(
-                setup.unwrapped_model[0], args.pretrained_checkpoint, config, padded_vocab_size
+    with model_parallel_session(config, pipeline_size=1, virtual_pipeline_size=None):
+        writer = None
+        try:
+            set_random_seed(config.training.seed)
+            model_provider = functools.partial(classifier_provider, TASKS[args.task].num_classes)
+            setup = setup_model_and_optimizer(config, model_provider, padded_vocab_size, get_device())
+            if setup.loaded.iteration == 0 and args.pretrained_checkpoint:
+                load_pretrained_bert(
+                    setup.unwrapped_model[0], args.pretrained_checkpoint, config, padded_vocab_size
+                )
+                setup.optimizer.reload_model_params()
+            writer = build_metrics_writer(config, setup.loaded.iteration)
+            trainer = Trainer(config, setup, forward_step, padded_vocab_size, writer)
+            micro_batch = config.training.micro_batch_size
+            results = []
+            if epochs == 0:
+                results.append(evaluate_accuracy(setup.model, data, micro_batch, epoch=-1))
+            batches = train_batches(
+                data.train,
+                config.training.global_batch_size,
+                micro_batch,
+                state.get_data_parallel_rank(),
+                config.training.seed,
+                trainer.progress.iteration,
             )
-            setup.optimizer.reload_model_params()
-        writer = build_metrics_writer(config, setup.loaded.iteration)
-        trainer = Trainer(config, setup, forward_step, padded_vocab_size, writer)
-        micro_batch = config.training.micro_batch_size
-        results = []
-        if epochs == 0:
-            results.append(evaluate_accuracy(setup.model, data, micro_batch, epoch=-1))
-        batches = train_batches(
-            data.train,
-            config.training.global_batch_size,
-            micro_batch,
-            state.get_data_parallel_rank(),
-            config.training.seed,
-            trainer.progress.iteration,
-        )
-        for epoch in range(trainer.progress.iteration // max(steps_per_epoch, 1), epochs):
-            if dist.get_rank() == 0:
-                print(f"working on epoch {epoch + 1} ...", flush=True)
-            if trainer.train([batches], None, until=(epoch + 1) * steps_per_epoch):
-                break  # an exit condition (--exit-interval, SIGTERM): saved, no accuracy for a partial epoch
-            trainer.save()
-            results.append(evaluate_accuracy(setup.model, data, micro_batch, epoch))
-        return {"task": args.task, "iteration": trainer.progress.iteration, "epochs": results}
-    finally:
-        if writer is not None:
-            writer.close()
-        state.destroy_model_parallel()
-        if created_group:
-            dist.destroy_process_group()
+            for epoch in range(trainer.progress.iteration // max(steps_per_epoch, 1), epochs):
+                if dist.get_rank() == 0:
+                    print(f"working on epoch {epoch + 1} ...", flush=True)
+                if trainer.train([batches], None, until=(epoch + 1) * steps_per_epoch):
+                    break  # an exit condition (--exit-interval, SIGTERM): saved, no accuracy for a partial epoch
+                trainer.save()
+                results.append(evaluate_accuracy(setup.model, data, micro_batch, epoch))
+            return {"task": args.task, "iteration": trainer.progress.iteration, "epochs": results}
+        finally:
+            if writer is not None:
+                writer.close()
