@@ -38,6 +38,7 @@ from megatron_train.checkpointing.files import (
     model_shard_dir,
     read_latest_iteration,
     read_metadata,
+    require_iteration_dir,
     resolve_iteration_dir,
 )
 from megatron_train.checkpointing.inference import load_model_for_inference, load_model_stage_for_inference
@@ -63,6 +64,7 @@ __all__ = [
     "model_shard_dir",
     "read_latest_iteration",
     "read_metadata",
+    "require_iteration_dir",
     "resolve_iteration_dir",
     "save_checkpoint",
     "saved_true_vocab_range",

@@ -117,6 +117,19 @@ def resolve_iteration_dir(load_dir: str, iteration: int | None) -> str | None:
     return iteration_dir
 
 
+def require_iteration_dir(load_dir: str, iteration: int | None) -> str:
+    """`resolve_iteration_dir`, with an error naming what is missing where it finds no checkpoint."""
+    if not os.path.isdir(load_dir):
+        raise CheckpointError(f"{load_dir} does not exist: pass the folder a run saved its checkpoints to")
+    iteration_dir = resolve_iteration_dir(load_dir, iteration)
+    if iteration_dir is None:
+        raise CheckpointError(
+            f"{load_dir} holds no {TRACKER_FILENAME} (complete iterations there: {complete_iterations(load_dir)}): "
+            "pass --iteration"
+        )
+    return iteration_dir
+
+
 def missing_file_error(path: str) -> CheckpointError:
     return CheckpointError(f"checkpoint file {path} is missing: the save did not finish or files were moved")
 

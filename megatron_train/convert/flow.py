@@ -14,11 +14,10 @@ from megatron_train.arguments import MegatronConfig, config_from_dict, config_to
 from megatron_train.checkpointing import (
     FORMAT_VERSION,
     METADATA_FILENAME,
-    CheckpointError,
     SavedCheckpoint,
     checkpoint_dir,
     model_shard_dir,
-    resolve_iteration_dir,
+    require_iteration_dir,
     sharding_record,
     write_metadata_and_marker,
     write_shard,
@@ -42,9 +41,7 @@ TOKENIZER_FOLDER = "tokenizer"
 
 def load(load_dir: str, iteration: int | None = None, true_vocab_size: int | None = None) -> ModelWeights:
     """The weights of `load_dir`'s checkpoint (latest, or `iteration`), whatever (TP, PP) wrote it."""
-    iteration_dir = resolve_iteration_dir(load_dir, iteration)
-    if iteration_dir is None:
-        raise CheckpointError(f"{load_dir} holds no latest_checkpointed_iteration.txt: pass --iteration")
+    iteration_dir = require_iteration_dir(load_dir, iteration)
     saved = SavedCheckpoint(iteration_dir)
     config = config_from_dict(saved.metadata["args"])
     true_vocab_size = true_vocab_size or config.model.true_vocab_size

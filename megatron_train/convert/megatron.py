@@ -140,6 +140,10 @@ def find_iteration_dir(load_dir: str, iteration: int | None) -> tuple[str, int]:
     if iteration is not None:
         return checkpoint_dir(load_dir, iteration), iteration
     tracker = os.path.join(load_dir, TRACKER_FILENAME)
+    if not os.path.isdir(load_dir):
+        raise CheckpointError(
+            f"{load_dir} does not exist: pass the folder Megatron-LM saved its checkpoints to"
+        )
     if not os.path.exists(tracker):
         raise CheckpointError(f"{load_dir} holds no {TRACKER_FILENAME}: pass --iteration")
     with open(tracker) as handle:

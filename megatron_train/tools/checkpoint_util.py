@@ -39,7 +39,7 @@ from megatron_train.checkpointing import (
     SavedCheckpoint,
     checkpoint_dir,
     model_shard_dir,
-    resolve_iteration_dir,
+    require_iteration_dir,
     saved_true_vocab_range,
     sharding_record,
     write_metadata_and_marker,
@@ -93,9 +93,7 @@ def convert_checkpoint(
     """
     if os.path.realpath(load_dir) == os.path.realpath(save_dir):
         raise ValueError(f"--save-dir {save_dir} is --load-dir: write the resharded checkpoint elsewhere")
-    iteration_dir = resolve_iteration_dir(load_dir, iteration)
-    if iteration_dir is None:
-        raise CheckpointError(f"{load_dir} holds no latest_checkpointed_iteration.txt: pass --iteration")
+    iteration_dir = require_iteration_dir(load_dir, iteration)
     saved = SavedCheckpoint(iteration_dir)
     target_tp, target_pp = target_tp or saved.tp_size, target_pp or saved.pp_size
     metadata = saved.metadata
