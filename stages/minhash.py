@@ -31,6 +31,10 @@ _PUNCTUATION_TO_SPACE = str.maketrans(dict.fromkeys(string.punctuation + _UNICOD
 # Shingles hashed at once: keeps the (num_perm x shingles) uint32 temporary small (1.6 MB at 100 permutations),
 # in cache and on reused pages; 64K shingles per chunk run about 5x slower.
 SHINGLES_PER_CHUNK = 1 << 12
+# Bytes of text per shingle_hashes call whose powers of the word-hash base are cached (4 MB per base): more
+# than the dedup stage's batches (stages/dedup.py BATCH_TEXT_BYTES).
+POWERS_CACHED = 1 << 19
+_POWER_TABLES: dict[int, np.ndarray] = {}
 
 
 def normalize_for_dedup(text: str) -> str:
@@ -49,11 +53,22 @@ def splitmix64(x: np.ndarray) -> np.ndarray:
     return x
 
 
-def _powers(base: np.uint64, n: int) -> np.ndarray:
+def _power_table(base: np.uint64, n: int) -> np.ndarray:
     """base**0 .. base**(n-1) modulo 2**64."""
     powers = np.full(n, base, dtype=np.uint64)
     powers[0] = 1
     return np.cumprod(powers, dtype=np.uint64)
+
+
+def _powers(base: np.uint64, n: int) -> np.ndarray:
+    """base**0 .. base**(n-1) modulo 2**64, read-only; up to POWERS_CACHED entries come from a table computed
+    once per process (recomputing it per batch cost about 15% of the signature step)."""
+    if n > POWERS_CACHED:
+        return _power_table(base, n)
+    if int(base) not in _POWER_TABLES:
+        _POWER_TABLES[int(base)] = _power_table(base, POWERS_CACHED)
+        _POWER_TABLES[int(base)].setflags(write=False)
+    return _POWER_TABLES[int(base)][:n]
 
 
 def shingle_hashes(normalized: list[str], shingle_size: int) -> tuple[np.ndarray, np.ndarray]:
