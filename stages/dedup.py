@@ -360,7 +360,7 @@ def write_kept_shard(writer: ArtifactWriter, source: ArtifactRef, name: str) -> 
 
 class DedupStage(Stage):
     name = "dedup"
-    version = "2"
+    version = "3"  # 3: multiply-add signatures modulo 2**32
     Params = DedupParams
     maps_shards = True
 

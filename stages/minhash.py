@@ -7,9 +7,12 @@ A batch of documents is turned into arrays without a Python loop per word or shi
    modulo 2**64 (the multiplier is odd, hence invertible), then mixed with splitmix64.
 3. shingle hashes: word n-grams hashed from their word hashes (an n-gram never crosses a document); a
    document shorter than n words is one shingle of all its words.
-4. signatures: for each permutation i, min over the document's shingles x of (a_i * x + b_i) mod p with the
-   Mersenne prime p = 2**31 - 1 and x, a_i, b_i < p (universal hashing; the product fits in 64 bits and
-   wraps modulo p up to 2**31 times, so each permutation orders the shingles differently).
+4. signatures: for each permutation i, min over the document's shingles x of (a_i * x + b_i) mod 2**32,
+   with x the top 32 bits of the shingle's splitmix64 hash, a_i odd (so each map is a bijection of the 32-bit
+   values) and b_i random: the multiply-add family in native uint32 arithmetic, about 20x faster than a
+   universal hash modulo a Mersenne prime in uint64. This family is not min-wise independent for adversarial
+   inputs, but its inputs are splitmix64 outputs: on them the Jaccard estimate has the binomial spread of
+   truly random permutations (tests/test_dedup.py measures bias and spread).
 5. LSH: each band of `rows` signature values becomes one 64-bit bucket key; documents sharing a bucket in any
    band are candidates, optionally verified by their estimated Jaccard similarity, and merged by union-find.
 """
@@ -20,16 +23,18 @@ import string
 
 import numpy as np
 
-MERSENNE_PRIME = np.uint64((1 << 31) - 1)
-_MERSENNE_BITS = np.uint64(31)
 EMPTY_SIGNATURE_VALUE = np.iinfo(np.uint32).max
 _WORD_BASE = np.uint64(0x100000001B3)  # FNV-64 prime: odd, so invertible modulo 2**64
 _SHINGLE_BASE = np.uint64(0x9E3779B97F4A7C15)
 _UNICODE_PUNCTUATION = "".join(map(chr, range(0x2010, 0x2028))) + "\u00ab\u00bb\u00bf\u00a1"
 _PUNCTUATION_TO_SPACE = str.maketrans(dict.fromkeys(string.punctuation + _UNICODE_PUNCTUATION, " "))
-# Shingles hashed at once: keeps the (num_perm x shingles) uint64 temporaries small (3 MB at 100 permutations),
+# Shingles hashed at once: keeps the (num_perm x shingles) uint32 temporary small (1.6 MB at 100 permutations),
 # in cache and on reused pages; 64K shingles per chunk run about 5x slower.
 SHINGLES_PER_CHUNK = 1 << 12
+# Bytes of text per shingle_hashes call whose powers of the word-hash base are cached (4 MB per base): more
+# than the dedup stage's batches (stages/dedup.py BATCH_TEXT_BYTES).
+POWERS_CACHED = 1 << 19
+_POWER_TABLES: dict[int, np.ndarray] = {}
 
 
 def normalize_for_dedup(text: str) -> str:
@@ -48,15 +53,26 @@ def splitmix64(x: np.ndarray) -> np.ndarray:
     return x
 
 
-def _powers(base: np.uint64, n: int) -> np.ndarray:
+def _power_table(base: np.uint64, n: int) -> np.ndarray:
     """base**0 .. base**(n-1) modulo 2**64."""
     powers = np.full(n, base, dtype=np.uint64)
     powers[0] = 1
     return np.cumprod(powers, dtype=np.uint64)
 
 
+def _powers(base: np.uint64, n: int) -> np.ndarray:
+    """base**0 .. base**(n-1) modulo 2**64, read-only; up to POWERS_CACHED entries come from a table computed
+    once per process (recomputing it per batch cost about 9% of the signature step)."""
+    if n > POWERS_CACHED:
+        return _power_table(base, n)
+    if int(base) not in _POWER_TABLES:
+        _POWER_TABLES[int(base)] = _power_table(base, POWERS_CACHED)
+        _POWER_TABLES[int(base)].setflags(write=False)
+    return _POWER_TABLES[int(base)][:n]
+
+
 def shingle_hashes(normalized: list[str], shingle_size: int) -> tuple[np.ndarray, np.ndarray]:
-    """Hashes (below MERSENNE_PRIME) of every document's word n-grams, back to back, and each document's
+    """32-bit hashes (uint32) of every document's word n-grams, back to back, and each document's
     count of them.
 
     `normalized` texts come from `normalize_for_dedup` (words separated by single spaces).
@@ -91,36 +107,26 @@ def shingle_hashes(normalized: list[str], shingle_size: int) -> tuple[np.ndarray
         (position == doc_start) & (words_per_doc[word_doc] < shingle_size)
     )
     counts = np.bincount(word_doc[keep], minlength=len(normalized))
-    return splitmix64(shingle[keep]) % MERSENNE_PRIME, counts
+    return (splitmix64(shingle[keep]) >> np.uint64(32)).astype(np.uint32), counts
 
 
 def permutations(num_perm: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """The universal hash functions' (a, b) coefficients: a in [1, p), b in [0, p)."""
+    """The multiply-add hash functions' (a, b) coefficients, uint32: a odd, b any."""
     rng = np.random.default_rng(seed)
-    a = rng.integers(1, MERSENNE_PRIME, size=num_perm, dtype=np.uint64)
-    b = rng.integers(0, MERSENNE_PRIME, size=num_perm, dtype=np.uint64)
+    a = rng.integers(0, 1 << 32, size=num_perm, dtype=np.uint64).astype(np.uint32) | np.uint32(1)
+    b = rng.integers(0, 1 << 32, size=num_perm, dtype=np.uint64).astype(np.uint32)
     return a, b
 
 
-def _universal_hash(x: np.ndarray, a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """(a_i * x + b_i) mod p for every permutation i (rows) and value x (columns), p = 2**31 - 1.
-
-    With x, a, b < 2**31 the sum fits in 64 bits; since 2**31 = 1 (mod p), two folds (high bits added to
-    the low 31) and one conditional subtract reduce it, in place: several times faster than numpy's `%`.
-    """
-    values = a[:, None] * x[None, :]
-    values += b[:, None]
-    for _ in range(2):
-        high = values >> _MERSENNE_BITS
-        values &= MERSENNE_PRIME
-        values += high
-    np.subtract(values, MERSENNE_PRIME, out=values, where=values >= MERSENNE_PRIME)
-    return values
-
-
 def signatures(hashes: np.ndarray, counts: np.ndarray, a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """MinHash signatures (documents x num_perm, uint32 below p); a document without shingles gets the
-    EMPTY_SIGNATURE_VALUE signature, shared by all empty documents and by no other."""
+    """MinHash signatures (documents x num_perm, uint32) from uint32 shingle `hashes` and coefficients; a
+    document without shingles gets the EMPTY_SIGNATURE_VALUE signature, shared by all empty documents (another
+    document gets it only if all num_perm functions map all its shingles to 2**32 - 1)."""
+    if not hashes.dtype == a.dtype == b.dtype == np.uint32:
+        raise TypeError(
+            f"hashes, a and b must be uint32 (arithmetic wraps modulo 2**32), got {hashes.dtype}, "
+            f"{a.dtype}, {b.dtype}: use shingle_hashes() and permutations()"
+        )
     n_docs, num_perm = len(counts), len(a)
     out = np.full((n_docs, num_perm), EMPTY_SIGNATURE_VALUE, dtype=np.uint32)
     docs = np.flatnonzero(counts)
@@ -133,7 +139,8 @@ def signatures(hashes: np.ndarray, counts: np.ndarray, a: np.ndarray, b: np.ndar
         chunk_end = max(limit, chunk_start + 1)
         chunk_docs = docs[chunk_start:chunk_end]
         x = hashes[first : offsets[chunk_docs[-1] + 1]]
-        values = _universal_hash(x, a, b)
+        values = a[:, None] * x[None, :]  # uint32: wraps modulo 2**32
+        values += b[:, None]
         out[chunk_docs] = np.minimum.reduceat(values, offsets[chunk_docs] - first, axis=1).T
         chunk_start = chunk_end
     return out
