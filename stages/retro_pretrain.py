@@ -31,9 +31,10 @@ class RetroPretrainParams:
     retrieves (Retro) or not (GPT baseline), and how many processes run it."""
 
     flags: tuple[str, ...] = (
-        "--num-layers", "6", "--hidden-size", "128", "--num-attention-heads", "4", "--micro-batch-size", "16",
-        "--lr", "1e-3", "--min-lr", "1e-4", "--lr-decay-style", "cosine", "--lr-warmup-fraction", "0.05",
-        "--weight-decay", "0.1", "--clip-grad", "1.0", "--seed", "1234",
+        "--num-layers", "6", "--hidden-size", "64", "--num-attention-heads", "4", "--global-batch-size", "8",
+        "--micro-batch-size", "8", "--train-iters", "120", "--eval-interval", "40", "--eval-iters", "5",
+        "--lr", "3e-3", "--min-lr", "3e-4", "--lr-decay-style", "cosine", "--lr-warmup-fraction", "0.05",
+        "--weight-decay", "0.1", "--clip-grad", "1.0", "--log-interval", "10",
     )  # fmt: skip
     retriever: bool = True
     nproc_per_node: int = 1
