@@ -93,7 +93,8 @@ def test_flow_writes_a_retro_project_and_a_rerun_is_all_cache_hits(
     report = json.loads(Path(evaluate.local_path("report.json")).read_text())
     assert report["retro"]["iteration"] == report["gpt"]["iteration"] == 8
     assert report["retro"]["parameters"] > report["gpt"]["parameters"]  # the encoder and cross-attention
-    assert report["retro"]["valid_tokens"] == report["gpt"]["valid_tokens"] == 4 * 128  # 4 samples of 128 tokens
+    # 4 samples of 128 tokens each
+    assert report["retro"]["valid_tokens"] == report["gpt"]["valid_tokens"] == 4 * 128
     for model in ("retro", "gpt"):
         assert 1.0 < report[model]["valid_ppl"] < 1e5
     update = report["database_update"]
