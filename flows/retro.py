@@ -1,11 +1,12 @@
-"""The Retro flow, data half: corpus -> embedder -> chunk database -> embed -> index train -> index add -> query
-neighbours, each a cached Prefect task; the last writes the Retro project directory (`retro.project`) that
-`torchrun -m megatron_train.pretrain_retro --retro-project-dir DIR` reads.
+"""The Retro flow: corpus -> embedder -> chunk database -> embed -> index train -> index add -> query neighbours
+(the Retro project directory, `retro.project`) -> Retro pretraining and its GPT baseline (same decoder, steps and
+samples) -> the comparison report with the database update (`stages.retro_evaluate`), each a cached Prefect
+task. The command line prints both validation perplexities and the database update's before/after.
 
     python -m flows.retro                                  # the embedded corpus, MiniLM's first layer, defaults
     python -m flows.retro --embedder.num-layers None --query.nprobe 64 --corpus.store s3://bucket/flow
 
-One function per step (`retro_data_stages`), so the pretraining, baseline and report steps extend the chain. The
+`retro_data_stages` builds the project, `retro_model_stages` trains and compares on it. The
 GPT tokenizer of the Retro stages is the corpus's (its trained or given files); the embedder is the
 `retro_embedder` artifact. A rerun with nothing changed is all cache hits; the command line decides that from the
 store and then starts no Prefect server. See docs/architecture.md (Retro preprocessing).
@@ -14,7 +15,9 @@ store and then starts no Prefect server. See docs/architecture.md (Retro preproc
 from __future__ import annotations
 
 import dataclasses
+import json
 import sys
+from pathlib import Path
 from typing import Any
 
 from prefect import flow, get_run_logger
@@ -22,10 +25,11 @@ from pydantic import BaseModel, ConfigDict
 
 from flows.cli import parse_config
 from flows.corpus_plan import CorpusConfig, RunStage, committed_stages, corpus_stages
-from flows.publish import publish_stages
+from flows.publish import publish_report, publish_stages
 from flows.server import prefect_api
 from flows.summary import summarize, summary_table
 from flows.tasks import make_task_runner, stage_ref
+from stages.retro_evaluate import RetroEvaluateParams
 from stages.retro_params import (
     DbParams,
     EmbedderParams,
@@ -35,6 +39,7 @@ from stages.retro_params import (
     QueryParams,
     local_dir,
 )
+from stages.retro_pretrain import RetroPretrainParams
 from storage.artifacts import ArtifactStore
 
 
@@ -44,7 +49,8 @@ class RetroFlowConfig(BaseModel):
     the samples of a 256-token, 200-iteration Retro run of global batch 16. The `query` section is the Retro
     pretraining run's data settings (sequence length, split, seed, samples, evaluation, global batch): they
     go to the project's config.json, which `pretrain_retro` takes them from. The database holds the train
-    documents of `query.split` (Megatron's one `--retro-gpt-split`; `db.split` is set from it)."""
+    documents of `query.split` (Megatron's one `--retro-gpt-split`; `db.split` is set from it). `pretrain` is
+    the Retro run's decoder and optimizer; the GPT baseline runs the same flags without the retriever."""
 
     model_config = ConfigDict(frozen=True)
 
@@ -66,6 +72,8 @@ class RetroFlowConfig(BaseModel):
         num_neighbors_save=2,
         block_size=2000,
     )
+    pretrain: RetroPretrainParams = RetroPretrainParams()
+    evaluate: RetroEvaluateParams = RetroEvaluateParams(validation_samples=64)
 
 
 def _store_ref(ref: dict[str, Any], store_url: str) -> Any:
@@ -124,9 +132,41 @@ def retro_data_stages(
     return refs
 
 
+def retro_model_stages(
+    config: RetroFlowConfig, refs: dict[str, dict[str, Any]], run: RunStage
+) -> dict[str, dict[str, Any]]:
+    """Retro pretraining and its GPT baseline on the project, then the report comparing them."""
+    refs = dict(refs)
+    query = refs["retro_query"]
+    for name, retriever in (("retro_pretrain", True), ("gpt_pretrain", False)):
+        params = dataclasses.replace(config.pretrain, retriever=retriever)
+        refs[name] = run("retro_pretrain", dataclasses.asdict(params), [query])
+    refs["retro_evaluate"] = run(
+        "retro_evaluate",
+        dataclasses.asdict(config.evaluate),
+        [refs["retro_pretrain"], refs["gpt_pretrain"], query],
+    )
+    return refs
+
+
 def retro_stages(config: RetroFlowConfig, run: RunStage) -> dict[str, dict[str, Any]]:
-    """Corpus then Retro data: every stage's artifact reference."""
-    return retro_data_stages(config, corpus_stages(config.corpus, run), run)
+    """Corpus, Retro data, then the two runs and their report: every stage's artifact reference."""
+    return retro_model_stages(config, retro_data_stages(config, corpus_stages(config.corpus, run), run), run)
+
+
+def result_lines(refs: dict[str, dict[str, Any]], store_url: str) -> list[str]:
+    """The Retro result from the report: both validation perplexities and the database update's."""
+    report = json.loads(
+        Path(_store_ref(refs["retro_evaluate"], store_url).local_path("report.json")).read_text()
+    )
+    update = report["database_update"]
+    return [
+        f"validation perplexity ({report['validation_samples']} samples): "
+        f"Retro {report['retro']['valid_ppl']:.3f}, GPT baseline {report['gpt']['valid_ppl']:.3f}",
+        f"database update (+{update['added_documents']} validation documents, {update['added_chunks']} chunks, "
+        f"no retraining): Retro {update['retro_ppl_before']:.3f} -> {update['retro_ppl_after']:.3f}, "
+        f"GPT {update['gpt_ppl_before']:.3f} -> {update['gpt_ppl_after']:.3f}",
+    ]
 
 
 def project_dir(refs: dict[str, dict[str, Any]], store_url: str) -> str:
@@ -141,7 +181,8 @@ def committed_retro(config: RetroFlowConfig) -> dict[str, dict[str, Any]] | None
 
 @flow(name="retro")
 def retro_flow(config: RetroFlowConfig = RetroFlowConfig()) -> dict[str, Any]:
-    """Raw text to a Retro project directory; returns every stage's artifact reference."""
+    """Raw text to a Retro project directory, both runs and their report; returns every stage's artifact
+    reference."""
     store = config.corpus.store
 
     def run(stage: str, params: dict[str, Any], inputs: list) -> dict[str, Any]:
@@ -152,6 +193,7 @@ def retro_flow(config: RetroFlowConfig = RetroFlowConfig()) -> dict[str, Any]:
         "retro summary\n%s\nproject: %s", summary_table(summarize(refs, store)), project_dir(refs, store)
     )
     publish_stages("retro", refs, store)
+    publish_report(refs["retro_evaluate"], store)
     return refs
 
 
@@ -170,6 +212,7 @@ def main(argv: list[str] | None = None) -> int:
             refs = run_retro(config)
     print(summary_table(summarize(refs, config.corpus.store)))
     print(f"retro project: {project_dir(refs, config.corpus.store)}")
+    print("\n".join(result_lines(refs, config.corpus.store)))
     return 0
 
 

@@ -19,6 +19,7 @@ See docs/architecture.md (Retro preprocessing).
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 import logging
@@ -219,6 +220,13 @@ class ChunkDatabase:
     def document_keys(self) -> np.ndarray:
         """One int64 per chunk naming its (dataset, document): `document_key(dataset_idx, doc_id)`."""
         return document_key(self.chunks[:, 0], self.chunks[:, 1])
+
+    def with_chunks(self, rows: np.ndarray) -> ChunkDatabase:
+        """This database with `rows` (CHUNK_COLUMNS) appended as chunk ids len(self), ...: an update held in
+        memory (the Retro flow's database update adds held-out documents this way, docs/architecture.md)."""
+        extended = copy.copy(self)
+        extended.chunks = np.concatenate([np.asarray(self.chunks), rows.astype(self.chunks.dtype)])
+        return extended
 
     def chunk_tokens(self, chunk_id: int) -> np.ndarray:
         dataset_idx, doc_id, start, end, _ = (int(v) for v in self.chunks[chunk_id])

@@ -36,7 +36,7 @@ logger = logging.getLogger(__name__)
 SPLIT_NAMES = ("train", "valid", "test")
 
 
-def _gpt_sample(dataset: torch.utils.data.Dataset, idx: int) -> tuple[GPTDataset, int]:
+def gpt_sample(dataset: torch.utils.data.Dataset, idx: int) -> tuple[GPTDataset, int]:
     """The GPTDataset and its sample index behind sample `idx` of a GPT or blended dataset."""
     if isinstance(dataset, BlendedDataset):
         return dataset.datasets[int(dataset.dataset_index[idx])], int(dataset.dataset_sample_index[idx])
@@ -48,6 +48,20 @@ def sample_document_ids(dataset: GPTDataset, idx: int) -> np.ndarray:
     position = int(dataset.shuffle_index[idx])
     first, last = int(dataset.sample_index[position][0]), int(dataset.sample_index[position + 1][0])
     return np.unique(dataset.document_index[first : last + 1]).astype(np.int64)
+
+
+def sample_chunk_texts(
+    dataset: GPTDataset, idx: int, chunk_length: int, gpt_tokenizer: MegatronTokenizer
+) -> list[str]:
+    """The GPT-detokenized text of each chunk of sample `idx` (what the embedder reads for a query)."""
+    seq_length = dataset.config.seq_length
+    tokens = dataset.sample_tokens(idx)[:seq_length]
+    texts = []
+    for offset in range(0, seq_length, chunk_length):
+        chunk = tokens[offset : offset + chunk_length]
+        chunk = chunk[chunk >= 0]  # a short last sample is padded with -1
+        texts.append(gpt_tokenizer.detokenize(chunk.tolist()))
+    return texts
 
 
 def exclude_own_documents(
@@ -107,15 +121,12 @@ def query_neighbours(
     for number, (start, end) in enumerate(missing):
         texts, banned = [], []
         for sample in range(start // chunks_per_sample, (end - 1) // chunks_per_sample + 1):
-            gpt, idx = _gpt_sample(dataset, sample)
-            tokens = gpt.sample_tokens(idx)[:seq_length]
+            gpt, idx = gpt_sample(dataset, sample)
             keys = document_key(db_dataset_idx[id(gpt)], sample_document_ids(gpt, idx))
             first_chunk = sample * chunks_per_sample
+            sample_texts = sample_chunk_texts(gpt, idx, chunk_length, gpt_tokenizer)
             for chunk_id in range(max(start, first_chunk), min(end, first_chunk + chunks_per_sample)):
-                offset = (chunk_id - first_chunk) * chunk_length
-                chunk = tokens[offset : offset + chunk_length]
-                chunk = chunk[chunk >= 0]  # a short last sample is padded with -1
-                texts.append(gpt_tokenizer.detokenize(chunk.tolist()))
+                texts.append(sample_texts[chunk_id - first_chunk])
                 banned.append(keys)
         _, found = index.search(embed_texts(embed, texts), config.retro_query_num_neighbors_query)
         neighbours = exclude_own_documents(found, chunk_keys, banned, config.retro_query_num_neighbors_save)

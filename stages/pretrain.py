@@ -275,6 +275,44 @@ def _in_complete_checkpoint(run_dir: str, name: str, latest: int | None) -> bool
     return complete and latest is not None and iteration <= latest
 
 
+def train_and_commit(
+    writer: ArtifactWriter,
+    run_dir: str,
+    command: list[str],
+    train_iters: int | None,
+    on_line: Callable[[str], None] | None = None,
+) -> dict:
+    """Run the training `command` (which saves to and loads from `run_dir`, in the writer's scratch space), resuming
+    from the run directory's latest checkpoint, then put the finished run's files into the artifact; returns the
+    manifest fields (iteration, consumed samples, resumed-from iteration, world size)."""
+    if os.path.isdir(run_dir) and read_latest_iteration(run_dir) is None:
+        # A crash while moving a finished run into the artifact (the marker moves first): its checkpoints
+        # are partly gone, so train again from scratch; the run is deterministic, the bytes the same.
+        log.info(
+            "%s holds no marker: an earlier attempt was cut off while committing; starting over", run_dir
+        )
+        shutil.rmtree(run_dir)
+    resumed_from = read_latest_iteration(run_dir) if os.path.isdir(run_dir) else None
+    if resumed_from is not None:
+        log.info("resuming %s from iteration %d", run_dir, resumed_from)
+    launch(command, on_line)
+    iteration = read_latest_iteration(run_dir)
+    if train_iters is not None and iteration != train_iters:
+        raise RuntimeError(
+            f"training stopped at iteration {iteration} of {train_iters} (an exit condition fired); "
+            "rerun the stage to continue from there"
+        )
+    metadata = read_metadata(checkpoint_dir(run_dir, iteration))
+    for name in committable_files(run_dir):
+        writer.put_file(os.path.join(run_dir, name), name)
+    return {
+        "iteration": iteration,
+        "consumed_train_samples": metadata["consumed_train_samples"],
+        "resumed_from": resumed_from,
+        "world_size": metadata["world_size"],
+    }
+
+
 def run_directory(ref: ArtifactRef) -> str:
     """The local run directory of a pretrain artifact (for `--load` or `load_model_for_inference`); a remote
     artifact is downloaded to the local cache first."""
@@ -329,34 +367,8 @@ class PretrainStage(Stage):
         def build(writer: ArtifactWriter) -> dict:
             run_dir = os.path.join(writer.local_dir, "run")
             config = run_config(params, _data_prefix(tokenized, params.json_key), tokenizer_fields, run_dir)
-            if os.path.isdir(run_dir) and read_latest_iteration(run_dir) is None:
-                # A crash while moving a finished run into the artifact (the marker moves first): its checkpoints
-                # are partly gone, so train again from scratch; the run is deterministic, the bytes the same.
-                log.info(
-                    "%s holds no marker: an earlier attempt was cut off while committing; starting over",
-                    run_dir,
-                )
-                shutil.rmtree(run_dir)
-            resumed_from = read_latest_iteration(run_dir) if os.path.isdir(run_dir) else None
-            if resumed_from is not None:
-                log.info("resuming %s from iteration %d", run_dir, resumed_from)
-            launch(job_command(config, params, writer.local_dir), on_line)
-            iteration = read_latest_iteration(run_dir)
-            train_iters = config.training.train_iters
-            if train_iters is not None and iteration != train_iters:
-                raise RuntimeError(
-                    f"training stopped at iteration {iteration} of {train_iters} (an exit condition fired); "
-                    "rerun the stage to continue from there"
-                )
-            metadata = read_metadata(checkpoint_dir(run_dir, iteration))
-            for name in committable_files(run_dir):
-                writer.put_file(os.path.join(run_dir, name), name)
-            return {
-                "iteration": iteration,
-                "consumed_train_samples": metadata["consumed_train_samples"],
-                "resumed_from": resumed_from,
-                "world_size": metadata["world_size"],
-            }
+            command = job_command(config, params, writer.local_dir)
+            return train_and_commit(writer, run_dir, command, config.training.train_iters, on_line)
 
         return self.build_artifact(params, inputs, store, build)
 

@@ -31,6 +31,8 @@ STAGE_MODULES: dict[str, str] = {
         "retro_index_train",
         "retro_index_add",
         "retro_query",
+        "retro_pretrain",
+        "retro_evaluate",
     )
 }
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,6 +18,7 @@ from retro.embedder import load_embedder
 from retro.project import RetroProject, db_dir, embedder_dir
 from retro.query import load_neighbours
 from stages.registry import STAGE_MODULES
+from stages.retro_evaluate import RetroEvaluateParams
 from stages.retro_params import (
     DbParams,
     EmbedderParams,
@@ -25,9 +27,12 @@ from stages.retro_params import (
     IndexTrainParams,
     QueryParams,
 )
+from stages.retro_pretrain import RetroPretrainParams
 from tests.test_corpus_flow import _base_chapters, _config
 
 RETRO_STAGES = [name for name in STAGE_MODULES if name.startswith("retro_")]
+TINY_DECODER = ("--num-layers", "6", "--hidden-size", "16", "--num-attention-heads", "2", "--micro-batch-size", "8",
+                "--lr", "1e-3", "--num-workers", "0")  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -50,6 +55,8 @@ def small_config(store: str, source) -> RetroFlowConfig:
             seq_length=128, split="90,10,0", train_samples=64, eval_interval=4, eval_iters=1, global_batch_size=8,
             nprobe=4, num_neighbors_query=10, num_neighbors_save=2, block_size=100,
         ),
+        pretrain=RetroPretrainParams(flags=TINY_DECODER),
+        evaluate=RetroEvaluateParams(validation_samples=4, micro_batch_size=4, nprobe=4),
     )  # fmt: skip
 
 
@@ -80,6 +87,23 @@ def test_flow_writes_a_retro_project_and_a_rerun_is_all_cache_hits(
     neighbours = load_neighbours(project.neighbor_dir(directory, "train"))
     assert neighbours.shape[1] == 2 and neighbours.max() < len(db) and (neighbours >= 0).all()
     assert np.unique(neighbours).size > len(db) // 4  # spread over the database, not one hub
+    # Retro and its GPT baseline trained the same steps on the project; the report scores both on the same samples
+    assert refs["retro_pretrain"]["key"] != refs["gpt_pretrain"]["key"]
+    evaluate = retro.ArtifactStore(config.corpus.store).ref(refs["retro_evaluate"])
+    report = json.loads(Path(evaluate.local_path("report.json")).read_text())
+    assert report["retro"]["iteration"] == report["gpt"]["iteration"] == 8
+    assert report["retro"]["parameters"] > report["gpt"]["parameters"]  # the encoder and cross-attention
+    # 4 samples of 128 tokens each
+    assert report["retro"]["valid_tokens"] == report["gpt"]["valid_tokens"] == 4 * 128
+    for model in ("retro", "gpt"):
+        assert 1.0 < report[model]["valid_ppl"] < 1e5
+    update = report["database_update"]
+    assert update["added_chunks"] > 0 and update["queried_chunks"] == 4 * 2  # 4 samples of 2 chunks
+    assert update["gpt_ppl_after"] == pytest.approx(update["gpt_ppl_before"])  # the GPT reads no database
+    lines = retro.result_lines(refs, config.corpus.store)
+    assert (
+        f"Retro {report['retro']['valid_ppl']:.3f}, GPT baseline {report['gpt']['valid_ppl']:.3f}" in lines[0]
+    )
 
     again = retro_flow(config)
     assert all(ref["cache_hit"] for ref in again.values())

@@ -36,6 +36,8 @@ def test_registry_names_every_stage_and_says_which_map_shards():
         "retro_index_train",
         "retro_index_add",
         "retro_query",
+        "retro_pretrain",
+        "retro_evaluate",
     ]
     mapping = {"clean", "dedup", "tokenize", "retro_embed", "retro_index_add"}
     assert {name for name, stage in STAGES.items() if stage.maps_shards} == mapping
@@ -62,7 +64,18 @@ def test_registry_imports_a_stage_on_first_look_up_and_names_the_known_ones():
 
 
 @pytest.mark.parametrize(
-    "name", ["download", "clean", "dedup", "train_tokenizer", "tokenize", "evaluate", "convert"]
+    "name",
+    [
+        "download",
+        "clean",
+        "dedup",
+        "train_tokenizer",
+        "tokenize",
+        "evaluate",
+        "convert",
+        "retro_pretrain",
+        "retro_evaluate",
+    ],
 )
 def test_params_load_from_the_json_a_prefect_task_receives(name):
     stage = STAGES[name]
