@@ -18,11 +18,7 @@ from megatron_train.device import get_device
 from megatron_train.models.gpt import GPTModel, model_provider
 from megatron_train.parallel.schedules import LossFunc
 from megatron_train.tokenizer import MegatronTokenizer
-from megatron_train.training.entry import (  # noqa: F401  padded_vocab_size_for: pretrain_retro imports it from here
-    model_build_options,
-    padded_vocab_size_for,
-    run_pretrain,
-)
+from megatron_train.training.entry import model_build_options, run_pretrain
 from megatron_train.training.loop import get_batch
 from megatron_train.training.per_token_loss import NUM_TOKENS_KEY
 

@@ -48,8 +48,9 @@ from megatron_train.device import get_device
 from megatron_train.models.retro import RetroModel, is_retro_parameter
 from megatron_train.parallel import state
 from megatron_train.parallel.schedules import LossFunc
-from megatron_train.pretrain_gpt import gpt_model_provider, loss_func, padded_vocab_size_for
+from megatron_train.pretrain_gpt import gpt_model_provider, loss_func
 from megatron_train.tokenizer import MegatronTokenizer, tokenizer_from_config
+from megatron_train.training.entry import padded_vocab_size_for
 from megatron_train.training.loop import get_batch, pretrain
 from retro.config import QueryConfig
 from retro.db import ChunkDatabase

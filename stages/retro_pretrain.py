@@ -11,13 +11,13 @@ from its latest checkpoint (`stages.pretrain.train_and_commit`). See docs/archit
 from __future__ import annotations
 
 import os
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from megatron_train.arguments import MegatronConfig, parse_args
 from megatron_train.pretrain_retro import with_project_settings
 from stages.base import Inputs, Stage, expect_inputs
+from stages.launch import LaunchParams, torchrun_command
 from stages.pretrain import train_and_commit
 from stages.retro_params import local_dir
 from storage.artifacts import ArtifactRef, ArtifactStore, ArtifactWriter
@@ -80,11 +80,8 @@ class RetroPretrainStage(Stage):
         def build(writer: ArtifactWriter) -> dict:
             run_dir = os.path.join(writer.local_dir, "run")
             config = run_config(params, project_dir, run_dir)
-            command = [
-                sys.executable, "-m", "torch.distributed.run", "--standalone",
-                f"--nproc-per-node={params.nproc_per_node}", "-m", PRETRAIN_RETRO,
-                *retro_argv(params, project_dir, run_dir),
-            ]  # fmt: skip
+            argv = retro_argv(params, project_dir, run_dir)
+            command = torchrun_command(params.nproc_per_node, LaunchParams(), PRETRAIN_RETRO, argv)
             return train_and_commit(writer, run_dir, command, config.training.train_iters, on_line)
 
         return self.build_artifact(params, inputs, store, build)
