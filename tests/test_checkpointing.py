@@ -444,3 +444,36 @@ def test_a_kill_during_a_save_leaves_only_temporary_files(tmp_path) -> None:
     config = _config(str(tmp_path))
     _save(config, _build(config), iteration=1)  # the unfinished folder is written again, without leftovers
     assert not any(atomic.is_temporary(name) for name in _files(tmp_path))
+
+
+def test_write_tensors_hash_taken_in_memory_equals_the_file_hash(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The recorded hash comes from the tensors in memory (no re-read); it must be the file's own hash, for
+    every dtype, empty and 0-d tensors, and non-contiguous inputs, so verification on load passes."""
+    from safetensors.torch import load_file
+
+    from megatron_train.checkpointing.files import write_tensors
+
+    torch.manual_seed(0)
+    tensors = {
+        "b.bf16": torch.randn(7, 5).to(torch.bfloat16),
+        "a.fp32": torch.randn(6, 4).t(),  # non-contiguous
+        "c.fp16": torch.randn(3).half(),
+        "d.int64": torch.arange(5),
+        "e.empty": torch.zeros(0, 3),
+        "f.scalar": torch.tensor(2.5),
+        "g.bool": torch.tensor([True, False, True]),
+    }
+    path = str(tmp_path / "model.safetensors")
+
+    def no_reread(path: str) -> str:
+        raise AssertionError(f"{path} was read back to hash it")
+
+    monkeypatch.setattr("megatron_train.checkpointing.files.hash_file", no_reread)
+    record = write_tensors(path, tensors, {"format_version": "2", "sharding": "{}"})
+    monkeypatch.undo()
+    assert record == {"size": os.path.getsize(path), "hash": hash_file(path)}
+    loaded = load_file(path)
+    assert all(torch.equal(loaded[name], tensor) for name, tensor in tensors.items())
+    assert not [name for name in os.listdir(tmp_path) if name != "model.safetensors"]

@@ -218,3 +218,23 @@ def test_refusals_name_the_setting(tmp_path, capsys):
     with pytest.raises(SystemExit):
         _convert("--loader", "hf", "--load-dir", str(tmp_path / "bert"), "--save-dir", str(tmp_path / "b"))
     assert "config.json lacks 'num_hidden_layers', which a llama config has" in capsys.readouterr().err
+
+
+def test_model_shardings_builds_the_model_once_per_config(monkeypatch) -> None:
+    """A conversion asks for the shardings in its loader and its saver: the meta model is built once."""
+    from megatron_train.arguments import MegatronConfig
+    from megatron_train.convert import weights as convert_weights
+    from megatron_train.data.config import DataConfig
+    from megatron_train.models.config import TransformerConfig
+
+    builds = []
+    real_build = convert_weights.build_saved_model
+    monkeypatch.setattr(
+        convert_weights, "build_saved_model", lambda *args: builds.append(args) or real_build(*args)
+    )
+    model = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16)
+    config = MegatronConfig(model=model, data=DataConfig())
+    first = convert_weights.model_shardings(config, 128)
+    assert convert_weights.model_shardings(config, 128) == first and len(builds) == 1
+    model.num_layers = 3  # another model is built anew
+    assert len(convert_weights.model_shardings(config, 128)) > len(first) and len(builds) == 2

@@ -33,6 +33,8 @@ TOKENIZER_FILES = (
 
 
 TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
+# model_shardings' results: building even a meta-device model takes a fraction of a second
+_SHARDINGS: dict[tuple[str, str, int], dict[str, TensorSharding]] = {}
 
 
 def tokenizer_files_in(folder: str) -> dict[str, str]:
@@ -66,16 +68,20 @@ def model_shardings(
     config: MegatronConfig, vocab_size: int, model_type: str = "gpt"
 ) -> dict[str, TensorSharding]:
     """How each param of the whole model (`gpt` or `bert`) splits across TP, read off a model built on the meta
-    device (no memory, no process groups): the same attributes a training run records in its checkpoint."""
-    with torch.device("meta"):
-        model = build_saved_model(model_type, config, vocab_size, "the converted model")
-    return {
-        name: TensorSharding(
-            int(param.partition_dim) if getattr(param, "tensor_model_parallel", False) else -1,
-            int(getattr(param, "partition_stride", 1)),
-        )
-        for name, param in model.named_parameters()
-    }
+    device (no memory, no process groups): the same attributes a training run records in its checkpoint.
+    Remembered per (family, model config, vocabulary): a conversion's loader and saver build it once."""
+    key = (model_type, repr(config.model), vocab_size)
+    if key not in _SHARDINGS:
+        with torch.device("meta"):
+            model = build_saved_model(model_type, config, vocab_size, "the converted model")
+        _SHARDINGS[key] = {
+            name: TensorSharding(
+                int(param.partition_dim) if getattr(param, "tensor_model_parallel", False) else -1,
+                int(getattr(param, "partition_stride", 1)),
+            )
+            for name, param in model.named_parameters()
+        }
+    return dict(_SHARDINGS[key])
 
 
 def check_tensor_names(tensors: dict[str, torch.Tensor], expected: list[str], source: str) -> None:
