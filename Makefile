@@ -56,7 +56,7 @@ demo: setup
 	$(PY) -m flows.demo --store $(STORE)
 
 retro: setup
-	$(PY) -m flows.retro --corpus.store $(STORE)
+	$(PY) -m flows.retro_flow --corpus.store $(STORE)
 
 clean:
 	rm -rf $(STORE) .pytest_cache

@@ -104,7 +104,7 @@ class RetroProject:
         if not os.path.isfile(path):
             raise FileNotFoundError(
                 f"{path}: no Retro project config; --retro-project-dir must be a directory built by "
-                "flows/retro.py (make retro)"
+                "flows/retro_flow.py (make retro)"
             )
         with open(path, encoding="utf-8") as f:
             values = json.load(f)
@@ -119,7 +119,7 @@ class RetroProject:
         if unknown or missing:
             raise ValueError(
                 f"{path}: not a Retro project config of this version (missing {missing or 'none'}, unknown "
-                f"{unknown or 'none'}); rebuild the project with flows/retro.py"
+                f"{unknown or 'none'}); rebuild the project with flows/retro_flow.py"
             )
         return cls(**values)
 

@@ -11,8 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from flows import retro
-from flows.retro import RetroFlowConfig, committed_retro, project_dir, retro_flow
+from flows import retro_flow as retro
+from flows.retro_flow import RetroFlowConfig, committed_retro, project_dir, retro_flow
 from retro.db import ChunkDatabase
 from retro.embedder import load_embedder
 from retro.project import RetroProject, db_dir, embedder_dir

@@ -3,8 +3,8 @@
 samples) -> the comparison report with the database update (`stages.retro_evaluate`), each a cached Prefect
 task. The command line prints both validation perplexities and the database update's before/after.
 
-    python -m flows.retro                                  # the embedded corpus, MiniLM's first layer, defaults
-    python -m flows.retro --embedder.num-layers None --query.nprobe 64 --corpus.store s3://bucket/flow
+    python -m flows.retro_flow                                  # the embedded corpus, MiniLM's first layer, defaults
+    python -m flows.retro_flow --embedder.num-layers None --query.nprobe 64 --corpus.store s3://bucket/flow
 
 `retro_data_stages` builds the project, `retro_model_stages` trains and compares on it. The
 GPT tokenizer of the Retro stages is the corpus's (its trained or given files); the embedder is the
