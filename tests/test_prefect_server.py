@@ -197,7 +197,7 @@ def test_deployments_on_a_real_server_and_worker_run_trigger_and_cache(prefect_s
         "download": {"source": str(source), "docs_per_shard": 12},
         "train_tokenizer": {"kind": "bpe", "vocab_size": 512},
         "tokenize": {"append_eod": True, "workers": 1},
-        "task_runner": "threads",
+        "task_runner": "thread",  # the deployment schema holds the new names only (the aliases are Python-side)
     }
     _create_pool(env, "local")
     with open(tmp_path / "worker.log", "w") as log:
