@@ -125,6 +125,19 @@ def _check(obj, text_keys: Sequence[str], key_flag: str, sentence_lists: bool) -
     return None
 
 
+def read_json_records(url: str) -> Iterator[tuple[int, str, object]]:
+    """(line number, "file:line", parsed value) of every non-blank line of a JSON Lines file; a line that is not JSON is an
+    error naming the file and the line."""
+    for line, raw in read_lines(url):
+        if not raw.strip():
+            continue
+        where = f"{url}:{line}"
+        try:
+            yield line, where, json.loads(raw)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{where}: not valid JSON ({error.msg}; column {error.colno})") from None
+
+
 def read_lines(url: str, span: Span | None = None, **storage_options) -> Iterator[tuple[int, bytes]]:
     """(line number, raw line without its newline) of a JSON Lines file, or of one span of it, read in blocks."""
     with fsspec.open(url, "rb", compression="infer", **storage_options) as f:

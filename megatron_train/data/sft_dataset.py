@@ -13,7 +13,6 @@ seeded permutation per epoch, so a run is deterministic (docs/architecture.md, S
 
 from __future__ import annotations
 
-import json
 import logging
 
 import numpy as np
@@ -22,7 +21,7 @@ import torch
 from megatron_train.data.config import DataConfig, parse_split, split_bounds, split_matrix
 from megatron_train.tokenizer.base import MegatronTokenizer
 from megatron_train.tokenizer.chat import ROLES, ChatFormat
-from storage.documents import read_lines
+from storage.documents import read_json_records
 
 logger = logging.getLogger(__name__)
 
@@ -33,14 +32,7 @@ def read_conversations(path: str) -> list[tuple[int, list[dict[str, str]]]]:
     """(line, messages) of every conversation in a JSONL file; a bad record is an error naming the file, the
     line and the field."""
     conversations = []
-    for line, raw in read_lines(path):
-        if not raw.strip():
-            continue
-        where = f"{path}:{line}"
-        try:
-            record = json.loads(raw)
-        except json.JSONDecodeError as error:
-            raise ValueError(f"{where}: not valid JSON ({error.msg}; column {error.colno})") from None
+    for line, where, record in read_json_records(path):
         messages = record.get("messages") if isinstance(record, dict) else None
         if not isinstance(messages, list) or not messages:
             raise ValueError(f'{where}: "messages" must be a non-empty list of {{"role", "content"}} objects')

@@ -14,7 +14,6 @@ conventions).
 
 from __future__ import annotations
 
-import json
 import re
 import string
 from collections import Counter
@@ -24,7 +23,7 @@ import torch
 
 from megatron_train.inference.generation import GenerationParams, generate
 from megatron_train.tokenizer.base import MegatronTokenizer
-from storage.documents import read_lines
+from storage.documents import read_json_records
 
 SYSTEM = (
     "System: This is a chat between a user and an artificial intelligence assistant. The assistant gives helpful, "
@@ -44,14 +43,7 @@ class QAExample:
 def read_qa(path: str) -> list[QAExample]:
     """Every question of a QA JSONL file; a bad record is an error naming the file, the line and the field."""
     examples = []
-    for line, raw in read_lines(path):
-        if not raw.strip():
-            continue
-        where = f"{path}:{line}"
-        try:
-            record = json.loads(raw)
-        except json.JSONDecodeError as error:
-            raise ValueError(f"{where}: not valid JSON ({error.msg}; column {error.colno})") from None
+    for _, where, record in read_json_records(path):
         if not isinstance(record, dict) or not isinstance(record.get("question"), str):
             raise ValueError(f'{where}: "question" must be a string')
         answers = record.get("answers")
