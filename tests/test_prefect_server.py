@@ -120,7 +120,13 @@ def _prefect(env: dict[str, str], *args: str, timeout: float = 240) -> str:
 
 
 def _api(env: dict[str, str], method: str, path: str, body: dict | None = None) -> list | dict:
-    response = httpx.request(method, f"{env['PREFECT_API_URL']}{path}", json=body, timeout=30)
+    """One REST call, retried on 503 as Prefect's own client does: its server answers 503 when SQLite is busy
+    (the worker and the flow runs write at the same time), having rolled the request's transaction back."""
+    for attempt in range(8):
+        response = httpx.request(method, f"{env['PREFECT_API_URL']}{path}", json=body, timeout=30)
+        if response.status_code != 503:
+            break
+        time.sleep(0.5 * 2**attempt)
     response.raise_for_status()
     return response.json()
 
