@@ -15,6 +15,7 @@ import random
 import re
 import signal
 import struct
+import zlib
 
 import numpy as np
 import pytest
@@ -32,6 +33,7 @@ from megatron_train.checkpointing import (
     save_checkpoint,
 )
 from megatron_train.data.config import DataConfig
+from megatron_train.models.config import TransformerConfig
 from megatron_train.models.gpt import GPTModel
 from megatron_train.optimizer import get_megatron_optimizer
 from megatron_train.parallel import model_parallel_seed, state
@@ -42,13 +44,15 @@ from storage import atomic
 from storage.fingerprint import hash_file
 from tests.distributed import run_distributed
 from tests.test_training import tiny_args
-from tests.tiny import tiny_config
+from tests.tiny import tiny_config, tiny_llama_config
 
 VOCAB = 128
 
 
-def _config(save_dir: str, hidden_size: int = 32, **checkpoint: object) -> MegatronConfig:
-    model = tiny_config(hidden_size=hidden_size)
+def _config(
+    save_dir: str, hidden_size: int = 32, model: TransformerConfig | None = None, **checkpoint: object
+) -> MegatronConfig:
+    model = model or tiny_config(hidden_size=hidden_size)
     return MegatronConfig(
         model=model,
         data=DataConfig(mock_data=True),
@@ -176,6 +180,11 @@ def test_broken_or_mismatched_checkpoints_are_refused(tmp_path) -> None:
         load_checkpoint(*_build(other), other, VOCAB)
     with pytest.raises(CheckpointError, match="padded_vocab_size=128 but this run has padded_vocab_size=256"):
         load_checkpoint(*_build(config), config, 256)
+    llama = _config(str(tmp_path / "llama"), model=tiny_llama_config())
+    _save(llama, _build(llama), iteration=1)
+    qkv_bias = _config(str(tmp_path / "llama"), model=tiny_llama_config(add_qkv_bias=True))
+    with pytest.raises(CheckpointError, match="add_qkv_bias=False but this run has add_qkv_bias=True"):
+        load_checkpoint(*_build(qkv_bias), qkv_bias, VOCAB)
 
     metadata_path = os.path.join(iteration_dir, "metadata.json")
     with open(metadata_path) as handle:
@@ -204,23 +213,47 @@ def test_broken_or_mismatched_checkpoints_are_refused(tmp_path) -> None:
         load_checkpoint(*_build(config), config, VOCAB)
 
 
-def _tp_save_worker(rank: int, world_size: int, save_dir: str) -> dict:
+# The tiny GPT, and the tiny GQA Llama with Qwen2's q/k/v biases (--add-qkv-bias) alone of its linear layers
+TP_MODELS = {"gpt": tiny_config, "llama_qkv_bias": lambda: tiny_llama_config(add_qkv_bias=True)}
+
+
+def _fill_qkv_biases(model: GPTModel) -> None:
+    """Values for the QKV biases (they start at zero, and would show nothing): this TP rank's rows of one
+    vector per layer, as ColumnParallelLinear splits its bias."""
+    tp, rank = state.get_tensor_model_parallel_world_size(), state.get_tensor_model_parallel_rank()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("linear_qkv.bias"):
+                generator = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+                param.copy_(torch.randn(param.numel() * tp, generator=generator).chunk(tp)[rank])
+
+
+def _tp_tokens() -> torch.Tensor:
+    return torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(3))
+
+
+def _tp_save_worker(rank: int, world_size: int, save_dir: str, arch: str) -> tuple[dict, torch.Tensor]:
+    """Save a TP=world_size model; its shard's sharding records and the model's (gathered) logits."""
     state.initialize_model_parallel(tensor_model_parallel_size=world_size)
     try:
-        config = _config(save_dir)
+        config = _config(save_dir, model=TP_MODELS[arch]())
         config.parallel.tensor_model_parallel_size = world_size
         parts = _build(config)
+        _fill_qkv_biases(parts[0])
         _save(config, parts, iteration=5)
+        with torch.no_grad():
+            logits = parts[0].eval()(_tp_tokens())
         shard = os.path.join(save_dir, "iter_0000005", f"mp_rank_{rank:02d}", "model.safetensors")
         with safe_open(shard, framework="pt") as handle:
-            return json.loads(handle.metadata()["sharding"])
+            return json.loads(handle.metadata()["sharding"]), logits
     finally:
         state.destroy_model_parallel()
 
 
-def test_tensor_parallel_shards_record_sharding_and_merge_for_inference(tmp_path) -> None:
-    sharding = run_distributed(_tp_save_worker, 2, str(tmp_path))
-    split = {n: s for n, s in sharding[1].items() if s["tensor_model_parallel"]}
+@pytest.mark.parametrize("arch", TP_MODELS)
+def test_tensor_parallel_shards_record_sharding_and_merge_for_inference(tmp_path, arch: str) -> None:
+    sharding, tp2_logits = run_distributed(_tp_save_worker, 2, str(tmp_path), arch)[1]
+    split = {n: s for n, s in sharding.items() if s["tensor_model_parallel"]}
     assert split, "TP=2 must shard some params"
     assert all(s["tp_rank"] == 1 and s["tp_size"] == 2 for s in split.values())
     model, config = load_model_for_inference(str(tmp_path), device="cpu")
@@ -228,11 +261,15 @@ def test_tensor_parallel_shards_record_sharding_and_merge_for_inference(tmp_path
     for name, info in split.items():
         assert list(dict(model.named_parameters())[name].shape) == info["global_shape"]
     # the merged weights are the TP=1 model built from the same seed
+    if arch == "llama_qkv_bias":
+        assert split["decoder.layers.1.self_attention.linear_qkv.bias"]["partition_dim"] == 0
     model_parallel_seed(0)
-    reference = GPTModel(_config(str(tmp_path)).model, VOCAB)
-    tokens = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(3))
+    reference = GPTModel(TP_MODELS[arch](), VOCAB)
+    _fill_qkv_biases(reference)
     with torch.no_grad():
-        torch.testing.assert_close(model(tokens), reference.eval()(tokens), rtol=1e-5, atol=1e-5)
+        logits = model(_tp_tokens())
+        torch.testing.assert_close(logits, reference.eval()(_tp_tokens()), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(logits, tp2_logits, rtol=1e-5, atol=1e-5)  # the TP=2 model computed the same
 
 
 def test_ckpt_step_and_no_save_optim(tmp_path) -> None:

@@ -6,11 +6,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from megatron_train.arguments import MegatronConfig, config_to_argv, parse_args
+from megatron_train.data.config import DataConfig
 from megatron_train.models import GPTModel, KVCache, TransformerConfig
 from megatron_train.models.hf_import import gpt2_state_dict_from_hf, llama_state_dict_from_hf
 from megatron_train.models.rotary import RotaryEmbedding, apply_rotary_pos_emb
 from megatron_train.models.transformer import get_layer_range, pack_qkv, unpack_qkv
 from megatron_train.parallel.random import model_parallel_seed
+from tests.test_training import tiny_args
 from tests.tiny import TINY_MODEL
 
 
@@ -78,6 +81,42 @@ def test_matches_hf_llama_logits_with_rope_gqa_swiglu_rmsnorm(transformers, unti
     ids = tokens(seq=24)  # longer than seq_length: RoPE has no position table
     with torch.no_grad():
         torch.testing.assert_close(ours(ids), hf(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_matches_hf_qwen2_logits_with_qkv_biases_and_tied_embeddings(transformers):
+    """Qwen2 is the Llama layout with q/k/v biases: Megatron's --add-qkv-bias."""
+    hf_config = transformers.Qwen2Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6, tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+    )  # fmt: skip
+    torch.manual_seed(5)
+    hf = transformers.Qwen2ForCausalLM(hf_config).eval()
+    with torch.no_grad():  # transformers starts the biases at zero: give them values that show in the logits
+        for name, param in hf.named_parameters():
+            if name.endswith("_proj.bias"):
+                param.normal_()
+    config = llama_config(
+        rotary_base=1000000, norm_epsilon=1e-6, untie_embeddings_and_output_weights=False, add_qkv_bias=True
+    )
+    ours = build(config).eval()
+    ours.load_state_dict(llama_state_dict_from_hf(hf.state_dict(), ours.config), strict=True)
+    ids = tokens(seq=24)
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids), hf(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_add_qkv_bias_flag_biases_linear_qkv_only(tmp_path):
+    """Megatron's --add-qkv-bias: the QKV projection has a bias even with --disable-bias-linear, nothing else."""
+    argv = tiny_args(str(tmp_path), "--train-iters", "1", "--disable-bias-linear", "--add-qkv-bias")
+    config = parse_args(argv, world_size=1).model
+    assert (config.add_bias_linear, config.add_qkv_bias) == (False, True)
+    biases = [name for name, _ in build(config).named_parameters() if name.endswith(".bias")]
+    layernorm_biases = [name for name in biases if "norm" in name]
+    assert sorted(set(biases) - set(layernorm_biases)) == [
+        f"decoder.layers.{i}.self_attention.linear_qkv.bias" for i in range(2)
+    ]
+    assert "--add-qkv-bias" in config_to_argv(MegatronConfig(model=config, data=DataConfig()))
 
 
 def test_partial_rotary_rotates_leading_dims_like_hf_and_passes_the_rest(transformers):

@@ -80,6 +80,8 @@ EQUIVALENCE_CASES = [
     for arch, kwargs in (("gpt", TINY_MODEL), ("llama_gqa", TINY_LLAMA))
     for tp in (2, 4)
     for sp in (False, True)
+] + [  # --add-qkv-bias (Qwen2): the fused bias is split across TP like the weight's rows, whole query groups
+    (f"llama_qkv_bias_tp2_sp{int(sp)}", 2, sp, dict(TINY_LLAMA, add_qkv_bias=True)) for sp in (False, True)
 ]
 
 

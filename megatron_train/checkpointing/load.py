@@ -52,6 +52,7 @@ MODEL_ARGS_TO_CHECK = (
     "bert_binary_head",
     "swiglu",
     "add_bias_linear",
+    "add_qkv_bias",
     "untie_embeddings_and_output_weights",
     "activation_func",
     "decoder_num_layers",

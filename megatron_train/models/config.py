@@ -110,6 +110,13 @@ class TransformerConfig:
             "flag": "--disable-bias-linear",
         },
     )
+    add_qkv_bias: bool = field(
+        default=False,
+        metadata={
+            "help": "Bias in the attention's QKV projection only, even with --disable-bias-linear (Qwen2's q/k/v "
+            "biases)."
+        },
+    )
     untie_embeddings_and_output_weights: bool = field(
         default=False,
         metadata={"help": "Give the output layer its own weight instead of the word embedding."},

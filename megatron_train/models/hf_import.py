@@ -1,4 +1,4 @@
-"""Hugging Face GPT-2 / Llama / BERT state dicts <-> ours (single TP rank, all layers): one table per family.
+"""Hugging Face GPT-2 / Llama (and Qwen2) / BERT state dicts <-> ours (single TP rank, all layers): one table per family.
 
 A table is a list of `Rule`s, each one of our tensors and the Hugging Face tensors it is made of, with the two
 directions of the conversion side by side; `from_hf` and `to_hf` apply a table either way. The tables are the
@@ -112,16 +112,19 @@ def gpt2_rules(config: TransformerConfig) -> list[Rule]:
 
 
 def llama_rules(config: TransformerConfig) -> list[Rule]:
-    """`transformers.LlamaForCausalLM` (rotate-half RoPE convention, as ours; lm_head only when untied)."""
+    """`transformers.LlamaForCausalLM` (rotate-half RoPE convention, as ours; lm_head only when untied), and
+    `Qwen2ForCausalLM`, the same with q/k/v biases (--add-qkv-bias)."""
     groups, heads = config.num_query_groups_effective, config.num_attention_heads
+    kinds = ("weight", "bias") if config.add_qkv_bias else ("weight",)
     rules = [same("embedding.word_embeddings.weight", "model.embed_tokens.weight")]
     for i in range(config.num_layers):
         src, dst = f"model.layers.{i}.", f"decoder.layers.{i}."
-        qkv = tuple(f"{src}self_attn.{name}_proj.weight" for name in "qkv")
         gate_up = (src + "mlp.gate_proj.weight", src + "mlp.up_proj.weight")
+        rules.append(same(dst + "input_layernorm.weight", src + "input_layernorm.weight"))
+        for kind in kinds:
+            qkv = tuple(f"{src}self_attn.{name}_proj.{kind}" for name in "qkv")
+            rules.append(fused_qkv(f"{dst}self_attention.linear_qkv.{kind}", qkv, groups, heads))
         rules += [
-            same(dst + "input_layernorm.weight", src + "input_layernorm.weight"),
-            fused_qkv(dst + "self_attention.linear_qkv.weight", qkv, groups, heads),
             same(dst + "self_attention.linear_proj.weight", src + "self_attn.o_proj.weight"),
             same(dst + "pre_mlp_layernorm.weight", src + "post_attention_layernorm.weight"),
             Rule(

@@ -209,7 +209,7 @@ class SelfAttention(nn.Module):
             config.hidden_size,
             (config.num_attention_heads + 2 * groups) * self.head_dim,
             init_method=init,
-            bias=config.add_bias_linear,
+            bias=config.add_bias_linear or config.add_qkv_bias,
             sequence_parallel=sequence_parallel,
             params_dtype=config.params_dtype,
         )
