@@ -18,14 +18,20 @@ def ids(seq: int = 12) -> torch.Tensor:
     return torch.randint(0, VOCAB, (2, seq), generator=torch.Generator().manual_seed(1))
 
 
-def our_llama(untied: bool) -> tuple[MegatronConfig, GPTModel]:
+def our_llama(untied: bool, qkv_bias: bool = False) -> tuple[MegatronConfig, GPTModel]:
+    """The tiny GQA Llama; with `qkv_bias` Qwen2's q/k/v biases (--add-qkv-bias), given random values."""
     model_config = TransformerConfig.llama(
         num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=32, ffn_hidden_size=64,
         group_query_attention=True, num_query_groups=2, untie_embeddings_and_output_weights=untied,
-        true_vocab_size=VOCAB,
+        add_qkv_bias=qkv_bias, true_vocab_size=VOCAB,
     )  # fmt: skip
     torch.manual_seed(7)
-    return MegatronConfig(model=model_config, data=DataConfig()), GPTModel(model_config, 128).eval()
+    model = GPTModel(model_config, 128).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("linear_qkv.bias"):
+                param.normal_()
+    return MegatronConfig(model=model_config, data=DataConfig()), model
 
 
 def shard_tensors(iteration_dir: str) -> dict[tuple[str, str], torch.Tensor]:

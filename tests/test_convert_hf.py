@@ -1,4 +1,5 @@
-"""The converter's `hf` loader and saver: HF GPT-2 and Llama folders in and out, and flow -> hf -> flow round trips."""
+"""The converter's `hf` loader and saver: HF GPT-2, Llama and Qwen2 folders in and out, and flow -> hf -> flow round
+trips."""
 
 from __future__ import annotations
 
@@ -66,12 +67,30 @@ def _hf_mistral() -> torch.nn.Module:
     return transformers.MistralForCausalLM(config).eval()
 
 
+def _hf_qwen2() -> torch.nn.Module:
+    """Qwen2 as released: q/k/v biases, tied embeddings (the small ones), a large rope_theta, GQA."""
+    config = transformers.Qwen2Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=32768, rms_norm_eps=1e-6, tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, use_sliding_window=False,
+        bos_token_id=0, eos_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(8)
+    model = transformers.Qwen2ForCausalLM(config).eval()
+    with torch.no_grad():  # transformers starts the biases at zero: give them values that show in the logits
+        for name, param in model.named_parameters():
+            if name.endswith("_proj.bias"):
+                param.normal_()
+    return model
+
+
 HF_MODELS = {
     "gpt2": _hf_gpt2,
     "llama_gqa_untied": lambda: _hf_llama(untied=True, rope_type="default"),
     "llama_gqa_tied": lambda: _hf_llama(untied=False, rope_type="default"),
     "llama3_rope_scaling": lambda: _hf_llama(untied=True, rope_type="llama3"),
     "mistral_head_dim_16": _hf_mistral,  # head_dim * heads != hidden size: --kv-channels from config.json
+    "qwen2_qkv_bias_tied": _hf_qwen2,
 }
 
 
@@ -101,6 +120,9 @@ def test_hf_model_converted_in_gives_transformers_logits_and_back_out_loads_clea
     hf_model, tokens = HF_MODELS[name](), ids(16 if name == "gpt2" else 1024)
     hf_model.save_pretrained(tmp_path / "hf")
     _save_tokenizer(str(tmp_path / "hf"))
+    if name.startswith("qwen2"):  # released Qwen2 config.json files name the sliding window they leave off
+        hf_config = json.loads((tmp_path / "hf" / "config.json").read_text())
+        (tmp_path / "hf" / "config.json").write_text(json.dumps(hf_config | {"sliding_window": 32768}))
     with torch.no_grad():
         expected = hf_model(tokens).logits
     _convert("--loader", "hf", "--saver", "flow", "--load-dir", str(tmp_path / "hf"),
@@ -131,7 +153,7 @@ def test_hf_model_converted_in_gives_transformers_logits_and_back_out_loads_clea
     assert os.path.exists(tmp_path / "out" / "tokenizer.json")
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama_gqa_untied", "llama_gqa_tied"])
+@pytest.mark.parametrize("name", ["gpt2", "llama_gqa_untied", "llama_gqa_tied", "qwen2_qkv_bias_tied"])
 def test_hf_model_converted_in_generates_transformers_greedy_tokens(name, tmp_path):
     """The generation engine the server runs, on the converted checkpoint, against `transformers` `generate`."""
     hf_model = HF_MODELS[name]()
@@ -152,9 +174,11 @@ def test_hf_model_converted_in_generates_transformers_greedy_tokens(name, tmp_pa
     assert torch.equal(ours[0], expected), (ours[0], expected)
 
 
-@pytest.mark.parametrize("untied", [True, False])
-def test_ours_at_tp2_pp2_converted_out_gives_our_logits_in_sharded_safetensors(untied, tmp_path, caplog):
-    config, model = our_llama(untied)
+@pytest.mark.parametrize(("untied", "qkv_bias"), [(True, False), (False, False), (False, True)])
+def test_ours_at_tp2_pp2_converted_out_gives_our_logits_in_sharded_safetensors(
+    untied, qkv_bias, tmp_path, caplog
+):
+    config, model = our_llama(untied, qkv_bias)
     weights = ModelWeights(config, trim_vocab(model.state_dict(), VOCAB))
     flow.save(weights, str(tmp_path / "flow"), target_tp=2, target_pp=2)
     assert sorted(os.listdir(tmp_path / "flow" / "iter_0000001"))[1:] == [
@@ -165,14 +189,17 @@ def test_ours_at_tp2_pp2_converted_out_gives_our_logits_in_sharded_safetensors(u
     with open(tmp_path / "hf" / "model.safetensors.index.json") as handle:
         shards = set(json.load(handle)["weight_map"].values())
     assert len(shards) > 1 and shards <= set(os.listdir(tmp_path / "hf"))
+    with open(tmp_path / "hf" / "config.json") as handle:
+        architecture = json.load(handle)["architectures"]
+    assert architecture == ["Qwen2ForCausalLM" if qkv_bias else "LlamaForCausalLM"]
     with torch.no_grad():
         ours = model(ids())
     torch.testing.assert_close(_hf_logits(str(tmp_path / "hf"), ids(), caplog), ours[..., :VOCAB])
 
 
-@pytest.mark.parametrize(("tp", "pp"), [(1, 1), (2, 2)])
-def test_flow_to_hf_to_flow_round_trip_is_bitwise(tp, pp, tmp_path, capsys):
-    config, model = our_llama(untied=True)
+@pytest.mark.parametrize(("tp", "pp", "qkv_bias"), [(1, 1, False), (2, 2, False), (1, 1, True), (2, 2, True)])
+def test_flow_to_hf_to_flow_round_trip_is_bitwise(tp, pp, qkv_bias, tmp_path, capsys):
+    config, model = our_llama(untied=True, qkv_bias=qkv_bias)
     flow.save(ModelWeights(config, trim_vocab(model.state_dict(), VOCAB)), str(tmp_path / "a"), tp, pp)
     _convert("--saver", "hf", "--load-dir", str(tmp_path / "a"), "--save-dir", str(tmp_path / "hf"))
     assert "from_pretrained" in capsys.readouterr().out
@@ -180,6 +207,7 @@ def test_flow_to_hf_to_flow_round_trip_is_bitwise(tp, pp, tmp_path, capsys):
              "--target-tensor-parallel-size", str(tp), "--target-pipeline-parallel-size", str(pp))  # fmt: skip
     printed = capsys.readouterr().out
     assert f"--load {tmp_path / 'b'} --finetune" in printed and "--swiglu" in printed
+    assert ("--add-qkv-bias" in printed) == qkv_bias
     assert f"run_text_generation_server --load {tmp_path / 'b'}" in printed
     original, back = (
         shard_tensors(f"{tmp_path}/a/iter_0000001"),
@@ -206,7 +234,9 @@ def test_refusals_name_the_setting(tmp_path, capsys):
         json.dump({"model_type": "t5"}, handle)
     with pytest.raises(SystemExit):
         _convert("--loader", "hf", "--load-dir", str(tmp_path / "bert"), "--save-dir", str(tmp_path / "b"))
-    assert "model_type 't5' is not one the hf loader maps" in capsys.readouterr().err
+    assert "model_type 't5' is not one the hf loader maps (it maps bert, gpt2, llama, mistral, qwen2)" in (
+        capsys.readouterr().err
+    )
     with open(tmp_path / "bert" / "config.json", "w") as handle:  # Llama-2-style linear rope scaling
         json.dump({"model_type": "llama", "num_attention_heads": 4, "rope_scaling": {"type": "linear",
                    "factor": 2.0}}, handle)  # fmt: skip
@@ -218,6 +248,11 @@ def test_refusals_name_the_setting(tmp_path, capsys):
     with pytest.raises(SystemExit):
         _convert("--loader", "hf", "--load-dir", str(tmp_path / "bert"), "--save-dir", str(tmp_path / "b"))
     assert "config.json lacks 'num_hidden_layers', which a llama config has" in capsys.readouterr().err
+    with open(tmp_path / "bert" / "config.json", "w") as handle:
+        json.dump({"model_type": "qwen2", "num_attention_heads": 4, "use_sliding_window": True}, handle)
+    with pytest.raises(SystemExit):
+        _convert("--loader", "hf", "--load-dir", str(tmp_path / "bert"), "--save-dir", str(tmp_path / "b"))
+    assert "sliding-window attention is not implemented here" in capsys.readouterr().err
 
 
 def test_model_shardings_builds_the_model_once_per_config(monkeypatch) -> None:

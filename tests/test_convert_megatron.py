@@ -29,9 +29,9 @@ def _convert(*argv: str) -> None:
     main(["--model-type", "GPT", *argv])
 
 
-@pytest.mark.parametrize(("tp", "pp"), [(1, 1), (2, 2)])
-def test_flow_to_megatron_to_flow_round_trip_is_bitwise(tp, pp, tmp_path, capsys):
-    config, model = our_llama(untied=False)
+@pytest.mark.parametrize(("tp", "pp", "qkv_bias"), [(1, 1, False), (2, 2, False), (2, 2, True)])
+def test_flow_to_megatron_to_flow_round_trip_is_bitwise(tp, pp, qkv_bias, tmp_path, capsys):
+    config, model = our_llama(untied=False, qkv_bias=qkv_bias)
     flow.save(ModelWeights(config, trim_vocab(model.state_dict(), VOCAB)), str(tmp_path / "a"), tp, pp)
     _convert("--saver", "megatron", "--load-dir", str(tmp_path / "a"), "--save-dir", str(tmp_path / "mg"),
              "--target-tensor-parallel-size", str(tp), "--target-pipeline-parallel-size", str(pp))  # fmt: skip
@@ -46,6 +46,8 @@ def test_flow_to_megatron_to_flow_round_trip_is_bitwise(tp, pp, tmp_path, capsys
         assert "decoder.layers.2.mlp.linear_fc2.weight" not in saved["model"]
         assert saved["model"]["output_layer.weight"].shape == (128, 32)  # 256 padded rows over TP2
         assert (saved["args"].padded_vocab_size, saved["checkpoint_version"]) == (256, 3.0)
+        assert saved["args"].add_qkv_bias == qkv_bias  # Megatron's flag, read back from its args
+        assert ("decoder.layers.1.self_attention.linear_qkv.bias" in saved["model"]) == qkv_bias
     _convert("--loader", "megatron", "--load-dir", str(tmp_path / "mg"), "--save-dir", str(tmp_path / "b"),
              "--target-tensor-parallel-size", str(tp), "--target-pipeline-parallel-size", str(pp))  # fmt: skip
     original, back = shard_tensors(f"{tmp_path}/a/iter_0000001"), shard_tensors(f"{tmp_path}/b/iter_0000001")

@@ -31,9 +31,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 
-@pytest.mark.parametrize(("tp", "pp", "untied"), [(1, 1, False), (2, 2, False), (2, 2, True)])
-def test_flow_to_torch_dist_to_flow_round_trip_is_bitwise(tp, pp, untied, tmp_path, capsys):
-    config, model = our_llama(untied)
+@pytest.mark.parametrize(
+    ("tp", "pp", "untied", "qkv_bias"), [(1, 1, False, False), (2, 2, False, False), (2, 2, True, False),
+                                         (2, 2, True, True)]
+)  # fmt: skip
+def test_flow_to_torch_dist_to_flow_round_trip_is_bitwise(tp, pp, untied, qkv_bias, tmp_path, capsys):
+    config, model = our_llama(untied, qkv_bias)
     flow.save(ModelWeights(config, trim_vocab(model.state_dict(), VOCAB)), str(tmp_path / "a"), tp, pp)
     _convert("--saver", "torch_dist", "--load-dir", str(tmp_path / "a"), "--save-dir", str(tmp_path / "td"),
              "--target-tensor-parallel-size", str(tp), "--target-pipeline-parallel-size", str(pp))  # fmt: skip
@@ -50,6 +53,7 @@ def test_flow_to_torch_dist_to_flow_round_trip_is_bitwise(tp, pp, untied, tmp_pa
     assert tuple(fc1.size) == (4, 128, 32) and len(fc1.chunks) == 4 * 2 * tp
     assert tuple(layout["embedding.word_embeddings.weight"].size) == (128 * tp, 32)  # padded rows kept
     assert ("output_layer.weight" in layout) == untied  # a tied output layer is the embedding
+    assert ("decoder.layers.self_attention.linear_qkv.bias" in layout) == qkv_bias
     assert "decoder.layers.self_attention.linear_qkv._extra_state/shard_3_4" in layout
     assert "decoder.layers.mlp.linear_fc1.layer_norm_weight" in layout  # the norms by their fused names
     assert (saved / "common.pt").exists()  # the args, where every Megatron-Core version looks

@@ -1,5 +1,5 @@
-"""The `hf` loader and saver: a Hugging Face model folder for GPT-2, the Llama family (Llama-2/3, Mistral) and
-BERT (BertForPreTraining with the binary head, BertForMaskedLM without; post-LN, as Hugging Face's).
+"""The `hf` loader and saver: a Hugging Face model folder for GPT-2, the Llama family (Llama-2/3, Mistral,
+Qwen2) and BERT (BertForPreTraining with the binary head, BertForMaskedLM without; post-LN, as Hugging Face's).
 
 A folder is config.json, safetensors weights (one `model.safetensors`, or shards listed by
 `model.safetensors.index.json`) and the tokenizer's files. The loader reads the model config from config.json,
@@ -36,7 +36,8 @@ from storage.atomic import atomic_copy, atomic_path, atomic_write_text
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-LLAMA_TYPES = ("llama", "mistral")
+# The Llama family by model_type: whether its attention has q/k/v biases (Qwen2's, Megatron's --add-qkv-bias).
+LLAMA_TYPES = {"llama": False, "mistral": False, "qwen2": True}
 # Megatron's --use-rope-scaling fixes these of HF's rope_type "llama3"; only --rope-scaling-factor varies.
 LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 DTYPES = {"float32": {}, "bfloat16": {"bf16": True}, "float16": {"fp16": True}}
@@ -98,11 +99,15 @@ def _rope_settings(hf: dict[str, Any], where: str) -> dict[str, Any]:
 def _llama_config(hf: dict[str, Any], where: str) -> TransformerConfig:
     rope = _rope_settings(hf, where)
     heads, kv_heads = hf["num_attention_heads"], hf.get("num_key_value_heads") or hf["num_attention_heads"]
+    qkv_bias = LLAMA_TYPES[hf["model_type"]]
+    # Qwen2 configs carry a sliding_window that only use_sliding_window (or a sliding layer) turns on
+    sliding = hf.get("use_sliding_window") if qkv_bias else hf.get("sliding_window") is not None
     _refuse(
         [
             (hf.get("hidden_act", "silu") == "silu", f"hidden_act {hf.get('hidden_act')!r} is not silu (SwiGLU)"),
             (not hf.get("attention_bias") and not hf.get("mlp_bias"), "attention_bias / mlp_bias are not mapped"),
-            (hf.get("sliding_window") is None, "sliding-window attention is not implemented here"),
+            (not sliding and "sliding_attention" not in hf.get("layer_types", []),
+             "sliding-window attention is not implemented here"),
         ],
         where,
     )  # fmt: skip
@@ -117,6 +122,7 @@ def _llama_config(hf: dict[str, Any], where: str) -> TransformerConfig:
         num_query_groups=kv_heads,
         norm_epsilon=hf.get("rms_norm_eps", 1e-6),
         untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False),
+        add_qkv_bias=qkv_bias,
         true_vocab_size=hf["vocab_size"],
         **rope,
     )
@@ -191,7 +197,8 @@ def load(load_dir: str) -> ModelWeights:
     }
     if model_type not in families:
         raise ValueError(
-            f"{where}: model_type {model_type!r} is not one the hf loader maps (gpt2, {LLAMA_TYPES}, bert)"
+            f"{where}: model_type {model_type!r} is not one the hf loader maps (it maps "
+            f"{', '.join(sorted(families))}); convert the model from one of those architectures"
         )
     to_config, rules = families[model_type]
     try:
@@ -234,12 +241,18 @@ def _gpt2_hf_config(model: TransformerConfig) -> dict[str, Any]:
 
 
 def _llama_hf_config(model: TransformerConfig) -> dict[str, Any]:
+    """LlamaForCausalLM, or Qwen2ForCausalLM for a model with q/k/v biases (--add-qkv-bias)."""
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": float(model.rotary_base)}
     if model.use_rope_scaling:
         rope |= {"rope_type": "llama3", "factor": model.rope_scaling_factor, **LLAMA3_ROPE}
+    family = (
+        {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "use_sliding_window": False}
+        if model.add_qkv_bias
+        else {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "attention_bias": False,
+              "mlp_bias": False}
+    )  # fmt: skip
     return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        **family,
         "num_hidden_layers": model.num_layers,
         "hidden_size": model.hidden_size,
         "num_attention_heads": model.num_attention_heads,
@@ -249,8 +262,6 @@ def _llama_hf_config(model: TransformerConfig) -> dict[str, Any]:
         "max_position_embeddings": model.seq_length or model.max_position_embeddings,
         "rms_norm_eps": model.norm_epsilon,
         "hidden_act": "silu",
-        "attention_bias": False,
-        "mlp_bias": False,
         "tie_word_embeddings": not model.untie_embeddings_and_output_weights,
         "rope_parameters": rope,
     }
@@ -312,7 +323,8 @@ def _export(weights: ModelWeights) -> tuple[dict[str, Any], dict[str, torch.Tens
     _refuse(
         common + [
             (model.normalization == "RMSNorm" and model.swiglu and not model.add_bias_linear,
-             "Llama needs --normalization RMSNorm, --swiglu and --disable-bias-linear"),
+             "Llama and Qwen2 need --normalization RMSNorm, --swiglu and --disable-bias-linear (Qwen2: and "
+             "--add-qkv-bias)"),
         ],
         where,
     )  # fmt: skip

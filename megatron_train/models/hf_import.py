@@ -1,4 +1,4 @@
-"""Hugging Face GPT-2 / Llama (and Qwen2) / BERT state dicts <-> ours (single TP rank, all layers): one table per family.
+"""Hugging Face GPT-2 / Llama / Qwen2 / BERT state dicts <-> ours (one TP rank, all layers): a table per family.
 
 A table is a list of `Rule`s, each one of our tensors and the Hugging Face tensors it is made of, with the two
 directions of the conversion side by side; `from_hf` and `to_hf` apply a table either way. The tables are the
