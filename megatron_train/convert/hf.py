@@ -106,7 +106,7 @@ def _llama_config(hf: dict[str, Any], where: str) -> TransformerConfig:
         [
             (hf.get("hidden_act", "silu") == "silu", f"hidden_act {hf.get('hidden_act')!r} is not silu (SwiGLU)"),
             (not hf.get("attention_bias") and not hf.get("mlp_bias"), "attention_bias / mlp_bias are not mapped"),
-            (not sliding and "sliding_attention" not in hf.get("layer_types", []),
+            (not sliding and "sliding_attention" not in (hf.get("layer_types") or []),
              "sliding-window attention is not implemented here"),
         ],
         where,
