@@ -165,7 +165,8 @@ def result_lines(refs: dict[str, dict[str, Any]], store_url: str) -> list[str]:
         f"Retro {report['retro']['valid_ppl']:.3f}, GPT baseline {report['gpt']['valid_ppl']:.3f}",
         f"database update (+{update['added_documents']} validation documents, {update['added_chunks']} chunks, "
         f"no retraining): Retro {update['retro_ppl_before']:.3f} -> {update['retro_ppl_after']:.3f}, "
-        f"GPT {update['gpt_ppl_before']:.3f} -> {update['gpt_ppl_after']:.3f}",
+        f"GPT {update['gpt_ppl_before']:.3f} -> {update['gpt_ppl_after']:.3f}; next-chunk trigrams found in the "
+        f"neighbours {update['neighbour_overlap_before']:.3f} -> {update['neighbour_overlap_after']:.3f}",
     ]
 
 

@@ -18,6 +18,7 @@ import os
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from megatron_train.checkpointing import load_model_for_inference
@@ -68,6 +69,26 @@ def _load_run(ref: ArtifactRef, project_dir: str, scratch: str) -> tuple[torch.n
     return model, config, datasets_provider(config, tokenizer, project.num_samples())
 
 
+def neighbour_overlap(dataset: RetroDataset, samples: int) -> float:
+    """How much the neighbours could tell: over the first `samples` samples' chunks that have a next chunk in the
+    sample, the mean share of the next chunk's token trigrams found in the tokens retrieved for the chunk (its
+    neighbours and their continuations). Near 0, no model can gain from retrieval; near 1, copying pays."""
+    shares = []
+    for index in range(samples):
+        sample = dataset[index]
+        tokens, retrieved = np.asarray(sample["tokens"]), np.asarray(sample["neighbor_tokens"])
+        m = dataset.chunk_length
+        for chunk in range(retrieved.shape[0] - 1):
+            wanted = _trigrams(tokens[(chunk + 1) * m : (chunk + 2) * m])
+            found = set().union(*(_trigrams(neighbour) for neighbour in retrieved[chunk]))
+            shares.append(len(wanted & found) / len(wanted) if wanted else 0.0)
+    return float(np.mean(shares)) if shares else 0.0
+
+
+def _trigrams(tokens: np.ndarray) -> set[tuple[int, ...]]:
+    return set(zip(tokens[:-2].tolist(), tokens[1:-1].tolist(), tokens[2:].tolist(), strict=True))
+
+
 def plot_loss_curves(runs: dict[str, str], path: str) -> None:
     """Training (lines) and validation (dots) loss of each named run's metrics.jsonl on one plot."""
     import matplotlib
@@ -110,7 +131,10 @@ def markdown_report(report: dict) -> str:
         "## Database update",
         "",
         f"The {update['added_documents']} validation documents ({update['added_chunks']:,} chunks) added to the "
-        f"database and index without retraining; {update['queried_chunks']:,} chunks re-queried.",
+        f"database and index without retraining; {update['queried_chunks']:,} chunks re-queried. The share of "
+        "each chunk's next-chunk token trigrams found in what was retrieved for it (what retrieval could tell "
+        f"the model): {update['neighbour_overlap_before']:.3f} before, {update['neighbour_overlap_after']:.3f} "
+        "after.",
         "",
         "| model | perplexity before | perplexity after |",
         "| --- | --- | --- |",
@@ -176,6 +200,8 @@ def _evaluate(
             "added_documents": update.added_documents,
             "added_chunks": update.added_chunks,
             "queried_chunks": update.queried_chunks,
+            "neighbour_overlap_before": neighbour_overlap(valid, samples),
+            "neighbour_overlap_after": neighbour_overlap(updated, samples),
             "retro_ppl_before": scores["retro"]["valid_ppl"],
             "retro_ppl_after": retro_after["ppl"],
             "gpt_ppl_before": scores["gpt"]["valid_ppl"],
@@ -203,7 +229,7 @@ def _evaluate(
 
 class RetroEvaluateStage(Stage):
     name = "retro_evaluate"
-    version = "1"
+    version = "2"
     Params = RetroEvaluateParams
 
     def run(self, params: RetroEvaluateParams, inputs: Inputs, store: ArtifactStore) -> ArtifactRef:

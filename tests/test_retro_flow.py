@@ -100,6 +100,8 @@ def test_flow_writes_a_retro_project_and_a_rerun_is_all_cache_hits(
     update = report["database_update"]
     assert update["added_chunks"] > 0 and update["queried_chunks"] == 4 * 2  # 4 samples of 2 chunks
     assert update["gpt_ppl_after"] == pytest.approx(update["gpt_ppl_before"])  # the GPT reads no database
+    # with their own documents in the database, the validation chunks' neighbours hold much of what follows
+    assert 0.0 <= update["neighbour_overlap_before"] < update["neighbour_overlap_after"] <= 1.0
     lines = retro.result_lines(refs, config.corpus.store)
     assert (
         f"Retro {report['retro']['valid_ppl']:.3f}, GPT baseline {report['gpt']['valid_ppl']:.3f}" in lines[0]
