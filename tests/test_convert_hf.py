@@ -255,6 +255,22 @@ def test_refusals_name_the_setting(tmp_path, capsys):
     assert "sliding-window attention is not implemented here" in capsys.readouterr().err
 
 
+def test_a_truncated_weights_file_or_a_broken_config_is_an_error_naming_the_file(tmp_path, capsys):
+    hf_model = next(iter(HF_MODELS.values()))()
+    hf_model.save_pretrained(tmp_path / "hf")
+    weights = tmp_path / "hf" / "model.safetensors"
+    with open(weights, "r+b") as handle:  # an interrupted download
+        handle.truncate(weights.stat().st_size // 2)
+    with pytest.raises(SystemExit):
+        _convert("--loader", "hf", "--load-dir", str(tmp_path / "hf"), "--save-dir", str(tmp_path / "a"))
+    assert f"{weights} is not a readable safetensors file" in capsys.readouterr().err
+    (tmp_path / "hf" / "config.json").write_text('{"model_type": "llama", ')
+    with pytest.raises(SystemExit):
+        _convert("--loader", "hf", "--load-dir", str(tmp_path / "hf"), "--save-dir", str(tmp_path / "a"))
+    assert f"{tmp_path / 'hf' / 'config.json'}: not a readable JSON file" in capsys.readouterr().err
+    assert not (tmp_path / "a").exists()
+
+
 def test_model_shardings_builds_the_model_once_per_config(monkeypatch) -> None:
     """A conversion asks for the shardings in its loader and its saver: the meta model is built once."""
     from megatron_train.arguments import MegatronConfig

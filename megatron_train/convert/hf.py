@@ -16,7 +16,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from megatron_train.arguments import MegatronConfig
@@ -128,6 +128,18 @@ def _llama_config(hf: dict[str, Any], where: str) -> TransformerConfig:
     )
 
 
+def _json_file(path: str) -> dict[str, Any]:
+    """A folder's JSON file (config.json, the weights index) as a dict; a bad one is an error naming it."""
+    try:
+        with open(path) as handle:
+            data = json.load(handle)
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ValueError(f"{path}: not a readable JSON file ({error}); fetch or fix the file") from error
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
 class SafetensorsFolder(Mapping[str, torch.Tensor]):
     """The tensors of a folder's weights (the shards its index lists, or its one model.safetensors), each read
     when the mapping asks for it: converting holds about one copy of the model, not the source's and ours."""
@@ -135,8 +147,7 @@ class SafetensorsFolder(Mapping[str, torch.Tensor]):
     def __init__(self, load_dir: str) -> None:
         index_path = os.path.join(load_dir, INDEX_FILE)
         if os.path.exists(index_path):
-            with open(index_path) as handle:
-                files = sorted(set(json.load(handle)["weight_map"].values()))
+            files = sorted(set(_json_file(index_path).get("weight_map", {}).values()))
         elif os.path.exists(os.path.join(load_dir, WEIGHTS_FILE)):
             files = [WEIGHTS_FILE]
         else:
@@ -146,7 +157,14 @@ class SafetensorsFolder(Mapping[str, torch.Tensor]):
             )
         self._handles = {}
         for name in files:
-            handle = safe_open(os.path.join(load_dir, name), framework="pt")
+            path = os.path.join(load_dir, name)
+            try:
+                handle = safe_open(path, framework="pt")
+            except (OSError, SafetensorError) as error:
+                raise ValueError(
+                    f"{path} is not a readable safetensors file ({error}): the download or copy is truncated or "
+                    "corrupt; fetch the file again"
+                ) from error
             self._handles |= dict.fromkeys(handle.keys(), handle)
 
     def __getitem__(self, name: str) -> torch.Tensor:
@@ -187,8 +205,7 @@ def _bert_tensors(
 def load(load_dir: str) -> ModelWeights:
     """The model in a Hugging Face folder; its config from config.json, its tokenizer files carried along."""
     where = os.path.join(load_dir, CONFIG_FILE)
-    with open(where) as handle:
-        hf = json.load(handle)
+    hf = _json_file(where)
     model_type = hf.get("model_type")
     families = {
         "gpt2": (_gpt2_config, gpt2_rules),
