@@ -13,7 +13,7 @@ import types
 import typing
 from typing import Any, TypeVar
 
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 
 Config = TypeVar("Config", bound=BaseModel)
 
@@ -95,7 +95,8 @@ def build_parser(config_cls: type[BaseModel], description: str) -> argparse.Argu
 
 def parse_config(config_cls: type[Config], argv: list[str] | None, description: str) -> Config:
     """Parse flags into the typed config; unspecified fields keep their defaults."""
-    given = vars(build_parser(config_cls, description).parse_args(argv))
+    parser = build_parser(config_cls, description)
+    given = vars(parser.parse_args(argv))
     values: dict[str, Any] = {}
     for dotted, value in given.items():
         section, _, field = dotted.partition(".")
@@ -103,7 +104,15 @@ def parse_config(config_cls: type[Config], argv: list[str] | None, description: 
             values.setdefault(section, {})[field] = value
         else:
             values[section] = value
-    return config_cls.model_validate(_merge_defaults(config_cls, values))
+    try:
+        return config_cls.model_validate(_merge_defaults(config_cls, values))
+    except (
+        ValidationError
+    ) as error:  # a section's own check (e.g. a count below 1): the flag and why, no trace
+        parser.error("; ".join(
+            f"{_flag('', '.'.join(str(part) for part in e['loc']))}: {e['msg'].removeprefix('Value error, ')}"
+            for e in error.errors()
+        ))  # fmt: skip
 
 
 def _merge_defaults(config_cls: type[BaseModel], values: dict[str, Any]) -> dict[str, Any]:

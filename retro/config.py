@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
-def _require_positive(**values: int) -> None:
+def require_positive(**values: int) -> None:
     for name, value in values.items():
         if value < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
@@ -24,7 +24,7 @@ class ChunkDatabaseConfig:
     retro_gpt_split: str = "969,30,1"  # the pretraining --split: the database holds the train documents
 
     def __post_init__(self) -> None:
-        _require_positive(
+        require_positive(
             retro_gpt_chunk_length=self.retro_gpt_chunk_length, retro_doc_block_size=self.retro_doc_block_size
         )
 
@@ -40,7 +40,7 @@ class IndexConfig:
     retro_index_seed: int = 1234  # seed of the training sample
 
     def __post_init__(self) -> None:
-        _require_positive(retro_index_ntrain=self.retro_index_ntrain, retro_block_size=self.retro_block_size)
+        require_positive(retro_index_ntrain=self.retro_index_ntrain, retro_block_size=self.retro_block_size)
         if not 0.0 < self.retro_index_train_load_fraction <= 1.0:
             raise ValueError(
                 "--retro-index-train-load-fraction must be in (0, 1], got "
@@ -59,7 +59,7 @@ class QueryConfig:
     retro_block_size: int = 100_000  # query chunks per committed block
 
     def __post_init__(self) -> None:
-        _require_positive(
+        require_positive(
             retro_query_nprobe=self.retro_query_nprobe,
             retro_query_ef_search=self.retro_query_ef_search,
             retro_query_num_neighbors_query=self.retro_query_num_neighbors_query,

@@ -12,7 +12,6 @@ import logging
 import os
 import time
 
-from retro.config import ChunkDatabaseConfig
 from retro.db import DATASETS_FILE, build_chunk_database
 from retro.embedder import embedder_tokenizer
 from stages.base import Inputs, Stage, expect_inputs
@@ -39,11 +38,7 @@ class RetroDbStage(Stage):
         def build(writer: ArtifactWriter) -> dict:
             started = time.time()
             db_dir = os.path.join(writer.local_dir, "db")
-            config = ChunkDatabaseConfig(
-                retro_gpt_chunk_length=params.chunk_length,
-                retro_doc_block_size=params.doc_block_size,
-                retro_gpt_split=params.split,
-            )
+            config = params.config()
             db = build_chunk_database(
                 [token_prefix(tokenize)],
                 db_dir,

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 
-from retro.config import IndexConfig
 from retro.db import ChunkDatabase
 from retro.index import TRAINED_INDEX, build_trained_index, training_chunk_ids, write_index
 from stages.base import Inputs, Stage, expect_inputs
@@ -27,12 +26,7 @@ class RetroIndexTrainStage(Stage):
     def run(self, params: IndexTrainParams, inputs: Inputs, store: ArtifactStore) -> ArtifactRef:
         """Train the index; inputs: the `retro_db` and `retro_embed` artifacts."""
         db, embed = expect_inputs(self, inputs, 2, "the retro_db and retro_embed artifacts")
-        config = IndexConfig(
-            retro_index_str=params.index_str,
-            retro_index_ntrain=params.ntrain,
-            retro_index_train_load_fraction=params.train_load_fraction,
-            retro_index_seed=params.seed,
-        )
+        config = params.config()
 
         def build(writer: ArtifactWriter) -> dict:
             ids = training_chunk_ids(ChunkDatabase(local_dir(db, list(DB_FILES))), config)  # counts only

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from megatron_train.tokenizer import MegatronTokenizer, build_tokenizer
+from retro.config import ChunkDatabaseConfig, IndexConfig, QueryConfig, require_positive
 from storage.artifacts import MANIFEST, SHARD_DIR, ArtifactRef
 from storage.atomic import is_temporary
 from storage.fingerprint import hash_path
@@ -120,6 +121,16 @@ class DbParams(RetroParams):
 
     RUNTIME_FIELDS: ClassVar[tuple[str, ...]] = ("doc_block_size",)
 
+    def __post_init__(self) -> None:
+        self.config()  # a bad value fails when the flow's config is parsed, not when the stage runs
+
+    def config(self) -> ChunkDatabaseConfig:
+        return ChunkDatabaseConfig(
+            retro_gpt_chunk_length=self.chunk_length,
+            retro_doc_block_size=self.doc_block_size,
+            retro_gpt_split=self.split,
+        )
+
 
 @dataclass(frozen=True)
 class EmbedParams(RetroParams):
@@ -134,6 +145,11 @@ class EmbedParams(RetroParams):
 
     RUNTIME_FIELDS: ClassVar[tuple[str, ...]] = ("batch_size", "device", "workers")
 
+    def __post_init__(self) -> None:
+        require_positive(
+            retro_block_size=self.block_size, retro_bert_batch_size=self.batch_size, workers=self.workers
+        )
+
 
 @dataclass(frozen=True)
 class IndexTrainParams:
@@ -143,6 +159,17 @@ class IndexTrainParams:
     ntrain: int = 100_000
     train_load_fraction: float = 1.0
     seed: int = 1234
+
+    def __post_init__(self) -> None:
+        self.config()
+
+    def config(self) -> IndexConfig:
+        return IndexConfig(
+            retro_index_str=self.index_str,
+            retro_index_ntrain=self.ntrain,
+            retro_index_train_load_fraction=self.train_load_fraction,
+            retro_index_seed=self.seed,
+        )
 
 
 @dataclass(frozen=True)
@@ -173,6 +200,23 @@ class QueryParams(RetroParams):
     device: str | None = None
 
     RUNTIME_FIELDS: ClassVar[tuple[str, ...]] = ("batch_size", "device")
+
+    def __post_init__(self) -> None:
+        self.config()
+        require_positive(
+            retro_gpt_seq_length=self.seq_length, retro_gpt_train_samples=self.train_samples,
+            retro_gpt_eval_interval=self.eval_interval, retro_gpt_global_batch_size=self.global_batch_size,
+            retro_bert_batch_size=self.batch_size,
+        )  # fmt: skip
+
+    def config(self) -> QueryConfig:
+        return QueryConfig(
+            retro_query_nprobe=self.nprobe,
+            retro_query_ef_search=self.ef_search,
+            retro_query_num_neighbors_query=self.num_neighbors_query,
+            retro_query_num_neighbors_save=self.num_neighbors_save,
+            retro_block_size=self.block_size,
+        )
 
 
 def token_prefix(tokenize: ArtifactRef) -> str:

@@ -20,7 +20,6 @@ import time
 
 from megatron_train.data import DataConfig, build_train_valid_test_datasets
 from retro import project as layout
-from retro.config import QueryConfig
 from retro.db import DATASETS_FILE, ChunkDatabase
 from retro.embedder import embedder_vocab, load_embedder
 from retro.index import ADDED_INDEX, load_index
@@ -128,13 +127,7 @@ class RetroQueryStage(Stage):
                 load_embedder(params.embedder_path(), params.batch_size, params.device),
                 params.gpt_tokenizer(),
                 chunk_length,
-                QueryConfig(
-                    retro_query_nprobe=params.nprobe,
-                    retro_query_ef_search=params.ef_search,
-                    retro_query_num_neighbors_query=params.num_neighbors_query,
-                    retro_query_num_neighbors_save=params.num_neighbors_save,
-                    retro_block_size=params.block_size,
-                ),
+                params.config(),
                 os.path.join(project_dir, layout.QUERY_DIR),
             )
             config = dataclasses.replace(

@@ -267,6 +267,19 @@ def test_cli_flags_cover_every_stage_parameter():
         parse_config(CorpusConfig, ["--clean.no-such-flag", "1"], "test")
 
 
+def test_a_bad_section_value_is_a_usage_error_naming_the_flag(capsys):
+    from flows.cli import parse_config
+    from flows.retro_flow import RetroFlowConfig
+
+    with pytest.raises(SystemExit) as raised:
+        parse_config(CorpusConfig, ["--download.docs-per-shard", "0"], "test")
+    assert raised.value.code == 2
+    assert "error: --download: docs_per_shard must be at least 1, got 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # checked when the flow's config is parsed, before any stage runs
+        parse_config(RetroFlowConfig, ["--query.num-neighbors-save", "30"], "test")
+    assert "error: --query: --retro-query-num-neighbors-save (30) exceeds" in capsys.readouterr().err
+
+
 def test_bert_tokenizer_type_trains_wordpiece(prefect_api_url, corpus, tmp_path):
     config = _config(
         tmp_path / "store",
