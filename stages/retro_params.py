@@ -18,6 +18,7 @@ from typing import Any, ClassVar
 
 from megatron_train.tokenizer import MegatronTokenizer, build_tokenizer
 from retro.config import ChunkDatabaseConfig, IndexConfig, QueryConfig, require_positive
+from retro.embedder import embedder_vocab
 from storage.artifacts import MANIFEST, SHARD_DIR, ArtifactRef
 from storage.atomic import is_temporary
 from storage.fingerprint import hash_path
@@ -105,6 +106,15 @@ class EmbedderParams:
 
     source: str | None = None
     num_layers: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_layers is not None:
+            require_positive(num_layers=self.num_layers)
+        if self.source is not None:
+            try:
+                embedder_vocab(self.source)  # a checkpoint or a BERT directory, else the flow fails up front
+            except FileNotFoundError as error:
+                raise ValueError(str(error)) from error
 
     def source_path(self) -> str:
         return self.source or default_embedder()

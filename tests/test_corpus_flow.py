@@ -278,6 +278,11 @@ def test_a_bad_section_value_is_a_usage_error_naming_the_flag(capsys):
     with pytest.raises(SystemExit):  # checked when the flow's config is parsed, before any stage runs
         parse_config(RetroFlowConfig, ["--query.num-neighbors-save", "30"], "test")
     assert "error: --query: --retro-query-num-neighbors-save (30) exceeds" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse_config(RetroFlowConfig, ["--embedder.source", "/no/such/embedder"], "test")
+    assert (
+        "error: --embedder: /no/such/embedder: neither a Megatron-Flow checkpoint" in capsys.readouterr().err
+    )
 
 
 def test_bert_tokenizer_type_trains_wordpiece(prefect_api_url, corpus, tmp_path):
