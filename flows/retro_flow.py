@@ -162,7 +162,8 @@ def result_lines(refs: dict[str, dict[str, Any]], store_url: str) -> list[str]:
     update = report["database_update"]
     return [
         f"validation perplexity ({report['validation_samples']} samples): "
-        f"Retro {report['retro']['valid_ppl']:.3f}, GPT baseline {report['gpt']['valid_ppl']:.3f}",
+        f"Retro {report['retro']['valid_ppl']:.3f} (with the next sample's neighbours "
+        f"{report['retro']['valid_ppl_other_neighbours']:.3f}), GPT baseline {report['gpt']['valid_ppl']:.3f}",
         f"database update (+{update['added_documents']} validation documents, {update['added_chunks']} chunks, "
         f"no retraining): Retro {update['retro_ppl_before']:.3f} -> {update['retro_ppl_after']:.3f}, "
         f"GPT {update['gpt_ppl_before']:.3f} -> {update['gpt_ppl_after']:.3f}; next-chunk trigrams found in the "

@@ -69,6 +69,22 @@ def _load_run(ref: ArtifactRef, project_dir: str, scratch: str) -> tuple[torch.n
     return model, config, datasets_provider(config, tokenizer, project.num_samples())
 
 
+class OtherSamplesNeighbours(torch.utils.data.Dataset):
+    """The first `samples` samples of a RetroDataset, each with the next sample's neighbours: what Retro scores
+    when its neighbours say nothing about its text, so the gap to its own score is what retrieval gives it."""
+
+    def __init__(self, dataset: RetroDataset, samples: int) -> None:
+        self.dataset = dataset
+        self.samples = samples
+
+    def __len__(self) -> int:
+        return self.samples
+
+    def __getitem__(self, index: int) -> dict[str, np.ndarray]:
+        other = self.dataset[(index + 1) % self.samples]["neighbor_tokens"]
+        return {**self.dataset[index], "neighbor_tokens": other}
+
+
 def neighbour_overlap(dataset: RetroDataset, samples: int) -> float:
     """How much the neighbours could tell: over the first `samples` samples' chunks that have a next chunk in the
     sample, the mean share of the next chunk's token trigrams found in the tokens retrieved for the chunk (its
@@ -128,6 +144,10 @@ def markdown_report(report: dict) -> str:
         f"| Retro | {retro['parameters']:,} | {retro['valid_loss']:.4f} | {retro['valid_ppl']:.3f} |",
         f"| GPT | {gpt['parameters']:,} | {gpt['valid_loss']:.4f} | {gpt['valid_ppl']:.3f} |",
         "",
+        f"Retro given the next sample's neighbours instead of its own: perplexity "
+        f"{retro['valid_ppl_other_neighbours']:.3f} (the difference to {retro['valid_ppl']:.3f} is what its "
+        "retrieval gives it; the rest of the gap to the GPT is the model's).",
+        "",
         "## Database update",
         "",
         f"The {update['added_documents']} validation documents ({update['added_chunks']:,} chunks) added to the "
@@ -172,6 +192,11 @@ def _evaluate(
             "valid_ppl": loss["ppl"],
             "valid_tokens": loss["tokens"],
         }
+
+    other = held_out_loss(
+        retro_model, OtherSamplesNeighbours(valid, samples), params.micro_batch_size, samples
+    )
+    scores["retro"]["valid_ppl_other_neighbours"] = other["ppl"]
 
     gpt_tokenizer = tokenizer_from_config(config.tokenizer)
     retro = config.retro
@@ -229,7 +254,7 @@ def _evaluate(
 
 class RetroEvaluateStage(Stage):
     name = "retro_evaluate"
-    version = "2"
+    version = "3"
     Params = RetroEvaluateParams
 
     def run(self, params: RetroEvaluateParams, inputs: Inputs, store: ArtifactStore) -> ArtifactRef:

@@ -16,7 +16,7 @@ from megatron_train.tokenizer.null import NullTokenizer
 from retro.db import ChunkDatabase, document_chunk_bounds
 from retro.project import RetroProject, db_dir
 from retro.update import update_database
-from stages.retro_evaluate import neighbour_overlap
+from stages.retro_evaluate import OtherSamplesNeighbours, neighbour_overlap
 from tests.retro_project import (
     CHUNK_LENGTH,
     EMBED_DIM,
@@ -113,3 +113,12 @@ def test_neighbour_overlap_is_the_share_of_next_chunk_trigrams_retrieved():
     half[0, 0, :3] = [4, 5, 6]
     assert neighbour_overlap(_Samples(half), 1) == pytest.approx(0.25)
     assert neighbour_overlap(_Samples(np.full((3, 1, 8), 99)), 1) == 0.0
+
+
+def test_other_samples_neighbours_pairs_each_sample_with_the_next_ones():
+    samples = [{"tokens": np.full(4, i), "neighbor_tokens": np.full((1, 1, 8), 10 + i)} for i in range(4)]
+    other = OtherSamplesNeighbours(samples, 3)  # the first 3 samples, wrapping
+    assert len(other) == 3
+    assert [(int(other[i]["tokens"][0]), int(other[i]["neighbor_tokens"][0, 0, 0])) for i in range(3)] == [
+        (0, 11), (1, 12), (2, 10),
+    ]  # fmt: skip
