@@ -60,7 +60,9 @@ def forward_step(
     """Megatron's GPT forward step: per-token losses [b, s] on the last pipeline stage (hidden states
     [s, b, h] elsewhere, the input coming from the previous stage), and the loss function for them."""
     batch = get_batch(data_iterator, get_device())
-    output_tensor = model(batch["tokens"], batch["position_ids"], labels=batch["labels"])
+    output_tensor = model(
+        batch["tokens"], batch["position_ids"], labels=batch["labels"], document_ids=batch.get("document_ids")
+    )
     return output_tensor, functools.partial(loss_func, batch["loss_mask"], per_token_loss=per_token_loss)
 
 

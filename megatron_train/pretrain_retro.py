@@ -222,10 +222,11 @@ def gpt_checkpoint_to_retrofit(config: MegatronConfig) -> str | None:
 def forward_step(
     data_iterator: Iterator, model: torch.nn.Module, per_token_loss: bool = False
 ) -> tuple[torch.Tensor, LossFunc]:
-    """GPT's forward step with the sample's neighbour tokens when the batch has them (Retro)."""
+    """GPT's forward step with the sample's neighbour tokens when the batch has them (Retro), and its document
+    ids (--reset-attention-mask, packed SFT)."""
     batch = get_batch(data_iterator, get_device())
-    neighbours = {"neighbor_tokens": batch["neighbor_tokens"]} if "neighbor_tokens" in batch else {}
-    output_tensor = model(batch["tokens"], batch["position_ids"], labels=batch["labels"], **neighbours)
+    extra = {key: batch[key] for key in ("neighbor_tokens", "document_ids") if key in batch}
+    output_tensor = model(batch["tokens"], batch["position_ids"], labels=batch["labels"], **extra)
     return output_tensor, functools.partial(loss_func, batch["loss_mask"], per_token_loss=per_token_loss)
 
 

@@ -56,13 +56,14 @@ class EvaluateParams:
 @torch.no_grad()
 def held_out_loss(model: torch.nn.Module, dataset, micro_batch_size: int, limit: int | None) -> dict:
     """Mean token loss over the validation split's samples (Megatron's masking), and its perplexity; a Retro
-    dataset's samples carry their neighbours, which the model then attends to."""
+        dataset's samples carry their neighbours, which the model then attends to; samples with document ids
+    (--reset-attention-mask) attend within their documents, as in training."""
     count = len(dataset) if limit is None else min(limit, len(dataset))
     total, tokens = 0.0, 0.0
     for start in range(0, count, micro_batch_size):
         batch = collate([dataset[i] for i in range(start, min(count, start + micro_batch_size))])
-        neighbours = {"neighbor_tokens": batch["neighbor_tokens"]} if "neighbor_tokens" in batch else {}
-        losses = model(batch["tokens"], batch["position_ids"], labels=batch["labels"], **neighbours).float()
+        extra = {key: batch[key] for key in ("neighbor_tokens", "document_ids") if key in batch}
+        losses = model(batch["tokens"], batch["position_ids"], labels=batch["labels"], **extra).float()
         total += float((losses * batch["loss_mask"]).sum())
         tokens += float(batch["loss_mask"].sum())
     loss = total / max(tokens, 1.0)

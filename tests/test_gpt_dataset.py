@@ -273,7 +273,7 @@ def test_partial_validation_sample_is_padded_and_masked(corpus):
     np.testing.assert_array_equal(item["loss_mask"], np.arange(seq_length) < real_labels)
 
 
-def test_eod_mask_loss_and_reset_position_ids(corpus, tmp_path):
+def test_eod_mask_loss_reset_position_ids_and_attention_mask(corpus, tmp_path):
     prefix = corpus
     config = DataConfig(
         data_path=[prefix],
@@ -281,6 +281,7 @@ def test_eod_mask_loss_and_reset_position_ids(corpus, tmp_path):
         data_cache_path=str(tmp_path),
         eod_mask_loss=True,
         reset_position_ids=True,
+        reset_attention_mask=True,
     )
     train, _, _ = build_train_valid_test_datasets(config, 64, (20, 0, 0), 1, EOD)
     seen_eod = 0
@@ -288,13 +289,18 @@ def test_eod_mask_loss_and_reset_position_ids(corpus, tmp_path):
         item = train[i]
         tokens = item["tokens"]
         np.testing.assert_array_equal(item["loss_mask"], (tokens != EOD).astype(np.float32))
-        expected, position = [], 0
+        expected, position, documents, document = [], 0, [], 0
         for token in tokens:
             expected.append(position)
+            documents.append(document)  # an eod belongs to the document it ends
             position = 0 if token == EOD else position + 1
+            document += int(token == EOD)
         np.testing.assert_array_equal(item["position_ids"], expected)
+        np.testing.assert_array_equal(item["document_ids"], documents)
         seen_eod += int((tokens == EOD).sum())
     assert seen_eod > 0
+    plain = DataConfig(data_path=[prefix], split="1", data_cache_path=str(tmp_path))
+    assert "document_ids" not in build_train_valid_test_datasets(plain, 64, (20, 0, 0), 1, EOD)[0][0]
 
 
 def test_cache_is_reused_and_keyed_by_everything(corpus, tmp_path, caplog):
@@ -443,8 +449,6 @@ def test_bad_blend_names_the_token(tokens, message):
 def test_config_errors(corpus, tmp_path):
     with pytest.raises(ValueError, match="'x' is not a non-negative number"):
         parse_split("90,x,1")
-    with pytest.raises(ValueError, match="reset-attention-mask"):
-        DataConfig(mock_data=True, reset_attention_mask=True)
     with pytest.raises(ValueError, match="cannot be combined"):
         DataConfig(data_path=["a"], train_data_path=["b"])
     with pytest.raises(ValueError, match="no data"):

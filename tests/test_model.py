@@ -248,3 +248,28 @@ def test_stage_without_embedding_needs_an_input_tensor_and_zeroes_its_tied_outpu
     first_stage.load_state_dict(first.state_dict(), strict=False)
     hidden = first_stage(tokens())
     assert hidden.shape == (16, 2, 32)  # [s, b, h] for the next stage
+
+
+@pytest.mark.parametrize("llama", [False, True])
+def test_document_ids_make_each_document_score_as_if_alone(llama):
+    """--reset-attention-mask: a document after an eod gets the per-token losses it gets alone (positions
+    restarted too); without the document ids it attends to the first document and scores otherwise."""
+    from tests.tiny import tiny_config, tiny_llama_config
+
+    torch.manual_seed(0)
+    config = (tiny_llama_config if llama else tiny_config)(seq_length=16)
+    model = GPTModel(config, 64).eval()
+    first, second = torch.randint(0, 63, (1, 7)), torch.randint(0, 63, (1, 9))
+    eod = torch.tensor([[63]])
+    text = torch.cat([first, eod, second], dim=1)  # 17 tokens: 16 inputs and their labels
+    tokens, labels = text[:, :-1], text[:, 1:]
+    positions = torch.cat([torch.arange(8), torch.arange(8)]).unsqueeze(0)
+    documents = torch.cat([torch.zeros(8), torch.ones(8)]).long().unsqueeze(0)
+    with torch.no_grad():
+        packed = model(tokens, positions, labels=labels, document_ids=documents)
+        alone = model(second[:, :-1], labels=second[:, 1:])
+        leaking = model(tokens, positions, labels=labels)
+        first_alone = model(text[:, :8], labels=text[:, 1:9])
+    torch.testing.assert_close(packed[:, 8:], alone, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(packed[:, :8], first_alone, rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(leaking[:, 8:], alone, atol=1e-4)

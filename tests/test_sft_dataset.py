@@ -79,6 +79,44 @@ def test_packing_restarts_positions_and_runs_are_deterministic(tmp_path):
     again = build_sft_datasets(config, tokenizer, 31, (12, None, None), seed=3)[0]
     assert all(np.array_equal(train[i]["tokens"], again[i]["tokens"]) for i in range(12))
     assert sorted(train._sample(i)[0] for i in range(3)) == [0, 3, 6]  # one epoch visits every sample once
+    assert train[full]["document_ids"].tolist() == [0] * 9 + [1] * 9 + [2] * 9 + [3] * 4  # padding: its own
+
+
+def test_a_packed_conversation_scores_as_it_does_alone(tmp_path):
+    """Each conversation of a pack attends to itself only: its per-token losses equal those it gets padded
+    alone, whatever it was packed with."""
+    import torch
+
+    from megatron_train.models import GPTModel
+    from tests.tiny import tiny_config
+
+    save_chat_tokenizer(str(tmp_path / "tok"), None)
+    tokenizer = HuggingFaceAutoTokenizer(str(tmp_path / "tok"))
+    conversations = [
+        [{"role": "user", "content": f"w{i}"}, {"role": "assistant", "content": f"w{i + 1} w{i + 2}"}]
+        for i in range(3)
+    ]
+    tokenized = tokenize_conversations(
+        [_write_jsonl(tmp_path / "sft.jsonl", conversations)], ChatFormat(tokenizer)
+    )
+    packed = SFTDataset(tokenized, seq_length=31, pad_id=0, seed=0, packed=True)
+    alone = SFTDataset(tokenized, seq_length=31, pad_id=0, seed=0)
+    torch.manual_seed(0)
+    model = GPTModel(tiny_config(seq_length=32), len(tokenizer.vocab)).eval()
+
+    def losses(sample: dict) -> torch.Tensor:
+        batch = {key: torch.as_tensor(value)[None] for key, value in sample.items()}
+        with torch.no_grad():
+            return model(batch["tokens"], batch["position_ids"], labels=batch["labels"],
+                         document_ids=batch.get("document_ids"))[0] * batch["loss_mask"][0]  # fmt: skip
+
+    [pack] = [packed[i] for i in range(len(packed)) if packed._sample(i) == [0, 1, 2]]
+    by_conversation = {alone._sample(i)[0]: losses(alone[i]) for i in range(3)}
+    pack_losses = losses(pack)
+    for number in range(3):  # 9 tokens each; the mask keeps the assistant's labels only
+        torch.testing.assert_close(pack_losses[9 * number : 9 * number + 9], by_conversation[number][:9],
+                                   rtol=1e-5, atol=1e-6)  # fmt: skip
+        assert by_conversation[number][:9].sum() > 0
 
 
 @pytest.mark.parametrize(

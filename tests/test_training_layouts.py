@@ -45,15 +45,21 @@ def test_padding_differs_between_the_tested_tp_sizes() -> None:
 
 @pytest.fixture(scope="module")
 def layout_losses(tmp_path_factory) -> dict[str, dict[str, list[float]]]:
-    """Training losses per layout, with and without --use-cpu-initialization, one process group per size."""
+    """Training losses per layout, with and without --use-cpu-initialization and with document attention
+    masks (--reset-attention-mask --reset-position-ids), one process group per size."""
     tmp = tmp_path_factory.mktemp("layouts")
     data = write_corpus(str(tmp))
-    losses: dict[str, dict[str, list[float]]] = {"cpu-init": {}, "default": {}}
+    modes = {
+        "cpu-init": ["--use-cpu-initialization"],
+        "default": [],
+        "documents": ["--use-cpu-initialization", "--reset-attention-mask", "--reset-position-ids"],
+    }
+    losses: dict[str, dict[str, list[float]]] = {mode: {} for mode in modes}
     for world_size in sorted({size for size, _ in LAYOUTS.values()}):
         names = [name for name, (size, _) in LAYOUTS.items() if size == world_size]
         runs, keys = [], []
         for name in names:
-            for mode, flags in (("cpu-init", ["--use-cpu-initialization"]), ("default", [])):
+            for mode, flags in modes.items():
                 runs.append(layout_argv(str(tmp / mode / name), data, *LAYOUTS[name][1], *flags))
                 keys.append((mode, name))
         last_rank = run_distributed(pretrain_worker, world_size, runs, timeout=300)[-1]
@@ -67,6 +73,14 @@ def test_use_cpu_initialization_logs_the_same_losses_under_every_layout(layout_l
     reference = layout_losses["cpu-init"]["tp1"]
     assert len(reference) == 4 and len(set(reference)) == 4
     np.testing.assert_allclose(layout_losses["cpu-init"][name], reference, rtol=1e-5, err_msg=name)
+
+
+@pytest.mark.parametrize("name", [name for name in LAYOUTS if name != "tp1"])
+def test_document_attention_masks_log_the_same_losses_under_every_layout(layout_losses, name) -> None:
+    reference = layout_losses["documents"]["tp1"]
+    np.testing.assert_allclose(layout_losses["documents"][name], reference, rtol=1e-5, err_msg=name)
+    # the samples hold several documents: masking attention at their ends changes the losses
+    assert abs(reference[-1] - layout_losses["cpu-init"]["tp1"][-1]) > 1e-4
 
 
 def test_without_cpu_initialization_pipeline_stages_draw_other_weights(layout_losses) -> None:

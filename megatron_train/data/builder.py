@@ -64,6 +64,7 @@ def build_train_valid_test_datasets(
         eod=tokenizer_eod,
         split=data_config.split,
         reset_position_ids=data_config.reset_position_ids,
+        reset_attention_mask=data_config.reset_attention_mask,
         eod_mask_loss=data_config.eod_mask_loss,
     )
     if data_config.mock_data:

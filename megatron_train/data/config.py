@@ -139,7 +139,8 @@ class DataConfig:
     reset_attention_mask: bool = field(
         default=False,
         metadata={
-            "help": "Block attention across end-of-document tokens (not supported: causal attention only)."
+            "help": "Block attention across end-of-document tokens: a token attends only to the earlier tokens "
+            "of its own document (the end-of-document token belongs to the document it ends)."
         },
     )
     eod_mask_loss: bool = field(
@@ -173,11 +174,6 @@ class DataConfig:
     )
 
     def __post_init__(self) -> None:
-        if self.reset_attention_mask:
-            raise ValueError(
-                "--reset-attention-mask is not supported: the models attend causally across the whole "
-                "sequence; drop the flag (--reset-position-ids and --eod-mask-loss are supported)"
-            )
         if self.sft_pack and not self.sft:
             raise ValueError("--sft-pack packs SFT conversations: it needs --sft")
         if self.sft and self.mock_data:

@@ -55,6 +55,7 @@ class GPTDatasetConfig:
     eod: int
     split: str
     reset_position_ids: bool = False
+    reset_attention_mask: bool = False
     eod_mask_loss: bool = False
     drop_last_partial_validation_sequence: bool = True
 
@@ -199,9 +200,20 @@ class GPTDataset(torch.utils.data.Dataset):
         position_ids = np.arange(len(tokens), dtype=np.int64)
         if self.config.reset_position_ids:
             position_ids -= document_starts(tokens, self.config.eod)
+        sample = {"tokens": tokens, "labels": labels, "loss_mask": loss_mask, "position_ids": position_ids}
+        if self.config.reset_attention_mask:
+            sample["document_ids"] = document_ids(tokens, self.config.eod)
         tokens[tokens == PAD_TOKEN_ID] = 0
         labels[labels == PAD_TOKEN_ID] = 0
-        return {"tokens": tokens, "labels": labels, "loss_mask": loss_mask, "position_ids": position_ids}
+        return sample
+
+
+def document_ids(tokens: np.ndarray, eod: int) -> np.ndarray:
+    """For each position, the number of eod tokens before it: the sample's document it belongs to, an eod
+    counted with the document it ends (what --reset-attention-mask attends within)."""
+    ids = np.zeros(len(tokens), dtype=np.int64)
+    ids[1:] = np.cumsum(tokens[:-1] == eod)
+    return ids
 
 
 def document_starts(tokens: np.ndarray, eod: int) -> np.ndarray:

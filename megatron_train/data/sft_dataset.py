@@ -6,8 +6,9 @@ Megatron's SFTDataset. A conversation is rendered with the tokenizer's chat temp
 tokens and labels as GPTDataset does, with `loss_mask` 1 exactly where the label is a token the assistant wrote
 (system and user turns, template scaffolding and padding are 0). One conversation per sample, cut at
 `seq_length + 1` tokens and padded (the tokenizer's pad token, else its end-of-document); with `--sft-pack`
-consecutive conversations share a sample until it is full, each with position ids from 0 (attention still
-spans the whole sample, as Megatron's packing without --reset-attention-mask). Samples are visited in a
+consecutive conversations share a sample until it is full, each with position ids from 0 and attending to
+itself only (`document_ids`: Megatron-Core's packed sequences), so a conversation's loss does not depend on what
+it was packed with. Samples are visited in a
 seeded permutation per epoch, so a run is deterministic (docs/architecture.md, SFT).
 """
 
@@ -93,6 +94,7 @@ class SFTDataset(torch.utils.data.Dataset):
         self.conversations, self.seq_length, self.pad_id, self.seed = conversations, seq_length, pad_id, seed
         capacity = seq_length + 1
         lengths = [len(tokens) for tokens, _ in conversations]
+        self.packed = packed
         self.samples = pack(lengths, capacity) if packed else [[index] for index in range(len(lengths))]
         self.num_samples = len(self.samples) if num_samples is None else num_samples
         truncated = sum(length > capacity for length in lengths)
@@ -113,20 +115,26 @@ class SFTDataset(torch.utils.data.Dataset):
         tokens = np.full(capacity, self.pad_id, dtype=np.int64)
         assistant = np.zeros(capacity, dtype=bool)
         positions = np.arange(capacity, dtype=np.int64)
+        documents = np.zeros(capacity, dtype=np.int64)
         start = 0
-        for index in self._sample(idx):
+        for number, index in enumerate(self._sample(idx)):
             conversation_tokens, conversation_mask = self.conversations[index]
             length = min(len(conversation_tokens), capacity - start)
             tokens[start : start + length] = conversation_tokens[:length]
             assistant[start : start + length] = conversation_mask[:length]
             positions[start:] = np.arange(capacity - start)
+            documents[start:] = number  # the padding after the last conversation is its own
             start += length
-        return {
+        documents[start:] += 1
+        sample = {
             "tokens": tokens[:-1],
             "labels": tokens[1:],
             "loss_mask": assistant[1:].astype(np.float32),
             "position_ids": positions[:-1],
         }
+        if self.packed:
+            sample["document_ids"] = documents[:-1]
+        return sample
 
 
 def _pad_id(tokenizer: MegatronTokenizer) -> int:

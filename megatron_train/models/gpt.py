@@ -21,6 +21,7 @@ from megatron_train.models.transformer import (
     TOKENTYPE_EMBEDDING_INIT_STREAM,
     WORD_EMBEDDING_INIT_STREAM,
     TransformerBlock,
+    document_causal_mask,
     init_method_normal,
 )
 from megatron_train.parallel.cross_entropy import vocab_parallel_cross_entropy
@@ -258,12 +259,14 @@ class GPTModel(LanguageModule):
         kv_cache: KVCache | None = None,
         context: torch.Tensor | None = None,
         context_mask: torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Per-token fp32 loss [b, s] with labels; else logits [b, s, vocab] (gathered across TP).
 
         A stage without post_process returns its hidden states [s, b, h] (the next stage's input).
         With a KV cache, input_ids are the new tokens only; positions continue from the cache's offset.
         `context` / `context_mask` go to the layers' cross-attention (Megatron-Core's extra_block_kwargs).
+        `document_ids` [b, s] (--reset-attention-mask, packed SFT): each token attends within its document only.
         """
         batch, seq = input_ids.shape
         offset = 0 if kv_cache is None else kv_cache.seq_len_offset
@@ -283,7 +286,8 @@ class GPTModel(LanguageModule):
         else:
             hidden = self.decoder.input_tensor
         rotary = None if self.rotary_pos_emb is None else self.rotary_pos_emb(position_ids)
-        hidden = self.decoder(hidden, rotary, kv_cache, context=context, context_mask=context_mask)
+        mask = None if document_ids is None else document_causal_mask(document_ids)
+        hidden = self.decoder(hidden, rotary, kv_cache, mask, context=context, context_mask=context_mask)
         if kv_cache is not None:
             kv_cache.seq_len_offset += seq
         if not self.post_process:

@@ -209,7 +209,8 @@ class RetroModel(GPTModel):
 
     forward(input_ids [b, ns], position_ids, labels, neighbor_tokens [b, l, k, r]) as `GPTModel.forward`, the
     neighbours embedded by the decoder's embedding at positions 0 .. r - 1. No KV cache: generation runs the
-    whole sequence each step, as Megatron's Retro generation did.
+    whole sequence each step, as Megatron's Retro generation did. `document_ids` cut the decoder's
+    self-attention at document ends (the chunked cross-attention, as Megatron's, is not cut).
     """
 
     model_type = "retro"  # recorded in checkpoints
@@ -271,6 +272,7 @@ class RetroModel(GPTModel):
         labels: torch.Tensor | None = None,
         neighbor_tokens: torch.Tensor | None = None,
         kv_cache: KVCache | None = None,
+        document_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if kv_cache is not None:
             raise ValueError("RetroModel has no KV cache: generate by running the whole sequence each step")
@@ -290,7 +292,7 @@ class RetroModel(GPTModel):
         retrieved = neighbor_tokens.reshape(-1, self.retro.retro_retrieved_length)
         positions = torch.arange(retrieved.shape[1], device=retrieved.device).expand_as(retrieved)
         context = self.embedding(retrieved, positions)  # [r, b * l * k, h]
-        return super().forward(input_ids, position_ids, labels, context=context)
+        return super().forward(input_ids, position_ids, labels, context=context, document_ids=document_ids)
 
 
 def is_retro_parameter(name: str) -> bool:

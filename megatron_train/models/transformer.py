@@ -91,11 +91,22 @@ def get_layer_range(
     return range(start, start + per_chunk)
 
 
+def document_causal_mask(document_ids: torch.Tensor) -> torch.Tensor:
+    """bool [b, 1, s, s]: query i may attend key j when j <= i and both lie in the same document (Megatron's
+    --reset-attention-mask, and packed SFT conversations); `document_ids` [b, s] numbers each position's
+    document."""
+    seq = document_ids.shape[1]
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=document_ids.device).tril()
+    same_document = document_ids[:, :, None] == document_ids[:, None, :]
+    return (same_document & causal).unsqueeze(1)
+
+
 class CoreAttention(nn.Module):
     """softmax(q k^T / sqrt(d) + mask) v, by flash-attn or torch's scaled_dot_product_attention.
 
-    Causal by default; with an `attention_mask` (bool [b, 1, 1, s_k], True where a key may be attended: BERT's
-    padding mask) attention is bidirectional over the unmasked keys, by scaled_dot_product_attention only.
+    Causal by default; with an `attention_mask` (bool, True where a key may be attended: [b, 1, 1, s_k], BERT's
+    padding mask, bidirectional over the unmasked keys; or [b, 1, s_q, s_k], e.g. `document_causal_mask`)
+    attention follows the mask alone, by scaled_dot_product_attention (flash-attn takes no dense mask).
     `causal=False` (cross-attention) attends to every key when no mask is given.
 
     Takes q [b, s_q, heads, d] and k, v [b, s_k, groups, d] (the kernels' layout) with s_k >= s_q: the queries
@@ -117,11 +128,7 @@ class CoreAttention(nn.Module):
         dropout_p = self.dropout_p if self.training else 0.0
         rng = get_rng_tracker().fork() if dropout_p > 0 and self.fork_rng else contextlib.nullcontext()
         with rng:
-            if attention_mask is not None:
-                if self.flash_attn_func is not None:
-                    raise RuntimeError(
-                        "--use-flash-attn runs causal attention only; drop it for a bidirectional (BERT) model"
-                    )
+            if attention_mask is not None:  # also under --use-flash-attn: its kernel takes no dense mask
                 context = self._sdpa(q, k, v, dropout_p, attention_mask)
             elif self.flash_attn_func is not None:
                 if not q.is_cuda or q.dtype not in (torch.float16, torch.bfloat16):
@@ -395,7 +402,8 @@ class TransformerBlock(nn.Module):
         context: torch.Tensor | None = None,
         context_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """`attention_mask`: bool [b, 1, 1, s], True on the keys to attend (bidirectional); None: causal.
+        """`attention_mask`: bool, True where a query may attend a key: [b, 1, 1, s] over the keys (BERT's
+        bidirectional padding mask) or [b, 1, s, s] per query (`document_causal_mask`); None: causal.
         `context` [s_k, b, h] and `context_mask` [b, 1, 1, s_k] feed the layers' cross-attention; a layer may
         hand the layers after it another context (see `TransformerLayer`)."""
         # Sequence-parallel shards differ across TP ranks, so their dropout draws from the tracked stream.
