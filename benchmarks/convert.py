@@ -4,7 +4,8 @@ loading and re-saving the same folder (`from_pretrained` + `save_pretrained`), i
     .venv/bin/python -m benchmarks.convert [--layers 8 --hidden 1024 --repeats 3]
 
 Both read the same safetensors folder and write a full copy of the weights; ours also regroups the QKV and
-MLP projections and splits the result for --target-tp x --target-pp ranks. Throughput is GB of weights per
+MLP projections, splits the result for --target-tp x --target-pp ranks, hashes and fsyncs every file (the
+checkpoint contract); a third line times the peer with its files fsynced too. Throughput is GB of weights per
 second, the median of --repeats runs each. The last line is `ratio: <ours GB/s / transformers GB/s>`.
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import shutil
 import statistics
 import tempfile
@@ -63,14 +65,25 @@ def main() -> None:
         def peer(out: str) -> None:
             transformers.AutoModelForCausalLM.from_pretrained(f"{root}/hf").save_pretrained(out)
 
+        def peer_durable(out: str) -> None:
+            peer(out)
+            for name in os.listdir(out):  # what ours does for every file it writes
+                with open(os.path.join(out, name), "rb") as handle:
+                    os.fsync(handle.fileno())
+
         ours_seconds = _median_seconds(ours, root, args.repeats)
         peer_seconds = _median_seconds(peer, root, args.repeats)
+        durable_seconds = _median_seconds(peer_durable, root, args.repeats)
     ours_rate, peer_rate = gigabytes / ours_seconds, gigabytes / peer_seconds
     print(f"weights: {gigabytes:.3f} GB ({args.layers} layers, hidden {args.hidden}, vocab {args.vocab})")
     print(
         f"ours  HF -> flow (TP{args.target_tp} x PP{args.target_pp}): {ours_seconds:.2f} s, {ours_rate:.2f} GB/s"
     )
     print(f"transformers from_pretrained + save_pretrained: {peer_seconds:.2f} s, {peer_rate:.2f} GB/s")
+    print(
+        f"the same with its files fsynced as ours are: {durable_seconds:.2f} s, {gigabytes / durable_seconds:.2f} "
+        f"GB/s (ours / this: {durable_seconds / ours_seconds:.2f})"
+    )
     print(f"ratio: {ours_rate / peer_rate:.2f}")
 
 
