@@ -1,5 +1,7 @@
 """The pipeline flow: corpus -> pretrain -> convert -> evaluate, what the `pipeline` deployment in `prefect.yaml`
-runs when a corpus refresh announces new token data (`flows.events.TOKENIZED_EVENT`).
+runs when a corpus refresh announces new token data (`flows.events.TOKENIZED_EVENT`). With a `retro` section
+(`{"retro": {}}` for the defaults of `make retro`) the Retro branch runs too, on the same corpus: its database,
+index and neighbours, Retro and its GPT baseline, and their report (`flows.retro_flow`).
 
 Every stage is cached, so the corpus part of a triggered run finds the refresh's artifacts when the deployment's
 corpus settings are the refresh's. A run given the announced `tokenize_key` checks that before training, and
@@ -15,13 +17,16 @@ from prefect import flow
 from flows.convert import ConvertFlowConfig, convert_flow
 from flows.corpus import corpus_flow
 from flows.eval import EvalFlowConfig, evaluate_run
+from flows.retro_flow import RetroFlowConfig, retro_flow
 from stages.convert import ConvertParams
 
 
 class PipelineConfig(EvalFlowConfig):
-    """The eval flow's settings and the format the trained run is converted to (a Hugging Face folder)."""
+    """The eval flow's settings, the format the trained run is converted to (a Hugging Face folder), and the
+    Retro branch's settings when it runs (its corpus is `pretrain.corpus`, whatever the section says)."""
 
     convert: ConvertParams = ConvertParams()
+    retro: RetroFlowConfig | None = None
 
 
 @flow(name="pipeline")
@@ -39,4 +44,8 @@ def pipeline_flow(
                 "the corpus-refresh deployment's settings in prefect.yaml"
             )
     refs = convert_flow(ConvertFlowConfig(pretrain=config.pretrain, convert=config.convert))
-    return evaluate_run("pipeline", refs, config.evaluate, config.pretrain.corpus.store)
+    refs = evaluate_run("pipeline", refs, config.evaluate, config.pretrain.corpus.store)
+    if config.retro is not None:
+        retro = config.retro.model_copy(update={"corpus": config.pretrain.corpus})
+        refs = {**retro_flow(retro), **refs}
+    return refs

@@ -1,7 +1,7 @@
 """What a flow shows in the Prefect UI: the stage summary as a table artifact, each stage's artifact as a link,
 and the evaluation report as a markdown artifact (docs/architecture.md).
 
-Artifact keys are stable (`corpus-summary`, `tokenize-artifact`, `evaluation-report`...), so the UI keeps each
+Artifact keys are stable (`corpus-summary`, `tokenize-artifact`, `evaluation-report`, `retro-report`...), so the UI keeps each
 one's history across runs and shows the latest first.
 """
 
@@ -52,13 +52,16 @@ def publish_stages(flow_name: str, refs: dict[str, dict[str, Any]], store_url: s
         )
 
 
-def publish_report(evaluate_ref: dict[str, Any], store_url: str) -> None:
-    """The evaluate stage's Markdown report, its loss-curve image linked where the file lies."""
+def publish_report(
+    evaluate_ref: dict[str, Any],
+    store_url: str,
+    key: str = "evaluation-report",
+    description: str = "metrics, loss curves and sample generations",
+) -> None:
+    """An evaluation stage's Markdown report, its loss-curve image linked where the file lies."""
     evaluate = ArtifactStore(store_url).ref(evaluate_ref)
     curves = link_url(evaluate.file_url(LOSS_CURVES))
     report = Path(evaluate.local_path("report.md")).read_text()
     markdown = report.replace(f"]({LOSS_CURVES})", f"]({curves})")
     markdown += f"\n[Loss curves (PNG)]({curves}) · [report.md]({link_url(evaluate.file_url('report.md'))})\n"
-    create_markdown_artifact(
-        markdown=markdown, key="evaluation-report", description="metrics, loss curves and sample generations"
-    )
+    create_markdown_artifact(markdown=markdown, key=key, description=description)

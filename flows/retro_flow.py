@@ -195,7 +195,12 @@ def retro_flow(config: RetroFlowConfig = RetroFlowConfig()) -> dict[str, Any]:
         "retro summary\n%s\nproject: %s", summary_table(summarize(refs, store)), project_dir(refs, store)
     )
     publish_stages("retro", refs, store)
-    publish_report(refs["retro_evaluate"], store)
+    publish_report(
+        refs["retro_evaluate"],
+        store,
+        key="retro-report",
+        description="Retro against its GPT baseline: perplexities, the database update, loss curves",
+    )
     return refs
 
 

@@ -152,6 +152,32 @@ def test_pipeline_refuses_to_train_on_other_data_than_the_event_announced(monkey
     assert trained == [ConvertFlowConfig(pretrain=config.pretrain, convert=ConvertParams(saver="megatron"))]
 
 
+def test_the_pipelines_retro_branch_runs_on_the_pipelines_corpus(monkeypatch):
+    from flows import pipeline
+    from flows.pretrain import PretrainFlowConfig
+    from flows.retro_flow import RetroFlowConfig
+
+    branches: list[RetroFlowConfig] = []
+    monkeypatch.setattr(pipeline, "convert_flow", lambda config: {"tokenize": {"key": "t"}, "convert": {}})
+    monkeypatch.setattr(pipeline, "evaluate_run", lambda flow, refs, params, store: {**refs, "evaluate": {}})
+    monkeypatch.setattr(
+        pipeline,
+        "retro_flow",
+        lambda config: branches.append(config) or {"tokenize": {"key": "t"}, "retro_evaluate": {"key": "r"}},
+    )
+    corpus = CorpusConfig(store="/elsewhere")
+    config = pipeline.PipelineConfig(pretrain=PretrainFlowConfig(corpus=corpus))
+    assert "retro_evaluate" not in pipeline.pipeline_flow.fn(config) and branches == []
+    retro = pipeline.PipelineConfig.model_validate(
+        {"pretrain": {"corpus": {"store": "/elsewhere"}}, "retro": {"db": {"chunk_length": 32}}}
+    )  # a deployment's JSON parameters
+    refs = pipeline.pipeline_flow.fn(retro)
+    assert set(refs) == {"tokenize", "convert", "evaluate", "retro_evaluate"}
+    (branch,) = branches
+    assert branch.corpus == corpus and branch.db.chunk_length == 32
+    assert branch.query == RetroFlowConfig().query
+
+
 def test_processes_per_node_come_from_the_config_else_the_work_pool_job_variable(monkeypatch):
     from flows.pretrain import PretrainFlowConfig, parse
 

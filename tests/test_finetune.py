@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from megatron_train.checkpointing import read_latest_iteration
+from megatron_train.tasks.finetune.finetune import steps_per_epoch, train_batches
 from megatron_train.tasks.finetune.glue import read_mnli, read_qqp
 from megatron_train.tasks.finetune.hf import hf_records, load_hf_splits
 from megatron_train.tasks.finetune.race import read_race
@@ -401,7 +402,7 @@ def test_qqp_and_race_finetune_well_above_chance(tmp_path, pretrained, synthetic
     root = synthetic_tasks
     qqp = finetune_argv(
         "QQP", pretrained[1], str(tmp_path / "qqp"), "--epochs", "2", "--train-data", f"{root}/train.tsv",
-        "--valid-data", f"{root}/dev.tsv",
+        "--valid-data", f"{root}/dev.tsv", "--micro-batch-size", "16", "--keep-last",
     )  # fmt: skip
     race = finetune_argv(
         "RACE", pretrained[1], str(tmp_path / "race"), "--epochs", "2", "--micro-batch-size", "4", "--train-data",
@@ -413,12 +414,48 @@ def test_qqp_and_race_finetune_well_above_chance(tmp_path, pretrained, synthetic
     )[0]
     assert [line[1] for line in accuracy_lines(qqp_printed)][:2] == ["dev", "overall"]
     assert qqp_metrics["epochs"][-1]["overall"] > 0.85, qqp_printed  # chance: 1/2
+    assert qqp_metrics["iteration"] == 2 * 13  # --keep-last: 200 samples are 12 batches of 16 and one of 8
+    for record in read_metrics(str(tmp_path / "race")):  # a question is 4 sequences of --seq-length 32
+        if "tokens per second" in record:
+            per_iteration = record["elapsed time per iteration (ms)"] / 1000
+            assert record["tokens per second"] * per_iteration == pytest.approx(4 * 4 * 32, rel=1e-6)
     assert [line[1:4:2] for line in accuracy_lines(race_printed)][:3] == [
         ("dev-middle", 40),
         ("dev-high", 20),
         ("overall", 60),
     ]
     assert race_metrics["epochs"][-1]["overall"] > 0.6, race_printed  # chance: 1/4
+
+
+@pytest.mark.parametrize("num_samples", [10, 11])
+@pytest.mark.parametrize("keep_last", [False, True])
+def test_each_epoch_is_a_permutation_cut_into_global_batches_over_the_ranks(num_samples, keep_last):
+    samples = [{"id": i} for i in range(num_samples)]
+    steps = steps_per_epoch(num_samples, 4, keep_last)
+    assert steps == (3 if keep_last else 2)
+
+    def epochs_seen(dp_size: int, micro_batch: int) -> list[list[list[int]]]:
+        """Per step of 2 epochs, the ids each DP rank trains on."""
+        ranks = [
+            train_batches(samples, 4, micro_batch, (rank, dp_size), seed=5, start=0, keep_last=keep_last)
+            for rank in range(dp_size)
+        ]
+        return [[list(next(batches)["id"]) for batches in ranks] for _ in range(2 * steps)]
+
+    one, two = epochs_seen(1, 4), epochs_seen(2, 2)
+    for step in range(2 * steps):
+        per_rank = [len(ids) for ids in two[step]]
+        assert per_rank[0] == per_rank[1]  # every rank steps on as many samples
+        if step % steps < 2:  # a full global batch: the same samples whatever the DP size
+            assert sum(two[step], []) == one[step][0] and per_rank == [2, 2]
+    for epoch in range(2):
+        seen = sum((ids for step in one[epoch * steps : (epoch + 1) * steps] for ids in step), [])
+        assert len(seen) == len(set(seen)) == (num_samples if keep_last else 8)
+        rank_seen = sum((ids for step in two[epoch * steps : (epoch + 1) * steps] for ids in step), [])
+        assert set(rank_seen) == set(seen)  # the remainder padded from the epoch's own samples
+    assert one[0] != one[steps]  # a new permutation each epoch
+    if keep_last:  # 2 left over (10 samples): one each; 3 left over: two each, one of them padded
+        assert [len(ids) for ids in two[2]] == ([1, 1] if num_samples == 10 else [2, 2])
 
 
 def test_hf_dataset_reads_as_the_tsv_files(tmp_path, mnli):

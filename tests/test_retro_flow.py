@@ -28,6 +28,7 @@ from stages.retro_params import (
     QueryParams,
 )
 from stages.retro_pretrain import RetroPretrainParams
+from tests.prefect_runs import artifacts
 from tests.test_corpus_flow import _base_chapters, _config
 
 RETRO_STAGES = [name for name in STAGE_MODULES if name.startswith("retro_")]
@@ -68,7 +69,8 @@ def test_flow_writes_a_retro_project_and_a_rerun_is_all_cache_hits(
     prefect_api_url, chapters, tmp_path, monkeypatch
 ):
     config = small_config(str(tmp_path / "store"), chapters)
-    refs = retro_flow(config)
+    state = retro_flow(config, return_state=True)
+    refs = state.result()
     assert not any(refs[stage]["cache_hit"] for stage in RETRO_STAGES)
     directory = project_dir(refs, config.corpus.store)
     project = RetroProject.load(directory)
@@ -103,6 +105,11 @@ def test_flow_writes_a_retro_project_and_a_rerun_is_all_cache_hits(
     assert update["gpt_ppl_after"] == pytest.approx(update["gpt_ppl_before"])  # the GPT reads no database
     # with their own documents in the database, the validation chunks' neighbours hold much of what follows
     assert 0.0 <= update["neighbour_overlap_before"] < update["neighbour_overlap_after"] <= 1.0
+    published = artifacts(state)  # in the Prefect UI, under a key of its own (a pipeline's report keeps its)
+    kind, markdown = published["retro-report"]
+    assert kind == "markdown" and "evaluation-report" not in published
+    assert Path(evaluate.local_path("loss_curves.png")).as_uri() in markdown
+    assert published["retro-summary"][0] == "table"
     lines = retro.result_lines(refs, config.corpus.store)
     assert (
         f"GPT baseline {report['gpt']['valid_ppl']:.3f}" in lines[0]

@@ -182,8 +182,12 @@ class Trainer:
         forward_step_func: ForwardStepFunc,
         padded_vocab_size: int,
         writer: MetricsWriter | None,
+        sequences_per_sample: int = 1,
     ) -> None:
+        """`sequences_per_sample`: sequences of --seq-length tokens in one sample (a RACE question's 4 options),
+        for the tokens and FLOPs logged."""
         self.config = config
+        self.sequences_per_sample = sequences_per_sample
         self.setup = setup
         self.forward_step_func = forward_step_func
         self.padded_vocab_size = padded_vocab_size
@@ -214,7 +218,8 @@ class Trainer:
         seconds = time.perf_counter() - interval.start
         elapsed = seconds / max(interval.iterations, 1)
         gbs = self.setup.calculator.current_global_batch_size
-        flops = num_floating_point_operations(self.config.model, self.padded_vocab_size, interval.samples)
+        sequences = interval.samples * self.sequences_per_sample
+        flops = num_floating_point_operations(self.config.model, self.padded_vocab_size, sequences)
         tflops_per_device = flops / seconds / self.world_size / 1e12
         stats = {
             "iteration": self.progress.iteration,
@@ -228,7 +233,7 @@ class Trainer:
             "grad norm": grad_norm,
             "number of skipped iterations": interval.skipped,
             "number of nan iterations": interval.nan,
-            "tokens per second": interval.samples * self.config.model.seq_length / seconds,
+            "tokens per second": sequences * self.config.model.seq_length / seconds,
             "MFU": tflops_per_device * 1e12 / self.peak_flops if self.peak_flops else None,
             "peak memory (MB)": peak_memory_mb(),
         }

@@ -32,7 +32,7 @@ from megatron_train.parallel import state
 from megatron_train.tasks.finetune.glue import glue_split_name, read_mnli, read_qqp
 from megatron_train.tasks.finetune.hf import DEFAULT_SPLITS, hf_records
 from megatron_train.tasks.finetune.model import BertClassifier, check_bert_checkpoint, load_pretrained_bert
-from megatron_train.tasks.finetune.race import race_split_name, read_race
+from megatron_train.tasks.finetune.race import NUM_CHOICES, race_split_name, read_race
 from megatron_train.tasks.finetune.samples import build_samples
 from megatron_train.tokenizer import MegatronTokenizer, tokenizer_from_config
 from megatron_train.training.entry import model_build_options, padded_vocab_size_for
@@ -47,12 +47,13 @@ class Task:
     num_classes: int
     read_file: Callable[[str], list]
     split_name: Callable[[str], str]
+    sequences_per_sample: int = 1  # RACE: a question is one sequence per option
 
 
 TASKS = {
     "MNLI": Task(3, read_mnli, glue_split_name),
     "QQP": Task(2, read_qqp, glue_split_name),
-    "RACE": Task(1, read_race, race_split_name),
+    "RACE": Task(1, read_race, race_split_name, sequences_per_sample=NUM_CHOICES),
 }
 
 
@@ -85,7 +86,12 @@ def add_finetune_flags(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="Default: validation_matched validation_mismatched (MNLI), validation (QQP, RACE).",
     )
-    group.add_argument("--keep-last", action="store_true", help="Accepted for Megatron's scripts; unused.")
+    group.add_argument(
+        "--keep-last",
+        action="store_true",
+        help="Train on each epoch's last, incomplete global batch too (shared out over the data-parallel ranks, "
+        "padded from the epoch's first samples as torch's DistributedSampler pads); default: dropped.",
+    )
 
 
 @dataclass
@@ -173,7 +179,15 @@ def finetune_config(args: argparse.Namespace, saved: MegatronConfig | None) -> M
     return MegatronConfig(**sections)
 
 
-def set_schedule(config: MegatronConfig, epochs: int, num_train: int, world_size: int) -> int:
+def steps_per_epoch(num_train: int, global_batch: int, keep_last: bool) -> int:
+    """Global batches in one pass over the training set: the incomplete last one counts with --keep-last."""
+    full, rest = divmod(num_train, global_batch)
+    return full + int(keep_last and rest > 0)
+
+
+def set_schedule(
+    config: MegatronConfig, epochs: int, num_train: int, world_size: int, keep_last: bool
+) -> int:
     """One micro-batch per step: --global-batch-size is --micro-batch-size x DP; --train-iters is the epochs'
     steps. Returns the steps per epoch."""
     training = config.training
@@ -188,16 +202,19 @@ def set_schedule(config: MegatronConfig, epochs: int, num_train: int, world_size
             f"global batch is --micro-batch-size x data-parallel size = {global_batch}; drop the flag"
         )
     training.global_batch_size = global_batch
-    steps_per_epoch = num_train // global_batch
-    if epochs and not steps_per_epoch:
-        raise ValueError(f"{num_train} training samples are fewer than one global batch of {global_batch}")
+    steps = steps_per_epoch(num_train, global_batch, keep_last)
+    if epochs and not steps:
+        raise ValueError(
+            f"{num_train} training samples are fewer than one global batch of {global_batch}: pass --keep-last "
+            "to train on them, or lower --micro-batch-size"
+        )
     training.train_samples = None
-    training.train_iters = epochs * steps_per_epoch
+    training.train_iters = epochs * steps
     if not epochs:  # evaluation only: nothing steps, but the scheduler needs a length and a rate
         training.train_iters = 1
         config.optimizer.lr = config.optimizer.lr or 0.0
         config.checkpoint.no_load_optim = True  # a finetuned --load gives its weights, not its optimizer
-    return steps_per_epoch
+    return steps
 
 
 def collate(samples: list[dict]) -> dict[str, np.ndarray]:
@@ -205,19 +222,36 @@ def collate(samples: list[dict]) -> dict[str, np.ndarray]:
 
 
 def train_batches(
-    samples: list[dict], global_batch: int, micro_batch: int, dp_rank: int, seed: int, start: int
+    samples: list[dict],
+    global_batch: int,
+    micro_batch: int,
+    data_parallel: tuple[int, int],
+    seed: int,
+    start: int,
+    keep_last: bool = False,
 ) -> Iterator[dict[str, np.ndarray]]:
     """This DP rank's micro-batch of every step from step `start` on: each epoch a permutation of the training
-    set seeded `seed + epoch` (as Megatron's sampler epochs) cut into global batches, the incomplete one
-    dropped; DP rank r takes the r-th micro-batch of each global batch, so any DP size sees the same batches."""
-    steps_per_epoch = len(samples) // global_batch
+    set seeded `seed + epoch` (as Megatron's sampler epochs) cut into global batches; DP rank r takes the r-th
+    micro-batch of each global batch, so any DP size sees the same full batches. The incomplete last batch is
+    dropped, or with `keep_last` padded with the permutation's first samples to a multiple of the DP size and
+    shared out evenly (every rank steps on as many samples)."""
+    dp_rank, dp_size = data_parallel
+    full, rest = divmod(len(samples), global_batch)
+    per_epoch = steps_per_epoch(len(samples), global_batch, keep_last)
     epoch, order = None, None
     for step in itertools.count(start):
-        if step // steps_per_epoch != epoch:
-            epoch = step // steps_per_epoch
+        if step // per_epoch != epoch:
+            epoch = step // per_epoch
             order = np.random.default_rng(seed + epoch).permutation(len(samples))
-        first = (step % steps_per_epoch) * global_batch + dp_rank * micro_batch
-        yield collate([samples[i] for i in order[first : first + micro_batch]])
+        index = step % per_epoch
+        if index < full:
+            first = index * global_batch + dp_rank * micro_batch
+            chosen = order[first : first + micro_batch]
+        else:
+            per_rank = -(-rest // dp_size)
+            tail = np.concatenate([order[full * global_batch :], order[: per_rank * dp_size - rest]])
+            chosen = tail[dp_rank * per_rank : (dp_rank + 1) * per_rank]
+        yield collate([samples[i] for i in chosen])
 
 
 def cross_entropy_loss(
@@ -321,14 +355,14 @@ def prepare_finetune(args: argparse.Namespace) -> tuple[MegatronConfig, int, Tas
     data = read_task_data(args, tokenizer, config.model.seq_length)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     epochs = args.epochs or 0
-    steps_per_epoch = set_schedule(config, epochs, len(data.train), world_size)
+    steps = set_schedule(config, epochs, len(data.train), world_size, args.keep_last)
     validate_config(config, world_size)
-    return config, padded_vocab_size, data, steps_per_epoch
+    return config, padded_vocab_size, data, steps
 
 
 def run_finetune(args: argparse.Namespace) -> dict:
     """Finetune (or, with --epochs 0, only evaluate) as the flags say; returns the accuracies of each epoch."""
-    config, padded_vocab_size, data, steps_per_epoch = prepare_finetune(args)
+    config, padded_vocab_size, data, epoch_steps = prepare_finetune(args)
     epochs = args.epochs or 0
     with model_parallel_session(config, pipeline_size=1, virtual_pipeline_size=None):
         writer = None
@@ -342,7 +376,10 @@ def run_finetune(args: argparse.Namespace) -> dict:
                 )
                 setup.optimizer.reload_model_params()
             writer = build_metrics_writer(config, setup.loaded.iteration)
-            trainer = Trainer(config, setup, forward_step, padded_vocab_size, writer)
+            task = TASKS[args.task]
+            trainer = Trainer(
+                config, setup, forward_step, padded_vocab_size, writer, task.sequences_per_sample
+            )
             micro_batch = config.training.micro_batch_size
             results = []
             if epochs == 0:
@@ -351,14 +388,15 @@ def run_finetune(args: argparse.Namespace) -> dict:
                 data.train,
                 config.training.global_batch_size,
                 micro_batch,
-                state.get_data_parallel_rank(),
+                (state.get_data_parallel_rank(), state.get_data_parallel_world_size()),
                 config.training.seed,
                 trainer.progress.iteration,
+                args.keep_last,
             )
-            for epoch in range(trainer.progress.iteration // max(steps_per_epoch, 1), epochs):
+            for epoch in range(trainer.progress.iteration // max(epoch_steps, 1), epochs):
                 if dist.get_rank() == 0:
                     print(f"working on epoch {epoch + 1} ...", flush=True)
-                if trainer.train([batches], None, until=(epoch + 1) * steps_per_epoch):
+                if trainer.train([batches], None, until=(epoch + 1) * epoch_steps):
                     break  # an exit condition (--exit-interval, SIGTERM): saved, no accuracy for a partial epoch
                 trainer.save()
                 results.append(evaluate_accuracy(setup.model, data, micro_batch, epoch))
