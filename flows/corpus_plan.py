@@ -149,4 +149,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # `python -m flows.corpus_plan` runs this file as `__main__`: run the `flows.corpus_plan` module's `main`
+    # instead, so the config it parses is the `CorpusConfig` class the corpus flow validates its parameter with.
+    from flows.corpus_plan import main as corpus_main
+
+    sys.exit(corpus_main())
