@@ -48,11 +48,10 @@ def forward_step(data_iterator: Iterator, model: torch.nn.Module) -> tuple[torch
     """Megatron's T5 forward step: per-token decoder LM losses [b, s_dec] and the loss function for them (GPT's:
     their mean over the decoder tokens, `lm loss`).
 
-    The dataset's [enc, enc] mask is the outer product of the encoder's token mask with itself: its diagonal
-    is the encoder padding mask the model takes (the decoder is causal, its padding after its tokens)."""
+    The model takes the encoder's padding mask (`enc_mask`); the decoder is causal, its padding after its
+    tokens, where the loss mask is 0."""
     batch = get_batch(data_iterator, get_device())
-    encoder_mask = batch["enc_mask"].diagonal(dim1=1, dim2=2)
-    output_tensor = model(batch["text_enc"], batch["text_dec"], encoder_mask, lm_labels=batch["labels"])
+    output_tensor = model(batch["text_enc"], batch["text_dec"], batch["enc_mask"], lm_labels=batch["labels"])
     return output_tensor, functools.partial(loss_func, batch["loss_mask"])
 
 

@@ -38,7 +38,7 @@ def t5_datasets(corpus, tokenizer, cache, num_samples=(200, 20, 0), split="90,10
 
 def decode(sample, tokenizer):
     """(encoder tokens, decoder tokens, original tokens rebuilt from the two, spans) of one sample."""
-    encoder = sample["text_enc"][: int(sample["enc_mask"].diagonal().sum())].tolist()
+    encoder = sample["text_enc"][: int(sample["enc_mask"].sum())].tolist()
     decoder = sample["text_dec"][: int(sample["loss_mask"].sum())].tolist()
     sentinels = set(tokenizer.additional_special_tokens_ids)
     spans: list[list[int]] = []
@@ -105,7 +105,6 @@ def test_sample_layout(corpus, tokenizer, tmp_path):
                 "truncated",
                 "enc_mask",
                 "dec_mask",
-                "enc_dec_mask",
             ]
         )
         encoder, decoder, original, spans = decode(sample, tokenizer)
@@ -126,9 +125,8 @@ def test_sample_layout(corpus, tokenizer, tmp_path):
         enc_tokens = np.arange(64) < len(encoder)
         dec_tokens = np.arange(32) < n
         np.testing.assert_array_equal(sample["loss_mask"], dec_tokens)
-        np.testing.assert_array_equal(sample["enc_mask"], np.outer(enc_tokens, enc_tokens))
-        np.testing.assert_array_equal(sample["enc_dec_mask"], np.outer(dec_tokens, enc_tokens))
-        np.testing.assert_array_equal(sample["dec_mask"], np.tril(np.outer(dec_tokens, dec_tokens)))
+        np.testing.assert_array_equal(sample["enc_mask"], enc_tokens)  # Megatron-Core's 1-D padding masks
+        np.testing.assert_array_equal(sample["dec_mask"], dec_tokens)
 
 
 def test_same_seed_same_samples_other_seed_differs(corpus, tokenizer, tmp_path):
@@ -171,9 +169,8 @@ def test_data_loader_batches(corpus, tokenizer, tmp_path):
         "labels": (4, 32),
         "loss_mask": (4, 32),
         "truncated": (4,),
-        "enc_mask": (4, 64, 64),
-        "dec_mask": (4, 32, 32),
-        "enc_dec_mask": (4, 32, 64),
+        "enc_mask": (4, 64),
+        "dec_mask": (4, 32),
     }
     np.testing.assert_array_equal(batch["text_enc"][3].numpy(), train[3]["text_enc"])
 
