@@ -1,15 +1,21 @@
-"""Our torch_dist checkpoints against Megatron-Core's own `dist_checkpointing` (run by
-tests/test_convert_torch_dist.py in a fresh process, where megatron-core is installed).
+"""Our checkpoints against Megatron-Core's own model and `dist_checkpointing` (run by
+tests/test_convert_torch_dist.py and tests/test_convert_megatron.py in a fresh process, where megatron-core is
+installed).
 
-    python -m tests.megatron_core_interop tied|untied
+    python -m tests.megatron_core_interop tied|untied            # torch_dist
+    python -m tests.megatron_core_interop tied|untied legacy     # Megatron-LM's legacy `torch` files
 
-Megatron-Core's GPTModel (local spec, GQA Llama shape) at TP1 loads what our saver wrote for TP2 x PP2 with no
-missing key and the same tensors; its own save has exactly our saver's keys, and our loader reads it back bitwise.
+torch_dist: Megatron-Core's GPTModel (local spec, GQA Llama shape) at TP1 loads what our saver wrote for
+TP2 x PP2 with no missing key and the same tensors; its own save has exactly our saver's keys, and our loader
+reads it back bitwise. legacy: Megatron-Core's GPTModel takes the state dict of our `megatron` save strictly
+(as Megatron-LM's load_checkpoint does) and then computes our model's logits; a file Megatron-LM would write
+from its model's state dict loads in our converter to a model with Megatron-Core's logits.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import tempfile
@@ -18,8 +24,9 @@ import torch
 import torch.nn.functional as F
 
 from megatron_train.convert import ModelWeights, torch_dist
-from megatron_train.convert.weights import trim_vocab
-from tests.convert_models import VOCAB, our_llama
+from megatron_train.convert.weights import pad_vocab, trim_vocab
+from megatron_train.models import GPTModel
+from tests.convert_models import VOCAB, ids, our_llama
 from tests.distributed import free_port
 
 
@@ -39,7 +46,65 @@ def _megatron_core_model(untied: bool) -> torch.nn.Module:
     )  # fmt: skip
 
 
-def main(untied: bool) -> None:
+def megatron_lm_args(untied: bool) -> argparse.Namespace:
+    """The model's flags as Megatron-LM's `args` names them (what its checkpoints carry)."""
+    return argparse.Namespace(
+        num_layers=4, hidden_size=32, num_attention_heads=4, group_query_attention=True, num_query_groups=2,
+        ffn_hidden_size=64, swiglu=True, normalization="RMSNorm", add_bias_linear=False, position_embedding_type="rope",
+        seq_length=32, max_position_embeddings=32, norm_epsilon=1e-5, untie_embeddings_and_output_weights=untied,
+        padded_vocab_size=128, tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
+    )  # fmt: skip
+
+
+@torch.no_grad()
+def megatron_core_logits(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    from megatron.core import tensor_parallel
+
+    # its attention forks a CUDA RNG stream for dropout (off here); this torch has no CUDA
+    tensor_parallel.get_cuda_rng_tracker().fork = lambda *args, **kwargs: contextlib.nullcontext()
+    seq = tokens.shape[1]
+    positions = torch.arange(seq).expand_as(tokens)
+    masked = torch.ones(seq, seq).triu(diagonal=1).bool()[None, None]  # True: not attended (Megatron's sense)
+    return model.eval()(tokens, positions, masked)[..., :VOCAB]
+
+
+@torch.no_grad()
+def our_logits(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    return model.eval()(tokens)[..., :VOCAB]
+
+
+def legacy(untied: bool, root: str) -> None:
+    from megatron_train.convert import megatron
+
+    config, ours = our_llama(untied)
+    tokens = ids()
+    expected = our_logits(ours, tokens)
+    megatron.save(ModelWeights(config, trim_vocab(ours.state_dict(), VOCAB)), f"{root}/ours", 1, 1)
+    (iteration,) = [name for name in os.listdir(f"{root}/ours") if name.startswith("iter_")]
+    saved = torch.load(f"{root}/ours/{iteration}/mp_rank_00/model_optim_rng.pt", weights_only=False)
+    model = _megatron_core_model(untied)
+    result = model.load_state_dict(saved["model"], strict=False)  # Megatron-LM: strict, but TE's extra state
+    assert not result.unexpected_keys, result.unexpected_keys
+    assert [key for key in result.missing_keys if "_extra_state" not in key] == [], result.missing_keys
+    torch.testing.assert_close(megatron_core_logits(model, tokens), expected, rtol=1e-5, atol=1e-5)
+
+    model = _megatron_core_model(untied)  # new random weights, saved as Megatron-LM's save_checkpoint does
+    os.makedirs(f"{root}/megatron/iter_0000007/mp_rank_00")
+    state = {"args": megatron_lm_args(untied), "checkpoint_version": 3.0, "iteration": 7,
+             "model": model.state_dict_for_save_checkpoint()}  # fmt: skip
+    torch.save(state, f"{root}/megatron/iter_0000007/mp_rank_00/model_optim_rng.pt")
+    with open(f"{root}/megatron/latest_checkpointed_iteration.txt", "w") as handle:
+        handle.write("7")
+    weights = megatron.load(f"{root}/megatron", true_vocab_size=VOCAB)
+    loaded = GPTModel(weights.config.model, 128).eval()
+    loaded.load_state_dict(pad_vocab(weights.tensors, 128), strict=True)
+    torch.testing.assert_close(
+        our_logits(loaded, tokens), megatron_core_logits(model, tokens), rtol=1e-5, atol=1e-5
+    )
+    print(f"megatron-core interop ok: legacy, {len(weights.tensors)} tensors, equal logits both ways")
+
+
+def main(untied: bool, layout: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1")
     # Megatron-Core synchronises CUDA around its writes; this torch is CPU-only
     torch.cuda.synchronize = lambda *args, **kwargs: None
@@ -49,6 +114,8 @@ def main(untied: bool) -> None:
     from torch.distributed.checkpoint import FileSystemReader
 
     parallel_state.initialize_model_parallel(1, 1)
+    if layout == "legacy":
+        return legacy(untied, tempfile.mkdtemp())
     config, ours = our_llama(untied)
     root = tempfile.mkdtemp()
     # saved as TP2 x PP2 ranks write it (fc1 in strided chunks), loaded by Megatron-Core at TP1
@@ -64,14 +131,9 @@ def main(untied: bool) -> None:
         assert torch.equal(tensor[:VOCAB], theirs[name][:VOCAB]), name
 
     model = _megatron_core_model(untied)
-    args = argparse.Namespace(
-        num_layers=4, hidden_size=32, num_attention_heads=4, group_query_attention=True, num_query_groups=2,
-        ffn_hidden_size=64, swiglu=True, normalization="RMSNorm", add_bias_linear=False, position_embedding_type="rope",
-        seq_length=32, max_position_embeddings=32, norm_epsilon=1e-5, untie_embeddings_and_output_weights=untied,
-        padded_vocab_size=128, tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
-    )  # fmt: skip
     os.makedirs(f"{root}/megatron/iter_0000007")
-    state = {"model": model.sharded_state_dict(), "args": args, "iteration": 7, "checkpoint_version": 3.0}
+    state = {"model": model.sharded_state_dict(), "args": megatron_lm_args(untied), "iteration": 7,
+             "checkpoint_version": 3.0}  # fmt: skip
     dist_checkpointing.save(state, f"{root}/megatron/iter_0000007")
     with open(f"{root}/megatron/latest_checkpointed_iteration.txt", "w") as handle:
         handle.write("7")
@@ -85,4 +147,4 @@ def main(untied: bool) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] == "untied")
+    main(sys.argv[1] == "untied", sys.argv[2] if len(sys.argv) > 2 else "torch_dist")

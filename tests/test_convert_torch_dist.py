@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import pickle
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -27,7 +24,6 @@ def _convert(*argv: str) -> None:
     main(["--model-type", "GPT", *argv])
 
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 
@@ -128,15 +124,3 @@ def test_pickled_objects_outside_the_allow_list_are_refused_and_run_nothing(tmp_
         )
     assert ".metadata names pathlib" in capsys.readouterr().err
     assert not marker.exists() and not (tmp_path / "out").exists()
-
-
-@pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="megatron-core is not installed")
-@pytest.mark.parametrize("embeddings", ["tied", "untied"])
-def test_megatron_core_loads_our_save_and_we_load_its_save(embeddings):
-    """Megatron-Core's own dist_checkpointing, in a fresh process (it needs a process group and spawns writers)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([ROOT, *sys.path])}
-    run = subprocess.run([sys.executable, "-m", "tests.megatron_core_interop", embeddings], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=300)  # fmt: skip
-    assert run.returncode == 0 and "megatron-core interop ok" in run.stdout, (
-        run.stdout[-2000:] + run.stderr[-4000:]
-    )
