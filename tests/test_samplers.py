@@ -101,7 +101,9 @@ def test_data_loader_over_gpt_dataset_with_workers():
         DataConfig(mock_data=True), 32, (16, 0, 0), 3, 0, vocab_size=64
     )
     loader = build_pretraining_data_loader(train, 4, 2, 0, 1, num_workers=1)
-    batch = next(iter(loader))
+    iterator = iter(loader)
+    batch = next(iterator)
+    del iterator, loader  # the worker shuts down here, not in a later test's garbage collection
     assert set(batch) == {"tokens", "labels", "loss_mask", "position_ids"}
     assert batch["tokens"].shape == (2, 32) and batch["position_ids"].dtype == torch.int64
     for row, sample in enumerate((4, 5)):
