@@ -50,7 +50,7 @@ from megatron_train.parallel import state
 from megatron_train.parallel.schedules import LossFunc
 from megatron_train.pretrain_gpt import gpt_model_provider, loss_func
 from megatron_train.tokenizer import MegatronTokenizer, tokenizer_from_config
-from megatron_train.training.entry import padded_vocab_size_for
+from megatron_train.training.entry import USER_ERRORS, padded_vocab_size_for
 from megatron_train.training.loop import get_batch, pretrain
 from retro.config import QueryConfig
 from retro.db import ChunkDatabase
@@ -315,17 +315,17 @@ def main(argv: list[str] | None = None) -> None:
             )
         gpt_checkpoint = gpt_checkpoint_to_retrofit(config)
         tokenizer = tokenizer_from_config(config.tokenizer)
-    except (ValueError, FileNotFoundError, CheckpointError) as error:
+        if gpt_checkpoint is not None:
+            config.checkpoint.load = None  # the GPT weights load into the model as it is built
+        pretrain(
+            config,
+            functools.partial(retro_model_provider, gpt_checkpoint=gpt_checkpoint),
+            functools.partial(datasets_provider, config, tokenizer),
+            functools.partial(forward_step, per_token_loss=config.training.calculate_per_token_loss),
+            padded_vocab_size_for(config, tokenizer),
+        )
+    except USER_ERRORS as error:
         raise SystemExit(f"pretrain_retro: {error}") from None
-    if gpt_checkpoint is not None:
-        config.checkpoint.load = None  # the GPT weights load into the model as it is built
-    pretrain(
-        config,
-        functools.partial(retro_model_provider, gpt_checkpoint=gpt_checkpoint),
-        functools.partial(datasets_provider, config, tokenizer),
-        functools.partial(forward_step, per_token_loss=config.training.calculate_per_token_loss),
-        padded_vocab_size_for(config, tokenizer),
-    )
 
 
 if __name__ == "__main__":

@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_train.checkpointing import CheckpointError
 from megatron_train.checkpointing.inference import load_model_for_inference
 from megatron_train.inference.checkpoint import build_inference_parser, load_for_inference
 from megatron_train.models.bert import BertModel
@@ -130,7 +129,7 @@ def gpt_then_bert_worker(rank: int, world_size: int, gpt_argv: list[str], bert_a
     from megatron_train.pretrain_gpt import main as gpt_main
 
     gpt_main(gpt_argv)
-    with pytest.raises(CheckpointError) as error:
+    with pytest.raises(SystemExit) as error:
         bert_main(bert_argv)
     return str(error.value)
 
@@ -139,7 +138,43 @@ def test_a_gpt_checkpoint_is_refused_by_pretrain_bert(tmp_path, corpus) -> None:
     save = str(tmp_path / "gpt")
     gpt_argv = tiny_args(save, "--mock-data", "--train-iters", "1")
     (message,) = run_distributed(gpt_then_bert_worker, 1, gpt_argv, bert_argv(save, corpus), timeout=300)
+    assert message.startswith("pretrain_bert: checkpoint ")
     assert "holds a gpt model but this run trains a bert model: use pretrain_gpt" in message
+
+
+def failing_runs_worker(rank: int, world_size: int, runs: list[list[str]]) -> list[str]:
+    """Each run's SystemExit message: what a user sees instead of a traceback."""
+    from megatron_train.pretrain_bert import main
+
+    messages = []
+    for argv in runs:
+        with pytest.raises(SystemExit) as error:
+            main(argv)
+        messages.append(str(error.value))
+    return messages
+
+
+def test_a_missing_or_truncated_file_ends_the_run_in_one_line_naming_it(tmp_path, corpus) -> None:
+    vocab, data = corpus
+    truncated = str(tmp_path / "truncated_text_sentence")
+    with open(f"{data}.bin", "rb") as source, open(f"{truncated}.bin", "wb") as target:
+        target.write(source.read()[:-100])
+    with open(f"{data}.idx", "rb") as source, open(f"{truncated}.idx", "wb") as target:
+        target.write(source.read())
+    missing_vocab = bert_argv(str(tmp_path / "a"), corpus)
+    missing_vocab[missing_vocab.index(vocab)] = str(tmp_path / "nope.txt")
+    runs = [
+        missing_vocab,
+        bert_argv(str(tmp_path / "b"), (vocab, truncated)),
+        bert_argv(str(tmp_path / "c"), (vocab, str(tmp_path / "absent_text_sentence"))),
+    ]
+    messages = run_distributed(failing_runs_worker, 2, runs, timeout=300)[1]  # a follower rank's view
+    assert messages[0] == (
+        f"pretrain_bert: --vocab-file {tmp_path / 'nope.txt'}: no such file (needed by BertWordPieceLowerCase)"
+    )
+    assert messages[1].startswith(f"pretrain_bert: {truncated}.bin: data file has ")
+    assert "the .bin is truncated or belongs to another index" in messages[1]
+    assert messages[2].startswith(f"pretrain_bert: {tmp_path / 'absent_text_sentence'}.idx: file not found")
 
 
 def test_sigkill_and_resume_is_bitwise(tmp_path, corpus) -> None:

@@ -212,6 +212,10 @@ def test_refusals_name_the_flag(tmp_path, capsys) -> None:
             ["--profile", "--profile-step-start", "3", "--profile-step-end", "3"],
             "--profile-step-end 3 must be",
         ),
+        (
+            ["--seq-length", "64", "--max-position-embeddings", "32"],
+            "--seq-length 64 exceeds --max-position-embeddings 32",
+        ),
     ):
         with pytest.raises(SystemExit):
             parse_args([*args, *extra])

@@ -246,6 +246,13 @@ class TransformerConfig:
             (
                 self.position_embedding_type != "learned_absolute"
                 or self.max_position_embeddings is None
+                or (self.seq_length or 0) <= self.max_position_embeddings,
+                f"--seq-length {self.seq_length} exceeds --max-position-embeddings {self.max_position_embeddings}: "
+                "learned position embeddings have no row for the later positions; raise --max-position-embeddings",
+            ),
+            (
+                self.position_embedding_type != "learned_absolute"
+                or self.max_position_embeddings is None
                 or (self.decoder_seq_length or 0) <= self.max_position_embeddings,
                 f"--decoder-seq-length {self.decoder_seq_length} exceeds --max-position-embeddings "
                 f"{self.max_position_embeddings}; raise --max-position-embeddings",

@@ -27,7 +27,6 @@ import dataclasses
 import json
 import logging
 
-from megatron_train.checkpointing import CheckpointError
 from megatron_train.device import get_device
 from megatron_train.evaluation.lambada import evaluate_lambada
 from megatron_train.evaluation.perplexity import validation_perplexity
@@ -36,6 +35,7 @@ from megatron_train.inference.checkpoint import build_inference_parser, load_for
 from megatron_train.tasks.finetune.finetune import TASKS as FINETUNE_TASKS
 from megatron_train.tasks.finetune.finetune import add_finetune_flags, run_finetune
 from megatron_train.tasks.retro_qa import evaluate_qa
+from megatron_train.training.entry import USER_ERRORS
 from retro.retrieval import add_retrieval_flags, load_for_generation
 from storage.atomic import atomic_write_text
 
@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.task in FINETUNE_TASKS:
         try:
             metrics = run_finetune(args)
-        except (ValueError, CheckpointError) as error:  # TaskDataError is a ValueError
+        except USER_ERRORS as error:  # TaskDataError is a ValueError
             parser.error(str(error))
         if args.results_json:
             atomic_write_text(args.results_json, json.dumps(metrics, indent=2))
@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> dict:
             model, tokenizer, config = load_for_generation(args, device=get_device())
         else:
             model, tokenizer, config = load_for_inference(args, device=get_device())
-    except (ValueError, CheckpointError, FileNotFoundError) as error:
+    except USER_ERRORS as error:
         parser.error(str(error))
     result = run_task(args, model, tokenizer, config)
     line = result.megatron_line(args.task)

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 from megatron_train.arguments import MegatronConfig, parse_args
+from megatron_train.checkpointing.files import CheckpointError
 from megatron_train.parallel.schedules import ForwardStepFunc
 from megatron_train.tokenizer import MegatronTokenizer, tokenizer_from_config, vocab_size_with_padding
 from megatron_train.training.loop import TrainingProgress, pretrain
@@ -17,6 +18,11 @@ from megatron_train.training.setup import ModelProvider
 
 # datasets_provider(config, tokenizer, (train, valid, test) sample counts) -> (train, valid, test) datasets
 ModelDatasetsProvider = Callable[[MegatronConfig, MegatronTokenizer, tuple[int, int, int]], tuple]
+
+# What the user's flags and files cause (a missing or truncated file, a flag value the data or model cannot take,
+# a checkpoint that does not match the flags): each names the file or flag, so it ends the run in one line
+# (`<entry>: <reason>`, on every rank that hit it) rather than a traceback.
+USER_ERRORS = (ValueError, FileNotFoundError, CheckpointError)
 
 
 def padded_vocab_size_for(config: MegatronConfig, tokenizer: MegatronTokenizer) -> int:
@@ -76,12 +82,12 @@ def run_pretrain(
         )
     try:
         tokenizer = tokenizer_from_config(config.tokenizer)
-    except ValueError as error:
+        return pretrain(
+            config,
+            model_provider,
+            functools.partial(datasets_provider, config, tokenizer),
+            forward_step,
+            padded_vocab_size_for(config, tokenizer),
+        )
+    except USER_ERRORS as error:
         raise SystemExit(f"{entry}: {error}") from None
-    return pretrain(
-        config,
-        model_provider,
-        functools.partial(datasets_provider, config, tokenizer),
-        forward_step,
-        padded_vocab_size_for(config, tokenizer),
-    )
