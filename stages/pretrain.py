@@ -6,7 +6,8 @@ Inputs: the tokenize artifact (its manifest's `outputs[json_key]` names `<prefix
 and, optionally, a train_tokenizer artifact whose files become `--tokenizer-type/--vocab-file/...`; without
 one, the tokenizer flags of `params.config.tokenizer` are used. The run directory lives in the writer's
 scratch space until training finishes, so a rerun or retry after a crash resumes from its latest checkpoint
-(`--load` = `--save`); the files move into the artifact only when the last iteration is done.
+(`--load` = `--save`); the files move into the artifact only when the last iteration is done, after a journal
+that lets a rerun finish an interrupted move without training again.
 """
 
 from __future__ import annotations
@@ -14,11 +15,11 @@ from __future__ import annotations
 import copy
 import ctypes
 import dataclasses
+import json
 import logging
 import os
 import re
 import shlex
-import shutil
 import signal
 import subprocess
 import sys
@@ -35,7 +36,6 @@ from megatron_train.arguments import (
 )
 from megatron_train.checkpointing import (
     METADATA_FILENAME,
-    TRACKER_FILENAME,
     checkpoint_dir,
     read_latest_iteration,
     read_metadata,
@@ -248,12 +248,11 @@ def launch(command: list[str], on_line: Callable[[str], None] | None = None) -> 
 
 
 def committable_files(run_dir: str) -> list[str]:
-    """The run directory's files that belong in the artifact, the latest marker first.
+    """The run directory's files that belong in the artifact, sorted.
 
     Left out: temporary files of an interrupted write (`storage.atomic.is_temporary`) and checkpoint folders
     that are not complete, i.e. without their metadata file (written after every rank's shard) or beyond the
-    latest marker (a save that a kill interrupted). The marker goes first so that a crash while moving leaves
-    a run directory that restarts cleanly rather than a marker pointing at a checkpoint already moved away.
+    latest marker (a save that a kill interrupted).
     """
     latest = read_latest_iteration(run_dir)
     names = []
@@ -262,7 +261,7 @@ def committable_files(run_dir: str) -> list[str]:
             name = os.path.relpath(os.path.join(folder, file), run_dir)
             if not is_temporary(name) and _in_complete_checkpoint(run_dir, name, latest):
                 names.append(name)
-    return sorted(names, key=lambda name: (name != TRACKER_FILENAME, name))
+    return sorted(names)
 
 
 def _in_complete_checkpoint(run_dir: str, name: str, latest: int | None) -> bool:
@@ -275,6 +274,9 @@ def _in_complete_checkpoint(run_dir: str, name: str, latest: int | None) -> bool
     return complete and latest is not None and iteration <= latest
 
 
+COMMIT_JOURNAL = "commit.json"  # beside the run directory: what a finished run puts into the artifact
+
+
 def train_and_commit(
     writer: ArtifactWriter,
     run_dir: str,
@@ -284,14 +286,39 @@ def train_and_commit(
 ) -> dict:
     """Run the training `command` (which saves to and loads from `run_dir`, in the writer's scratch space), resuming
     from the run directory's latest checkpoint, then put the finished run's files into the artifact; returns the
-    manifest fields (iteration, consumed samples, resumed-from iteration, world size)."""
-    if os.path.isdir(run_dir) and read_latest_iteration(run_dir) is None:
-        # A crash while moving a finished run into the artifact (the marker moves first): its checkpoints
-        # are partly gone, so train again from scratch; the run is deterministic, the bytes the same.
-        log.info(
-            "%s holds no marker: an earlier attempt was cut off while committing; starting over", run_dir
-        )
-        shutil.rmtree(run_dir)
+    manifest fields (iteration, consumed samples, resumed-from iteration, world size).
+
+    Before the first file moves, the finished run's file list and manifest fields are written to a journal beside
+    the run directory: a kill while moving (which leaves the run directory without some of its files) resumes the
+    move from the journal instead of training again.
+    """
+    journal = os.path.join(os.path.dirname(run_dir), COMMIT_JOURNAL)
+    if os.path.isfile(journal):
+        with open(journal) as f:
+            commit = json.load(f)
+        log.info("%s: finishing the move of a finished run into the artifact (%s)", run_dir, journal)
+    else:
+        commit = {
+            "fields": _train(run_dir, command, train_iters, on_line),
+            "files": committable_files(run_dir),
+        }
+        atomic_write_text(journal, json.dumps(commit))
+    for name in commit["files"]:
+        local = os.path.join(run_dir, name)
+        if os.path.exists(local):
+            writer.put_file(local, name)
+        elif not writer.has_file(name):
+            raise RuntimeError(
+                f"{local} is gone and not in the artifact {writer.url}: the scratch folder was changed by hand; "
+                f"delete {os.path.dirname(run_dir)} and rerun to train again"
+            )
+    return commit["fields"]
+
+
+def _train(
+    run_dir: str, command: list[str], train_iters: int | None, on_line: Callable[[str], None] | None
+) -> dict:
+    """Run or resume the training job in `run_dir` to its last iteration; the manifest fields of the run."""
     resumed_from = read_latest_iteration(run_dir) if os.path.isdir(run_dir) else None
     if resumed_from is not None:
         log.info("resuming %s from iteration %d", run_dir, resumed_from)
@@ -303,8 +330,6 @@ def train_and_commit(
             "rerun the stage to continue from there"
         )
     metadata = read_metadata(checkpoint_dir(run_dir, iteration))
-    for name in committable_files(run_dir):
-        writer.put_file(os.path.join(run_dir, name), name)
     return {
         "iteration": iteration,
         "consumed_train_samples": metadata["consumed_train_samples"],

@@ -295,6 +295,10 @@ class ArtifactWriter:
         marker = canonical_json({"shard": name, "files": placed, "committed_at": time.time()}).encode()
         _write_bytes_atomic(self.fs, self._marker(name), marker)
 
+    def has_file(self, name: str) -> bool:
+        """Whether `name` is already placed in the artifact (by this writer or an earlier one of the same key)."""
+        return self.fs.exists(f"{self.path}/{checked_name(name, self.url)}")
+
     def put_file(self, local_path: str, name: str) -> None:
         """Place a non-shard output file (written again on a rerun: it must be reproducible)."""
         self._check_not_committed()

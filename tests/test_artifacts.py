@@ -185,11 +185,11 @@ def test_commit_leaves_out_temporary_files_and_incomplete_checkpoints(tmp_path):
     (run / "latest_checkpointed_iteration.txt").write_text("4")
     names = committable_files(str(run))
     assert names == [
-        "latest_checkpointed_iteration.txt",
         "iter_0000002/metadata.json",
         "iter_0000002/mp_rank_00/model.safetensors",
         "iter_0000004/metadata.json",
         "iter_0000004/mp_rank_00/model.safetensors",
+        "latest_checkpointed_iteration.txt",
         "metrics.jsonl",
     ]
     # The writer's own rule: a temporary name inside the artifact is never described by the manifest.

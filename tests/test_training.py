@@ -394,9 +394,11 @@ class _OrchestratorCrash(Exception):
     pass
 
 
-def test_pretrain_stage_resumes_after_a_crash_then_hits_the_cache(tmp_path) -> None:
+def test_pretrain_stage_resumes_after_a_crash_then_hits_the_cache(tmp_path, monkeypatch) -> None:
+    """Killed after a checkpoint: the rerun trains from it; killed while moving the finished run into the
+    artifact: the rerun finishes the move without training."""
     from stages import pretrain as stage
-    from storage.artifacts import ArtifactStore, run_stage
+    from storage.artifacts import ArtifactStore, ArtifactWriter, run_stage
 
     store = ArtifactStore(str(tmp_path / "store"))
 
@@ -417,7 +419,21 @@ def test_pretrain_stage_resumes_after_a_crash_then_hits_the_cache(tmp_path) -> N
     with pytest.raises(_OrchestratorCrash):
         stage.run(params, [tokenized], store, on_line=crash_after_first_checkpoint)
     lines: list[str] = []
-    ref = stage.run(params, [tokenized], store, on_line=lines.append)
+    put_file, placed = ArtifactWriter.put_file, []
+
+    def put_file_then_crash(writer: ArtifactWriter, local_path: str, name: str) -> None:
+        if len(placed) == 3:
+            raise _OrchestratorCrash
+        put_file(writer, local_path, name)
+        placed.append(name)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(ArtifactWriter, "put_file", put_file_then_crash)
+        with pytest.raises(_OrchestratorCrash):
+            stage.run(params, [tokenized], store, on_line=lines.append)
+    lines_after_the_move: list[str] = []
+    ref = stage.run(params, [tokenized], store, on_line=lines_after_the_move.append)
+    assert lines_after_the_move == []  # no training: the journal said what was left to move
     assert not ref.cache_hit
     manifest = ref.manifest()
     resumed_from = manifest["resumed_from"]  # 2, or later if training ran on before the kill landed
