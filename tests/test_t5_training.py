@@ -165,6 +165,8 @@ def test_encoder_flags_are_other_names_of_num_layers_and_seq_length(tmp_path, co
         TransformerConfig(num_layers=3, encoder_num_layers=2, **shape)
     with pytest.raises(ValueError, match="--decoder-seq-length 64 exceeds --max-position-embeddings 32"):
         TransformerConfig(num_layers=1, decoder_seq_length=64, **shape)
+    with pytest.raises(ValueError, match="--encoder-seq-length 32 exceeds --max-position-embeddings 16"):
+        TransformerConfig(num_layers=1, max_position_embeddings=16, **shape)
 
 
 def test_megatron_t5_example_parses_with_its_t5_settings(tmp_path) -> None:

@@ -247,7 +247,8 @@ class TransformerConfig:
                 self.position_embedding_type != "learned_absolute"
                 or self.max_position_embeddings is None
                 or (self.seq_length or 0) <= self.max_position_embeddings,
-                f"--seq-length {self.seq_length} exceeds --max-position-embeddings {self.max_position_embeddings}: "
+                f"{'--encoder-seq-length' if self.encoder_seq_length is not None else '--seq-length'} "
+                f"{self.seq_length} exceeds --max-position-embeddings {self.max_position_embeddings}: "
                 "learned position embeddings have no row for the later positions; raise --max-position-embeddings",
             ),
             (
