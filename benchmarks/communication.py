@@ -34,7 +34,7 @@ from megatron_train.optimizer import get_megatron_optimizer
 from megatron_train.parallel import mappings, state
 from megatron_train.parallel.layers import allreduce_sequence_parallel_grads
 from megatron_train.training.config import OptimizerConfig
-from tests.distributed import run_distributed
+from tests.helpers.distributed import run_distributed
 
 VOCAB = 256
 LAYOUTS = {  # name: (world size, tensor parallel, sequence parallel, distributed optimizer)

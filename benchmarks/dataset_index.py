@@ -31,7 +31,7 @@ from megatron_train.data.indices import (  # noqa: E402
     num_epochs_needed,
     separate_final_epoch_split,
 )
-from tests.test_gpt_dataset import reference_blend, reference_indices  # noqa: E402
+from tests.helpers.gpt_dataset import reference_blend, reference_indices
 
 SEED = 1234
 BLEND_WEIGHTS = [0.5, 0.3, 0.2]

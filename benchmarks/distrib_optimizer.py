@@ -22,7 +22,7 @@ from megatron_train.distributed import DDPConfig, DistributedDataParallel
 from megatron_train.models import GPTModel, TransformerConfig
 from megatron_train.optimizer import DistributedOptimizer
 from megatron_train.training.config import OptimizerConfig
-from tests.distributed import run_distributed
+from tests.helpers.distributed import run_distributed
 
 VOCAB = 1024
 

@@ -28,7 +28,7 @@ from torch import nn
 from megatron_train.parallel import state
 from megatron_train.parallel.p2p import P2PCommunicator, p2p_counters
 from megatron_train.parallel.schedules import get_forward_backward_func
-from tests.distributed import run_distributed
+from tests.helpers.distributed import run_distributed
 
 VIRTUAL_SIZE = 2
 

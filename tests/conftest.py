@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.distributed import free_port
+from tests.helpers.distributed import free_port
 
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

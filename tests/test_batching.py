@@ -17,12 +17,12 @@ from megatron_train.inference.generation import GenerationParams, generate
 from megatron_train.inference.ranks import ModelRunner, Work
 from megatron_train.inference.server import ServerLimits, create_app
 from megatron_train.tools.text_generation_cli import put_request
-from tests.test_generation import (  # noqa: F401 (one_torch_thread is an autouse fixture)
+from tests.helpers.generation import (  # noqa: F401 (one_torch_thread is an autouse fixture)
     CharTokenizer,
     build_tiny_gpt,
     one_torch_thread,
 )
-from tests.test_server import uvicorn_serving
+from tests.helpers.servers import uvicorn_serving
 
 GREEDY = GenerationParams(tokens_to_generate=5, top_k=1, return_output_log_probs=True)
 PROMPTS = ["hello", "ab", "the quick fox", "z", "abc def", "hi!"]

@@ -9,7 +9,7 @@ from megatron_train.inference.beam_search import BeamSearchParams, beam_search
 from megatron_train.models import GPTModel, TransformerConfig
 from megatron_train.models.hf_import import gpt2_state_dict_from_hf
 from megatron_train.tokenizer import build_tokenizer
-from tests.tiny import TINY_MODEL
+from tests.helpers.tiny import TINY_MODEL
 
 VOCAB = 128
 PROMPT = [5, 17, 99, 3]

@@ -25,7 +25,7 @@ from megatron_train.data.masked_dataset import (
 )
 from megatron_train.data.samplers import build_pretraining_data_loader
 from megatron_train.tokenizer.null import NullTokenizer
-from tests.wordpiece_corpus import build_tokenizer, write_sentence_corpus
+from tests.helpers.wordpiece_corpus import build_tokenizer, write_sentence_corpus
 
 NUM_STATISTICS_SAMPLES = 10_000
 

@@ -12,9 +12,9 @@ import torch.nn.functional as F
 import transformers
 
 from megatron_train.models.bert import BertModel
-from megatron_train.models.config import TransformerConfig
 from megatron_train.models.hf_bert import load_hf_bert
 from megatron_train.pretrain_bert import loss_func
+from tests.helpers.tiny import tiny_config
 
 HF_CONFIG = dict(
     vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37,
@@ -115,14 +115,6 @@ def test_all_minilm_l6_v2_gives_transformers_hidden_states() -> None:
     torch.testing.assert_close(hidden[mask], expected[mask], atol=1e-4, rtol=1e-4)
 
 
-def tiny_config(**overrides) -> TransformerConfig:
-    settings = dict(
-        num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16, hidden_dropout=0.0,
-        attention_dropout=0.0,
-    )  # fmt: skip
-    return TransformerConfig(**{**settings, **overrides})
-
-
 @pytest.mark.parametrize("post_ln", [False, True], ids=["pre-ln", "post-ln"])
 def test_attention_is_bidirectional_and_ignores_padding(post_ln) -> None:
     torch.manual_seed(0)
@@ -167,7 +159,7 @@ def test_bert_loss_is_the_masked_lm_mean_plus_the_sentence_order_cross_entropy()
 
 def test_bert_flags_parse_as_megatron_spells_them(tmp_path) -> None:
     from megatron_train.arguments import parse_args
-    from tests.test_training import tiny_args
+    from tests.helpers.training import tiny_args
 
     def parsed(*flags: str):
         return parse_args(tiny_args(str(tmp_path), "--mock-data", "--train-iters", "1", *flags))

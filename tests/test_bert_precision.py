@@ -6,9 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.distributed import run_distributed
-from tests.test_bert_training import LOSS_KEYS, bert_argv, bert_worker, losses
-from tests.wordpiece_corpus import write_wordpiece_corpus
+from tests.helpers.distributed import run_distributed
+from tests.helpers.training import LOSS_KEYS, bert_argv, bert_worker, losses
+from tests.helpers.wordpiece_corpus import write_wordpiece_corpus
 
 
 @pytest.fixture(scope="module")

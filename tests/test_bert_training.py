@@ -4,8 +4,6 @@ checkpoint continues at TP=1; checkpoints record the model type."""
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import pytest
 import torch
@@ -13,20 +11,20 @@ import torch
 from megatron_train.checkpointing.inference import load_model_for_inference
 from megatron_train.inference.checkpoint import build_inference_parser, load_for_inference
 from megatron_train.models.bert import BertModel
-from tests.distributed import run_distributed
-from tests.test_training import read_metrics, sigkill_and_resume, tiny_args
-from tests.wordpiece_corpus import write_wordpiece_corpus
+from tests.helpers.distributed import run_distributed
+from tests.helpers.training import (
+    LOSS_KEYS,
+    PP2,
+    RECOMPUTE,
+    TP2,
+    bert_argv,
+    bert_worker,
+    losses,
+    sigkill_and_resume,
+    tiny_args,
+)
+from tests.helpers.wordpiece_corpus import write_wordpiece_corpus
 
-LOSS_KEYS = ("lm loss", "sop loss")
-TP2, PP2 = ["--tensor-model-parallel-size", "2"], ["--pipeline-model-parallel-size", "2"]
-RECOMPUTE = [
-    "--recompute-granularity",
-    "full",
-    "--recompute-method",
-    "uniform",
-    "--recompute-num-layers",
-    "1",
-]
 LAYOUTS = {  # name: (world size, flags); the 148-token vocabulary pads to 192 rows at TP=1, 256 at TP=2
     "tp1": (1, []),
     "tp1-recompute": (1, RECOMPUTE),
@@ -40,35 +38,6 @@ LAYOUTS = {  # name: (world size, flags); the 148-token vocabulary pads to 192 r
 def corpus(tmp_path_factory) -> tuple[str, str]:
     """(vocab file, --data-path prefix) of a sentence-split WordPiece corpus."""
     return write_wordpiece_corpus(tmp_path_factory.mktemp("bert-data"), 300)
-
-
-def bert_argv(run_dir: str, corpus: tuple[str, str], *extra: str) -> list[str]:
-    vocab, data = corpus
-    argv = tiny_args(
-        run_dir, "--seq-length", "32", "--max-position-embeddings", "32", "--tokenizer-type",
-        "BertWordPieceLowerCase", "--vocab-file", vocab, "--make-vocab-size-divisible-by", "64", "--data-path",
-        data, "--split", "90,10,0", "--data-cache-path", os.path.join(run_dir, "cache"), "--train-iters", "4",
-        "--hidden-dropout", "0.0", "--attention-dropout", "0.0", *extra,
-    )  # fmt: skip
-    vocab_flag = argv.index("--vocab-size")  # GPT's NullTokenizer flag: the WordPiece vocabulary decides
-    return argv[:vocab_flag] + argv[vocab_flag + 2 :]
-
-
-def bert_worker(rank: int, world_size: int, runs: list[list[str]]) -> list[list[dict]]:
-    """Run pretrain_bert once per argv in this process group; return each run's training records."""
-    from megatron_train.pretrain_bert import main
-
-    results = []
-    for argv in runs:
-        main(argv)
-        save = argv[argv.index("--save") + 1]
-        records = read_metrics(save) if rank == world_size - 1 else []
-        results.append([r for r in records if "split" not in r])
-    return results
-
-
-def losses(records: list[dict]) -> dict[str, list[float]]:
-    return {key: [r[key] for r in records] for key in LOSS_KEYS}
 
 
 @pytest.fixture(scope="module")

@@ -47,8 +47,8 @@ from megatron_train.optimizer import get_megatron_optimizer
 from megatron_train.parallel import model_parallel_seed, state
 from megatron_train.tools.checkpoint_util import convert_checkpoint, main
 from megatron_train.training.config import CheckpointConfig, OptimizerConfig, TokenizerConfig, TrainingConfig
-from tests.distributed import run_distributed
-from tests.tiny import tiny_config, tiny_llama_config
+from tests.helpers.distributed import run_distributed
+from tests.helpers.tiny import tiny_config, tiny_llama_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GPT_PADDED_VOCAB = 128  # NullTokenizer --vocab-size 127 (+ eod) pads to 128 at TP 1, 2 and 4 with divisor 32

@@ -27,8 +27,8 @@ from megatron_train.checkpointing.layout import OUTPUT_WEIGHT, WORD_EMBEDDING
 from megatron_train.models.gpt import GPTModel
 from megatron_train.parallel import state
 from megatron_train.tools.checkpoint_util import convert_checkpoint, main
-from tests.distributed import run_distributed
-from tests.test_training import pretrain_worker, tiny_args, write_corpus
+from tests.helpers.distributed import run_distributed
+from tests.helpers.training import pretrain_worker, tiny_args, write_corpus
 
 SAVED_AT = 2  # every run trains 4 iterations; the resumed ones start from the iteration-2 checkpoint
 RTOL = 1e-5

@@ -42,9 +42,9 @@ from megatron_train.training.config import CheckpointConfig, OptimizerConfig, Tr
 from megatron_train.training.lr_scheduler import build_opt_param_scheduler
 from storage import atomic
 from storage.fingerprint import hash_file
-from tests.distributed import run_distributed
-from tests.test_training import tiny_args
-from tests.tiny import tiny_config, tiny_llama_config
+from tests.helpers.distributed import run_distributed
+from tests.helpers.tiny import tiny_config, tiny_llama_config
+from tests.helpers.training import tiny_args
 
 VOCAB = 128
 

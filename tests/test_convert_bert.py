@@ -19,7 +19,7 @@ from megatron_train.models.bert import bert_model_provider
 from megatron_train.models.config import TransformerConfig
 from megatron_train.models.transformer import unpack_qkv
 from megatron_train.tools.checkpoint_util import main
-from tests.convert_models import VOCAB, shard_tensors
+from tests.helpers.convert_models import VOCAB, shard_tensors
 
 transformers = pytest.importorskip("transformers")
 HF_CLASSES = {"pretraining": transformers.BertForPreTraining, "masked_lm": transformers.BertForMaskedLM}

@@ -4,7 +4,6 @@ trips."""
 from __future__ import annotations
 
 import json
-import logging
 import os
 
 import pytest
@@ -16,7 +15,7 @@ from megatron_train.convert.weights import trim_vocab
 from megatron_train.inference.generation import GenerationParams, generate_tokens
 from megatron_train.tokenizer.build import tokenizer_from_config
 from megatron_train.tools.checkpoint_util import main
-from tests.convert_models import VOCAB, ids, our_llama, shard_tensors
+from tests.helpers.convert_models import VOCAB, hf_logits, ids, our_llama, shard_tensors
 
 transformers = pytest.importorskip("transformers")
 
@@ -98,22 +97,6 @@ def _convert(*argv: str) -> None:
     main(["--model-type", "GPT", *argv])
 
 
-def _hf_logits(folder: str, tokens: torch.Tensor, caplog) -> torch.Tensor:
-    """transformers' logits of a saved folder, asserting it loads with no missing or unused weights and no
-    warning (transformers' logger does not propagate: caplog's handler is attached to it)."""
-    caplog.clear()
-    hf_logger = logging.getLogger("transformers")
-    hf_logger.addHandler(caplog.handler)
-    try:
-        model, info = transformers.AutoModelForCausalLM.from_pretrained(folder, output_loading_info=True)
-    finally:
-        hf_logger.removeHandler(caplog.handler)
-    assert {key: value for key, value in info.items() if value} == {}, info
-    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
-    with torch.no_grad():
-        return model.eval()(tokens).logits
-
-
 @pytest.mark.parametrize("name", HF_MODELS)
 def test_hf_model_converted_in_gives_transformers_logits_and_back_out_loads_cleanly(name, tmp_path, caplog):
     # GPT-2 has 16 positions; Llama's run far enough that Llama-3.1's rope scaling changes the logits
@@ -144,7 +127,7 @@ def test_hf_model_converted_in_gives_transformers_logits_and_back_out_loads_clea
     _convert("--loader", "flow", "--saver", "hf", "--load-dir", str(tmp_path / "flow"),
              "--save-dir", str(tmp_path / "out"))  # fmt: skip
     torch.testing.assert_close(
-        _hf_logits(str(tmp_path / "out"), tokens, caplog), expected, rtol=1e-5, atol=1e-5
+        hf_logits(str(tmp_path / "out"), tokens, caplog), expected, rtol=1e-5, atol=1e-5
     )
     with open(tmp_path / "out" / "config.json") as handle:
         exported = json.load(handle)
@@ -194,7 +177,7 @@ def test_ours_at_tp2_pp2_converted_out_gives_our_logits_in_sharded_safetensors(
     assert architecture == ["Qwen2ForCausalLM" if qkv_bias else "LlamaForCausalLM"]
     with torch.no_grad():
         ours = model(ids())
-    torch.testing.assert_close(_hf_logits(str(tmp_path / "hf"), ids(), caplog), ours[..., :VOCAB])
+    torch.testing.assert_close(hf_logits(str(tmp_path / "hf"), ids(), caplog), ours[..., :VOCAB])
 
 
 @pytest.mark.parametrize(("tp", "pp", "qkv_bias"), [(1, 1, False), (2, 2, False), (1, 1, True), (2, 2, True)])

@@ -4,10 +4,8 @@ pickled objects outside the allow-list."""
 from __future__ import annotations
 
 import argparse
-import enum
 import io
 import os
-import pathlib
 import random
 import sys
 import types
@@ -22,7 +20,15 @@ from megatron_train.convert.weights import trim_vocab
 from megatron_train.models import GPTModel, TransformerConfig
 from megatron_train.models.transformer import unpack_qkv
 from megatron_train.tools.checkpoint_util import main
-from tests.convert_models import VOCAB, ids, our_llama, shard_tensors
+from tests.helpers.convert_models import (
+    VOCAB,
+    ModelType,
+    WritesFile,
+    ids,
+    megatron_args,
+    our_llama,
+    shard_tensors,
+)
 
 
 def _convert(*argv: str) -> None:
@@ -66,29 +72,6 @@ def _megatron_qkv_shard(qkv: torch.Tensor, heads: int, groups: int, tp: int, ran
         rows += [q[(group * per_group + h) * d : (group * per_group + h + 1) * d] for h in range(per_group)]
         rows += [k[group * d : (group + 1) * d], v[group * d : (group + 1) * d]]
     return torch.cat(rows)
-
-
-def _megatron_args(model: TransformerConfig, tp: int, pp: int, padded: int) -> argparse.Namespace:
-    """The args Megatron-LM's pretrain_gpt.py pickles (the model's subset, as Megatron names them)."""
-    return argparse.Namespace(
-        num_layers=model.num_layers, hidden_size=model.hidden_size, ffn_hidden_size=model.ffn_hidden_size,
-        num_attention_heads=model.num_attention_heads, kv_channels=model.kv_channels, group_query_attention=True,
-        num_query_groups=model.num_query_groups, seq_length=model.seq_length,
-        max_position_embeddings=model.seq_length, position_embedding_type="rope", rotary_base=10000,
-        rotary_percent=1.0, normalization="RMSNorm", norm_epsilon=1e-5, swiglu=True, add_bias_linear=False,
-        untie_embeddings_and_output_weights=True, hidden_dropout=0.0, attention_dropout=0.0, fp16=False,
-        bf16=False, params_dtype=torch.float32, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-        padded_vocab_size=padded, make_vocab_size_divisible_by=128, tokenizer_type="NullTokenizer",
-        vocab_size=VOCAB - 1, iteration=20, transformer_impl="transformer_engine", use_mcore_models=True,
-        model_type=ModelType.encoder_or_decoder,
-        ckpt_format="torch",
-    )  # fmt: skip
-
-
-class ModelType(enum.Enum):
-    """Megatron's megatron.core.enums.ModelType, which pretrain() puts in args (args.model_type)."""
-
-    encoder_or_decoder = 1
 
 
 def _fake_megatron_enums(monkeypatch) -> None:
@@ -139,7 +122,7 @@ def test_megatron_core_checkpoint_in_megatrons_layout_gives_the_logits_of_its_mo
             folder = tmp_path / "mg" / "iter_0000020" / f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
             folder.mkdir(parents=True)
             torch.save(
-                {"args": _megatron_args(shape, tp, pp, 128), "checkpoint_version": 3.0, "iteration": 20,
+                {"args": megatron_args(shape, tp, pp, 128), "checkpoint_version": 3.0, "iteration": 20,
                  "model": files, "rng_state": [rng], "num_floating_point_operations_so_far": 0},
                 folder / "model_optim_rng.pt",
             )  # fmt: skip
@@ -193,16 +176,6 @@ def test_released_gpt_345m_layout_with_language_model_names_loads(tmp_path):
     converted, _ = load_model_for_inference(str(tmp_path / "flow"), device="cpu")
     with torch.no_grad():
         torch.testing.assert_close(converted(ids()), model(ids()), rtol=0, atol=0)
-
-
-class WritesFile:
-    """Unpickling this would write a file: what a crafted checkpoint could do."""
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-
-    def __reduce__(self):
-        return pathlib.Path.write_text, (pathlib.Path(self.path), "ran")
 
 
 def test_pickled_object_outside_the_allow_list_is_refused_and_runs_nothing(tmp_path, capsys):

@@ -22,7 +22,7 @@ from stages import convert
 from stages.convert import ConvertParams
 from stages.download import EMBEDDED_CORPUS
 from storage.artifacts import ArtifactRef, ArtifactStore
-from tests.tiny import tiny_config
+from tests.helpers.tiny import tiny_config
 
 transformers = pytest.importorskip("transformers")
 TEXT = "And God said, Let there be light: and there was light."

@@ -16,8 +16,7 @@ from megatron_train.checkpointing import load_model_for_inference
 from megatron_train.convert import ModelWeights, flow
 from megatron_train.convert.weights import trim_vocab
 from megatron_train.tools.checkpoint_util import main
-from tests.convert_models import VOCAB, ids, our_llama, shard_tensors
-from tests.test_convert_megatron import WritesFile, _megatron_args
+from tests.helpers.convert_models import VOCAB, WritesFile, ids, megatron_args, our_llama, shard_tensors
 
 
 def _convert(*argv: str) -> None:
@@ -87,7 +86,7 @@ def _megatron_core_save(folder, state: dict, common: dict) -> None:
 def test_megatron_core_torch_dist_checkpoint_gives_the_logits_of_its_model(tmp_path):
     config, model = our_llama(untied=True)
     folder = tmp_path / "td" / "iter_0000020"
-    args = _megatron_args(config.model, 2, 2, 128)
+    args = megatron_args(config.model, 2, 2, 128)
     args.model_type = None  # the enum stand-in needs Megatron's module; test_convert_megatron covers it
     _megatron_core_save(
         folder, model.state_dict(), {"args": args, "checkpoint_version": 3.0, "iteration": 20}
@@ -105,7 +104,7 @@ def test_pickled_objects_outside_the_allow_list_are_refused_and_run_nothing(tmp_
     marker = tmp_path / "written_by_the_checkpoint"
     config, model = our_llama(untied=True)
     folder = tmp_path / "td" / "iter_0000001"
-    args = _megatron_args(config.model, 1, 1, 128)
+    args = megatron_args(config.model, 1, 1, 128)
     args.model_type, args.hook = None, WritesFile(str(marker))
     _megatron_core_save(folder, model.state_dict(), {"args": args, "iteration": 1})
     (tmp_path / "td" / "latest_checkpointed_iteration.txt").write_text("1")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import glob
 import json
-import lzma
 import os
 import shutil
 import signal
@@ -16,13 +15,13 @@ from pathlib import Path
 import pytest
 
 from flows.corpus import CorpusConfig, corpus_flow, main
-from stages.clean import CleanParams, clean_text
-from stages.download import EMBEDDED_CORPUS, DownloadParams
-from stages.quality_filters import first_failing_rule
+from stages.clean import CleanParams
+from stages.download import DownloadParams
 from stages.tokenize import TokenizeParams
 from storage.artifacts import ArtifactStore
 from storage.indexed_dataset import IndexedDataset
-from tests.prefect_runs import artifacts, task_states
+from tests.helpers.corpus_flow import clean_chapters, corpus_config
+from tests.helpers.prefect_runs import artifacts, task_states
 
 ROOT = Path(__file__).resolve().parents[1]
 N_BASE, EXACT, NEAR = 30, [0, 5, 9], [2, 12, 20]
@@ -31,20 +30,6 @@ JUNK = [
     "lorem ipsum dolor sit amet " * 30,
     "#### ### ## # " * 40 + " and the of " * 10,
 ]
-
-
-def _base_chapters() -> list[dict]:
-    """Real KJV chapters that pass the default clean step (so the expectations below are exact)."""
-    chapters = []
-    with lzma.open(EMBEDDED_CORPUS, "rt") as f:
-        for line in f:
-            doc = json.loads(line)
-            text = clean_text(doc["text"], CleanParams())
-            if 400 < len(text.split()) < 1200 and first_failing_rule(text, CleanParams()) is None:
-                chapters.append({"id": doc["id"], "text": doc["text"]})
-            if len(chapters) == N_BASE:
-                return chapters
-    raise AssertionError("not enough clean chapters in the embedded corpus")
 
 
 def _near_copy(text: str) -> str:
@@ -58,7 +43,7 @@ def _near_copy(text: str) -> str:
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> Path:
     """30 real chapters, 3 exact and 3 near duplicates, 3 junk documents and one malformed line."""
-    base = _base_chapters()
+    base = clean_chapters(N_BASE)
     docs = list(base)
     docs += [{"id": f"exact-{i}", "text": base[i]["text"]} for i in EXACT]
     docs += [{"id": f"near-{i}", "text": _near_copy(base[i]["text"])} for i in NEAR]
@@ -68,16 +53,6 @@ def corpus(tmp_path_factory) -> Path:
     lines.insert(17, '{"id": "broken", "text": "no closing brace"')
     path.write_text("\n".join(lines) + "\n")
     return path
-
-
-def _config(store: Path, source: Path, **overrides) -> CorpusConfig:
-    base = {
-        "store": str(store),
-        "download": DownloadParams(source=str(source), docs_per_shard=16, skip_bad_records=True),
-        "tokenize": TokenizeParams(append_eod=True, workers=1),
-        "task_runner": "threads",
-    }
-    return CorpusConfig(**{**base, **overrides})
 
 
 def _manifest(refs: dict, stage: str) -> dict:
@@ -93,7 +68,7 @@ def test_flow_counts_caching_and_partial_rerun(prefect_api_url, corpus, tmp_path
     emitted: list[dict] = []  # the Prefect events the flow emits (new token data triggers the pipeline)
     monkeypatch.setattr("flows.events.emit_event", lambda **event: emitted.append(event))
     store = tmp_path / "store"
-    refs = corpus_flow(_config(store, corpus))
+    refs = corpus_flow(corpus_config(store, corpus))
     assert not any(r["cache_hit"] for r in refs.values())
     assert [event["payload"]["key"] for event in emitted] == [refs["tokenize"]["key"]]
 
@@ -111,7 +86,7 @@ def test_flow_counts_caching_and_partial_rerun(prefect_api_url, corpus, tmp_path
     report = pq.read_table(f"{refs['dedup']['url']}/duplicates.parquet").to_pylist()
     dropped = {r["id"] for r in report if not r["kept"]}
     assert dropped == {f"exact-{i}" for i in EXACT} | {f"near-{i}" for i in NEAR}
-    base = _base_chapters()
+    base = clean_chapters(N_BASE)
     clusters = {r["id"]: r["cluster"] for r in report}
     assert all(
         clusters[f"{kind}-{i}"] == base[i]["id"]
@@ -128,7 +103,7 @@ def test_flow_counts_caching_and_partial_rerun(prefect_api_url, corpus, tmp_path
     # Nothing changed: every stage is a cache hit, Prefect shows Cached on this first rerun already, and no
     # file is rewritten.
     before = {p: p.stat().st_mtime_ns for p in store.rglob("*") if p.is_file()}
-    state = corpus_flow(_config(store, corpus), return_state=True)
+    state = corpus_flow(corpus_config(store, corpus), return_state=True)
     again = state.result()
     assert all(r["cache_hit"] for r in again.values())
     assert task_states(state) == dict.fromkeys(refs, "Cached")
@@ -145,14 +120,14 @@ def test_flow_counts_caching_and_partial_rerun(prefect_api_url, corpus, tmp_path
     # An artifact deleted from the store is rebuilt (the Prefect record is stale), with the same key and bytes.
     tokens = _token_files(refs)
     shutil.rmtree(refs["tokenize"]["url"])
-    state = corpus_flow(_config(store, corpus), return_state=True)
+    state = corpus_flow(corpus_config(store, corpus), return_state=True)
     rebuilt = state.result()
     assert not rebuilt["tokenize"]["cache_hit"] and rebuilt["tokenize"]["key"] == refs["tokenize"]["key"]
     assert _token_files(rebuilt) == tokens
     assert task_states(state) == {**dict.fromkeys(refs, "Cached"), "tokenize": "Completed"}
 
     # One clean parameter changed: download is a hit, everything after it reruns.
-    changed = corpus_flow(_config(store, corpus, clean=CleanParams(min_words=20)))
+    changed = corpus_flow(corpus_config(store, corpus, clean=CleanParams(min_words=20)))
     assert changed["download"]["cache_hit"] and changed["download"]["key"] == refs["download"]["key"]
     for stage in ("clean", "dedup", "train_tokenizer", "tokenize"):
         assert not changed[stage]["cache_hit"] and changed[stage]["key"] != refs[stage]["key"], stage
@@ -164,7 +139,7 @@ def test_flow_counts_caching_and_partial_rerun(prefect_api_url, corpus, tmp_path
 
 
 def test_malformed_record_without_skip_names_file_and_line(prefect_api_url, corpus, tmp_path):
-    config = _config(
+    config = corpus_config(
         tmp_path / "store", corpus, download=DownloadParams(source=str(corpus), docs_per_shard=16)
     )
     with pytest.raises(Exception, match=r"corpus.jsonl:18: "):
@@ -174,7 +149,7 @@ def test_malformed_record_without_skip_names_file_and_line(prefect_api_url, corp
 
 
 def _cli_source_args(corpus: Path) -> list[str]:
-    """The flags that give the CLI the same settings as `_config`."""
+    """The flags that give the CLI the same settings as `corpus_config`."""
     return [
         "--download.source", str(corpus), "--download.docs-per-shard", "16",
         "--download.skip-bad-records", "true", "--tokenize.workers", "1",
@@ -182,7 +157,7 @@ def _cli_source_args(corpus: Path) -> list[str]:
 
 
 def test_cli_runs_on_process_pool_and_matches_flow(prefect_api_url, corpus, tmp_path, capsys, monkeypatch):
-    reference = corpus_flow(_config(tmp_path / "a", corpus))
+    reference = corpus_flow(corpus_config(tmp_path / "a", corpus))
     argv = ["--store", str(tmp_path / "b"), *_cli_source_args(corpus), "--task-runner", "processes"]
     # `make corpus`'s command, as a user runs it (the flow then validates a config parsed in `__main__`)
     env = {**os.environ, "PREFECT_API_URL": prefect_api_url}
@@ -195,7 +170,7 @@ def test_cli_runs_on_process_pool_and_matches_flow(prefect_api_url, corpus, tmp_
     assert _token_files({"tokenize": refs["tokenize"].to_dict()}) == _token_files(reference)
 
     # Prefect's record of a stage is per store: the flow on store a still answers with a's artifacts.
-    again = corpus_flow(_config(tmp_path / "a", corpus))
+    again = corpus_flow(corpus_config(tmp_path / "a", corpus))
     assert all(r["cache_hit"] for r in again.values())
     assert {stage: ref["url"] for stage, ref in again.items()} == {s: r["url"] for s, r in reference.items()}
 
@@ -216,7 +191,7 @@ def _no_server(*args, **kwargs):
 
 
 def test_sigkill_during_tokenize_then_rerun_is_byte_identical(prefect_api_url, corpus, tmp_path):
-    reference = corpus_flow(_config(tmp_path / "clean-run", corpus))
+    reference = corpus_flow(corpus_config(tmp_path / "clean-run", corpus))
     store = tmp_path / "killed"
     cmd = [
         sys.executable,
@@ -244,7 +219,7 @@ def test_sigkill_during_tokenize_then_rerun_is_byte_identical(prefect_api_url, c
     proc.wait()
     assert not glob.glob(str(store / "tokenize" / "*" / "manifest.json"))
 
-    resumed = corpus_flow(_config(store, corpus))
+    resumed = corpus_flow(corpus_config(store, corpus))
     assert resumed["tokenize"]["key"] == reference["tokenize"]["key"]
     assert _token_files(resumed) == _token_files(reference)
 
@@ -290,7 +265,7 @@ def test_a_bad_section_value_is_a_usage_error_naming_the_flag(capsys):
 
 
 def test_bert_tokenizer_type_trains_wordpiece(prefect_api_url, corpus, tmp_path):
-    config = _config(
+    config = corpus_config(
         tmp_path / "store",
         corpus,
         tokenize=TokenizeParams(tokenizer_type="BertWordPieceLowerCase", workers=1),

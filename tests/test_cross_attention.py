@@ -9,9 +9,9 @@ import torch
 from megatron_train.models.cross_attention import CrossAttention
 from megatron_train.models.transformer import TransformerBlock
 from megatron_train.parallel import allreduce_sequence_parallel_grads, mappings, state
-from tests.distributed import run_distributed
-from tests.test_tensor_parallel import _relative_error, full_tensor
-from tests.tiny import tiny_config, tiny_llama_config
+from tests.helpers.distributed import run_distributed
+from tests.helpers.tensors import full_tensor, relative_error
+from tests.helpers.tiny import tiny_config, tiny_llama_config
 
 S_Q, S_K, BATCH = 8, 12, 2
 
@@ -96,9 +96,9 @@ def _tensor_parallel_worker(rank: int, world_size: int) -> dict[str, tuple[float
         for sequence_parallel in (False, True):
             state.initialize_model_parallel(tensor_model_parallel_size=2)
             loss, grads = _block_loss_and_grads(config, sequence_parallel)
-            grad_error = max(_relative_error(grads[key], reference_grads[key]) for key in reference_grads)
+            grad_error = max(relative_error(grads[key], reference_grads[key]) for key in reference_grads)
             results[f"{name}_sp{int(sequence_parallel)}"] = (
-                _relative_error(loss, reference_loss),
+                relative_error(loss, reference_loss),
                 grad_error,
             )
             state.destroy_model_parallel()

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from megatron_train.distributed import DDPConfig, DistributedDataParallel, unwrap_model, wrap_data_parallel
 from megatron_train.optimizer import get_megatron_optimizer
 from megatron_train.training.config import OptimizerConfig
-from tests.distributed import run_distributed
+from tests.helpers.distributed import run_distributed
 
 GLOBAL_BATCH, MICRO_BATCH, STEPS = 8, 2, 3
 VARIANTS = [
@@ -152,7 +152,7 @@ def test_gpt_pretraining_dp2_and_tp2_equal_one_process(tmp_path) -> None:
     """pretrain_gpt at global batch 4: DP=1 with 2 micro-batches of 2 vs DP=2 with one each, for
     --ddp-impl local (with and without --overlap-grad-reduce) and torch, and vs TP=2 (with and without
     sequence parallel): the same losses and grad norms."""
-    from tests.test_training import pretrain_worker, tiny_args, write_corpus
+    from tests.helpers.training import pretrain_worker, tiny_args, write_corpus
 
     prefix = write_corpus(str(tmp_path))
     common = ["--data-path", prefix, "--split", "90,10,0", "--train-iters", "4", "--hidden-dropout", "0.0",

@@ -21,9 +21,9 @@ from megatron_train.models.gpt import GPTModel
 from megatron_train.optimizer import DistributedOptimizer, MegatronOptimizer, get_megatron_optimizer
 from megatron_train.optimizer.distrib_optimizer import shards_of_bucket
 from megatron_train.training.config import OptimizerConfig
-from tests.distributed import run_distributed
-from tests.test_training import tiny_args, write_corpus
-from tests.tiny import tiny_config
+from tests.helpers.distributed import run_distributed
+from tests.helpers.tiny import tiny_config
+from tests.helpers.training import tiny_args, write_corpus
 
 VOCAB = 128
 DIST = "--use-distributed-optimizer"

@@ -20,9 +20,8 @@ from megatron_train.models.gpt import GPTModel
 from megatron_train.optimizer import DistributedOptimizer, chunk_named_parameters
 from megatron_train.parallel.schedules import forward_backward_no_pipelining
 from megatron_train.training.config import OptimizerConfig
-from tests.distributed import run_distributed
-from tests.test_training import write_corpus
-from tests.test_training_pipeline import (
+from tests.helpers.distributed import run_distributed
+from tests.helpers.pipeline_runs import (
     PADDED_VOCAB,
     PP2,
     RTOL,
@@ -32,6 +31,7 @@ from tests.test_training_pipeline import (
     merge_weights,
     pretrain_from_weights,
 )
+from tests.helpers.training import write_corpus
 
 DIST = ["--use-distributed-optimizer"]
 ITERS = ["--train-iters", "4"]  # overrides argv's 3: two steps before the checkpoint, two after

@@ -2,7 +2,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.distributed import run_distributed
+from tests.helpers.distributed import run_distributed
 
 
 def _all_reduce_rank(rank: int, world_size: int, scale: float) -> float:

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from megatron_train.arguments import parse_args
 from megatron_train.parallel import state
 from megatron_train.training.setup import model_parallel_session
-from tests.test_training import tiny_args
+from tests.helpers.training import tiny_args
 
 
 @pytest.mark.parametrize(

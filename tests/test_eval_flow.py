@@ -14,7 +14,7 @@ from stages.evaluate import EvaluateParams
 from stages.tokenize import TokenizeParams
 from stages.train_tokenizer import TrainTokenizerParams
 from storage.artifacts import ArtifactStore
-from tests.prefect_runs import artifacts
+from tests.helpers.prefect_runs import artifacts
 
 TINY_GPT = (
     "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",

@@ -28,7 +28,7 @@ from megatron_train.evaluation.perplexity import (
 from megatron_train.evaluation.wikitext import evaluate_wikitext, load_wikitext, wikitext_detokenizer
 from megatron_train.inference.generation import GenerationParams, generate
 from storage.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
-from tests.test_generation import (  # noqa: F401 (one_torch_thread is an autouse fixture)
+from tests.helpers.generation import (  # noqa: F401 (one_torch_thread is an autouse fixture)
     CharTokenizer,
     build_tiny_gpt,
     one_torch_thread,

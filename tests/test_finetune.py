@@ -26,10 +26,9 @@ from megatron_train.tasks.finetune.samples import (
     choice_sample,
     tokens_types_paddings,
 )
-from tests.distributed import run_distributed
-from tests.test_bert_training import bert_argv
-from tests.test_training import read_metrics
-from tests.wordpiece_corpus import STEMS, build_tokenizer, write_wordpiece_corpus
+from tests.helpers.distributed import run_distributed
+from tests.helpers.training import bert_argv, read_metrics
+from tests.helpers.wordpiece_corpus import STEMS, build_tokenizer, write_wordpiece_corpus
 
 MNLI_HEADER = [
     "index", "promptID", "pairID", "genre", "sentence1_binary_parse", "sentence2_binary_parse", "sentence1_parse",
@@ -555,7 +554,7 @@ def test_bad_finetuning_flags_are_named(tmp_path, pretrained, mnli, flags, messa
 
 
 def test_a_gpt_checkpoint_is_refused_as_pretrained_bert(tmp_path, mnli):
-    from tests.test_generation import save_tiny_checkpoint
+    from tests.helpers.generation import save_tiny_checkpoint
 
     gpt = save_tiny_checkpoint(str(tmp_path / "gpt"))
     argv = finetune_argv(
@@ -583,7 +582,7 @@ def test_a_hub_name_is_loaded_from_the_datasets_cache(monkeypatch):
 
 def test_multiple_choice_folds_the_options_into_the_batch():
     from megatron_train.tasks.finetune.model import BertClassifier
-    from tests.test_bert_model import tiny_config
+    from tests.helpers.tiny import tiny_config
 
     torch.manual_seed(0)
     model = BertClassifier(tiny_config(), vocab_size=64, num_classes=1).eval()
@@ -606,7 +605,7 @@ def test_pretrained_bert_without_binary_head_loads_its_encoder_and_the_rest_star
     from megatron_train.models.bert import bert_model_provider
     from megatron_train.tasks.finetune.model import BertClassifier, load_pretrained_bert
     from megatron_train.training.config import CheckpointConfig
-    from tests.test_bert_model import tiny_config
+    from tests.helpers.tiny import tiny_config
 
     config = MegatronConfig(model=tiny_config(bert_binary_head=False), data=DataConfig())
     config.checkpoint = CheckpointConfig(save=str(tmp_path))
@@ -633,7 +632,7 @@ def test_the_model_comes_from_the_checkpoint_and_how_to_compute_from_the_flags()
     from megatron_train.arguments import MegatronConfig
     from megatron_train.data.config import DataConfig
     from megatron_train.tasks.finetune.finetune import finetune_config
-    from tests.test_bert_model import tiny_config
+    from tests.helpers.tiny import tiny_config
 
     saved = MegatronConfig(model=tiny_config(bf16=True, recompute_granularity="selective"), data=DataConfig())
     config = finetune_config(argparse.Namespace(seq_length=8, fp16=True, lr=1e-4), saved)

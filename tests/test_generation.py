@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import replace
 
 import pytest
@@ -12,91 +11,15 @@ import torch.nn.functional as F
 from megatron_train.inference import generation
 from megatron_train.inference.generation import GenerationParams, generate
 from megatron_train.inference.sampling import filter_top_k, filter_top_p, sample
-from megatron_train.tokenizer.base import MegatronTokenizer
+from tests.helpers.generation import CharTokenizer, build_tiny_gpt
 
 # ---------------------------------------------------------------------------------------------------------
 # Fixtures shared with test_server.py and test_evaluation.py: a character tokenizer and a tiny GPT.
 
 
-class CharTokenizer(MegatronTokenizer):
-    """One id per character, plus "\\n\\n" as one token (as GPT-2 has) and eod = 0."""
-
-    SYMBOLS = ["<eod>", "\n\n", "\n", " ", ":", ".", ",", "!", "?", "'"] + [chr(c) for c in range(97, 123)]
-    SYMBOLS += [chr(c) for c in range(65, 91)] + [str(d) for d in range(10)] + list('=-()";@')
-
-    @property
-    def vocab_size(self) -> int:
-        return len(self.SYMBOLS)
-
-    @property
-    def vocab(self) -> dict[str, int]:
-        return {s: i for i, s in enumerate(self.SYMBOLS)}
-
-    @property
-    def inv_vocab(self) -> dict[int, str]:
-        return dict(enumerate(self.SYMBOLS))
-
-    @property
-    def eod(self) -> int:
-        return 0
-
-    def tokenize(self, text: str) -> list[int]:
-        ids, i = [], 0
-        while i < len(text):
-            step = 2 if text.startswith("\n\n", i) else 1
-            ids.append(self.vocab[text[i : i + step]])
-            i += step
-        return ids
-
-    def detokenize(self, ids: Sequence[int]) -> str:
-        return "".join(self.SYMBOLS[i] for i in ids)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """Tiny models run fastest on one thread; on a shared 2-core machine more threads only contend."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def tokenizer() -> CharTokenizer:
     return CharTokenizer()
-
-
-def build_tiny_gpt(seed: int = 0, max_position_embeddings: int = 64):
-    """A 2-layer GPTModel with a padded vocabulary (128 > the tokenizer's 79), in eval mode."""
-    from megatron_train.models.gpt import GPTModel
-    from tests.tiny import tiny_config
-
-    torch.manual_seed(seed)
-    config = tiny_config(
-        seq_length=max_position_embeddings,
-        max_position_embeddings=max_position_embeddings,
-        init_method_std=0.2,
-    )
-    return GPTModel(config, vocab_size=128).eval()
-
-
-def save_tiny_checkpoint(directory: str, model: torch.nn.Module | None = None) -> str:
-    """A real checkpoint of `model` (default build_tiny_gpt(); padded vocabulary 128) whose recorded tokenizer
-    is NullTokenizer(vocab_size=100)."""
-    from megatron_train.arguments import MegatronConfig
-    from megatron_train.checkpointing import TrainingProgress, save_checkpoint
-    from megatron_train.data.config import DataConfig
-    from megatron_train.training.config import CheckpointConfig, TokenizerConfig
-
-    model = build_tiny_gpt() if model is None else model
-    config = MegatronConfig(
-        model=model.config,
-        data=DataConfig(),
-        checkpoint=CheckpointConfig(save=directory),
-        tokenizer=TokenizerConfig(tokenizer_type="NullTokenizer", vocab_size=100),
-    )
-    save_checkpoint(1, model, None, None, TrainingProgress(), config, padded_vocab_size=128)
-    return directory
 
 
 @pytest.fixture(scope="module")
@@ -346,7 +269,7 @@ def _tensor_parallel_worker(rank: int, world_size: int) -> dict[str, list[list[i
     """Greedy tokens of a learned-absolute GPT and a GQA + RoPE Llama, at TP=1 and at TP=world_size."""
     from megatron_train.models.gpt import GPTModel
     from megatron_train.parallel import state
-    from tests.tiny import tiny_config, tiny_llama_config
+    from tests.helpers.tiny import tiny_config, tiny_llama_config
 
     shape = dict(num_attention_heads=4, seq_length=32, init_method_std=0.2)
     configs = {"gpt": tiny_config(**shape), "llama": tiny_llama_config(**shape, num_query_groups=2)}
@@ -363,7 +286,7 @@ def _tensor_parallel_worker(rank: int, world_size: int) -> dict[str, list[list[i
 
 
 def test_tensor_parallel_generation_equals_single_process():
-    from tests.distributed import run_distributed
+    from tests.helpers.distributed import run_distributed
 
     for ranks in run_distributed(_tensor_parallel_worker, 2):
         assert ranks["gpt tp2"] == ranks["gpt tp1"]

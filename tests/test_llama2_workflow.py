@@ -15,8 +15,7 @@ import torch
 
 from megatron_train.checkpointing import load_model_for_inference
 from megatron_train.tools.checkpoint_util import main as convert
-from tests.convert_models import LLAMA2_CHAT_TEMPLATE, VOCAB, ids, save_chat_tokenizer
-from tests.test_convert_hf import _hf_logits
+from tests.helpers.convert_models import LLAMA2_CHAT_TEMPLATE, VOCAB, hf_logits, ids, save_chat_tokenizer
 
 transformers = pytest.importorskip("transformers")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -89,7 +88,7 @@ def test_llama2_convert_finetune_with_sft_and_export(untied, tmp_path, capsys, c
     model, _ = load_model_for_inference(tuned, device="cpu")
     with torch.no_grad():
         expected = model(ids())[..., :VOCAB]
-    torch.testing.assert_close(_hf_logits(hf_out, ids(), caplog), expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(hf_logits(hf_out, ids(), caplog), expected, rtol=1e-5, atol=1e-5)
     original = transformers.AutoModelForCausalLM.from_pretrained(hf_in)
     with torch.no_grad():
         assert not torch.allclose(original(ids()).logits, expected, atol=1e-3)  # the finetune changed it

@@ -1,4 +1,4 @@
-"""Our `torch_dist` and legacy `megatron` checkpoints against Megatron-Core itself (tests/megatron_core_interop.py,
+"""Our `torch_dist` and legacy `megatron` checkpoints against Megatron-Core itself (tests/helpers/megatron_core_interop.py,
 run in a fresh process: it needs a process group, and dist_checkpointing spawns writers). megatron-core is a
 dev dependency (pyproject.toml), so these run in CI."""
 
@@ -17,7 +17,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 @pytest.mark.parametrize("embeddings", ["tied", "untied"])
 def test_megatron_core_loads_our_save_and_we_load_its_save(layout, embeddings):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([ROOT, *sys.path])}
-    run = subprocess.run([sys.executable, "-m", "tests.megatron_core_interop", embeddings, layout], cwd=ROOT,
+    run = subprocess.run([sys.executable, "-m", "tests.helpers.megatron_core_interop", embeddings, layout], cwd=ROOT,
                          env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
     assert run.returncode == 0 and "megatron-core interop ok" in run.stdout, (
         run.stdout[-2000:] + run.stderr[-4000:]

@@ -4,9 +4,6 @@ arguments: our parser takes every flag, and tiny versions (sizes shrunk, every o
 from __future__ import annotations
 
 import glob
-import os
-import stat
-import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -16,28 +13,13 @@ from megatron_train.arguments import build_parser, parse_args
 from megatron_train.checkpointing import read_latest_iteration
 from megatron_train.tokenizer.train import train_byte_level_bpe
 from storage.indexed_dataset import IndexedDatasetBuilder
-from tests.distributed import run_distributed
-from tests.test_training import pretrain_worker
+from tests.helpers.distributed import run_distributed
+from tests.helpers.megatron_examples import example_argv
+from tests.helpers.training import pretrain_worker
 
-FIXTURES = Path(__file__).parent / "fixtures" / "megatron_examples"
 GPT3 = "train_gpt3_175b_distributed.sh"
 LLAMA3 = "train_llama3_8b_h100_fp8.sh"
 FP8_FLAGS = ("--fp8-format", "--fp8-amax-history-len", "--fp8-amax-compute-algo", "--fp8-param-gather")
-
-
-def example_argv(script: str, workdir: Path, *positional: str, entry: str = "pretrain_gpt.py") -> list[str]:
-    """Run Megatron's example `script` with bash in `workdir`; return what it passes to `entry`."""
-    bin_dir = workdir / "bin"
-    bin_dir.mkdir(parents=True, exist_ok=True)
-    torchrun = bin_dir / "torchrun"
-    torchrun.write_text('#!/bin/sh\nprintf "%s\\n" "$@" > "$ARGV_RECORD"\n')
-    torchrun.chmod(torchrun.stat().st_mode | stat.S_IEXEC)
-    (workdir / "pretrain_gpt.py").write_text("")  # the Llama script checks that it runs in Megatron's root
-    record = workdir / "argv.txt"
-    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "ARGV_RECORD": str(record)}
-    subprocess.run(["bash", str(FIXTURES / script), *positional], cwd=workdir, env=env, check=True)
-    words = record.read_text().splitlines()
-    return words[words.index(entry) + 1 :]
 
 
 def _value_end(argv: list[str], start: int) -> int:

@@ -29,8 +29,8 @@ from megatron_train.training.microbatches import MicroBatchCalculator, parse_ste
 from megatron_train.training.per_token_loss import NUM_TOKENS_KEY, scale_grads_to_per_token_loss
 from megatron_train.training.step_hooks import StepHooks
 from megatron_train.training.wandb_writer import build_wandb_writer
-from tests.distributed import run_distributed
-from tests.test_training import pretrain_worker, tiny_args, train_losses
+from tests.helpers.distributed import run_distributed
+from tests.helpers.training import pretrain_worker, tiny_args, train_losses
 
 
 def test_decoupled_lr_schedules_only_the_embedding_and_output_layer() -> None:

@@ -13,8 +13,8 @@ from megatron_train.models.hf_import import gpt2_state_dict_from_hf, llama_state
 from megatron_train.models.rotary import RotaryEmbedding, apply_rotary_pos_emb
 from megatron_train.models.transformer import get_layer_range, pack_qkv, unpack_qkv
 from megatron_train.parallel.random import model_parallel_seed
-from tests.test_training import tiny_args
-from tests.tiny import TINY_MODEL
+from tests.helpers.tiny import TINY_MODEL
+from tests.helpers.training import tiny_args
 
 
 @pytest.fixture
@@ -254,7 +254,7 @@ def test_stage_without_embedding_needs_an_input_tensor_and_zeroes_its_tied_outpu
 def test_document_ids_make_each_document_score_as_if_alone(llama):
     """--reset-attention-mask: a document after an eod gets the per-token losses it gets alone (positions
     restarted too); without the document ids it attends to the first document and scores otherwise."""
-    from tests.tiny import tiny_config, tiny_llama_config
+    from tests.helpers.tiny import tiny_config, tiny_llama_config
 
     torch.manual_seed(0)
     config = (tiny_llama_config if llama else tiny_config)(seq_length=16)

@@ -12,8 +12,8 @@ import pytest
 from megatron_train.arguments import config_to_argv, parse_args
 from stages.launch import LaunchParams, slurm_script, torchrun_args
 from stages.pretrain import STAGE, PretrainParams, job_command, torchrun_command
-from tests.distributed import free_port
-from tests.test_training import tiny_args, train_losses, write_corpus
+from tests.helpers.distributed import free_port
+from tests.helpers.training import tiny_args, train_losses, write_corpus
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 

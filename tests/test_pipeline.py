@@ -27,7 +27,7 @@ from megatron_train.parallel.schedules import (
     pipeline_tensor_shape,
 )
 from megatron_train.parallel.tied_embeddings import allreduce_embedding_grads, sync_embedding_weights
-from tests.distributed import run_distributed
+from tests.helpers.distributed import run_distributed
 
 HIDDEN, SEQ, MICRO_BATCH, NUM_LAYERS = 8, 4, 2, 8
 RTOL, ATOL = 1e-5, 1e-7
@@ -341,7 +341,7 @@ GPT_VOCAB, GPT_SEQ, GPT_MICRO_BATCH, GPT_MICROBATCHES = 128, 16, 2, 4
 
 def gpt_config():
     from megatron_train.models.config import TransformerConfig
-    from tests.tiny import TINY_MODEL
+    from tests.helpers.tiny import TINY_MODEL
 
     return TransformerConfig.gpt2(**dict(TINY_MODEL, num_layers=4, seq_length=GPT_SEQ))
 

@@ -14,8 +14,8 @@ import pytest
 
 from retro.config import ChunkDatabaseConfig
 from retro.db import ChunkDatabase, build_chunk_database, document_chunk_bounds
-from tests.retro_corpus import EOD, NEWLINE, WORDS, WordTokenizer, topic_documents, write_corpus
-from tests.wordpiece_corpus import build_tokenizer
+from tests.helpers.retro_corpus import EOD, NEWLINE, WORDS, WordTokenizer, topic_documents, write_corpus
+from tests.helpers.wordpiece_corpus import build_tokenizer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MERGED_FILES = ("chunks.npy", "chunks_invalid.npy", "datasets.json")
@@ -150,9 +150,9 @@ def test_sigkilled_build_resumes_to_identical_bytes(tmp_path):
         import pathlib
         from retro.config import ChunkDatabaseConfig
         from retro.db import build_chunk_database
-        from tests.retro_corpus import WordTokenizer
+        from tests.helpers.retro_corpus import WordTokenizer
         from tests.test_retro_db import CONFIG, CountingTokenizer
-        from tests.wordpiece_corpus import build_tokenizer
+        from tests.helpers.wordpiece_corpus import build_tokenizer
         bert = CountingTokenizer(build_tokenizer(pathlib.Path({str(tmp_path)!r})), fail_at=4, kill=True)
         build_chunk_database({data_path!r}, {str(tmp_path / "db")!r}, CONFIG, WordTokenizer(), bert)
         """

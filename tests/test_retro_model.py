@@ -13,9 +13,9 @@ from megatron_train.models.retro import RetroModel, from_chunks, retro_decoder_l
 from megatron_train.models.retro_config import RetroConfig
 from megatron_train.parallel import allreduce_sequence_parallel_grads, state
 from megatron_train.parallel.random import get_rng_tracker, model_parallel_seed
-from tests.distributed import run_distributed
-from tests.test_tensor_parallel import _relative_error, full_tensor
-from tests.tiny import tiny_config, tiny_llama_config
+from tests.helpers.distributed import run_distributed
+from tests.helpers.tensors import full_tensor, relative_error
+from tests.helpers.tiny import tiny_config, tiny_llama_config
 
 VOCAB, SEQ, CHUNK, BATCH = 64, 16, 4, 2
 RETRO = dict(retro_chunk_length=CHUNK, retro_encoder_hidden_dropout=0.0, retro_encoder_attention_dropout=0.0)
@@ -212,11 +212,11 @@ def _tensor_parallel_worker(rank: int, world_size: int) -> dict[str, tuple[float
         for sequence_parallel in (False, True):
             state.initialize_model_parallel(tensor_model_parallel_size=2)
             loss, grads = _loss_and_grads(config, retro_config, sequence_parallel)
-            grad_error = max(_relative_error(grads[key], reference_grads[key]) for key in reference_grads)
+            grad_error = max(relative_error(grads[key], reference_grads[key]) for key in reference_grads)
             retro = [key for key in grads if ".cross_attention." in key]
             retro_grads = sum(1 for key in retro if grads[key].abs().sum() > 0) == len(retro) > 10
             results[f"{name}_sp{int(sequence_parallel)}"] = (
-                _relative_error(loss, reference_loss),
+                relative_error(loss, reference_loss),
                 grad_error,
                 retro_grads,
             )
@@ -232,8 +232,8 @@ def _tensor_parallel_worker(rank: int, world_size: int) -> dict[str, tuple[float
         model_parallel_seed(99)
         runs.append(_loss_and_grads(config, noisy, True))
     (loss, grads), (recomputed_loss, recomputed_grads) = runs
-    grad_error = max(_relative_error(recomputed_grads[key], grads[key]) for key in grads)
-    results["sp_dropout_recompute"] = (_relative_error(recomputed_loss, loss), grad_error, True)
+    grad_error = max(relative_error(recomputed_grads[key], grads[key]) for key in grads)
+    results["sp_dropout_recompute"] = (relative_error(recomputed_loss, loss), grad_error, True)
     state.destroy_model_parallel()
     return results
 

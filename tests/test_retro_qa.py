@@ -18,12 +18,8 @@ from megatron_train.tasks.retro_qa import (
     read_qa,
     score_answers,
 )
-from tests.test_generation import CharTokenizer, build_tiny_gpt
-
-
-def write_jsonl(path, records) -> str:
-    path.write_text("".join(json.dumps(record) + "\n" for record in records))
-    return str(path)
+from tests.helpers.generation import CharTokenizer, build_tiny_gpt
+from tests.helpers.retro_corpus import write_jsonl
 
 
 def test_squad_normalization_exact_match_and_f1_on_known_answers():

@@ -16,9 +16,15 @@ from retro.query import (
     query_pretraining_neighbours,
     sample_document_ids,
 )
-from tests.retro_corpus import EOD, WordTokenizer, topic_documents, topic_embed, write_corpus
-from tests.test_retro_index import CountingEmbed
-from tests.wordpiece_corpus import build_tokenizer
+from tests.helpers.retro_corpus import (
+    EOD,
+    CountingEmbed,
+    WordTokenizer,
+    topic_documents,
+    topic_embed,
+    write_corpus,
+)
+from tests.helpers.wordpiece_corpus import build_tokenizer
 
 SEQ_LENGTH, CHUNK_LENGTH = 32, 16
 

@@ -21,8 +21,8 @@ from megatron_train.tokenizer.null import NullTokenizer
 from megatron_train.tools import run_text_generation_server as server_tool
 from megatron_train.training.config import CheckpointConfig, TokenizerConfig
 from retro.retrieval import RetrievingModel, generate_with_retrieval, load_for_generation
-from tests.retro_project import CHUNK_LENGTH, VOCAB_SIZE, bag_of_tokens, build_project, twin_documents
-from tests.tiny import tiny_config
+from tests.helpers.retro_project import CHUNK_LENGTH, VOCAB_SIZE, bag_of_tokens, build_project, twin_documents
+from tests.helpers.tiny import tiny_config
 
 LIMITS = ServerLimits(max_batch_size=4, max_tokens_to_generate=16, max_tokens_to_oom=400)
 PROMPTS = ["5 17 3 99 40 2 8", "60 61 62 63 64"]

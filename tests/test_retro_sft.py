@@ -3,7 +3,7 @@ assistant's tokens only, each sample's chunks retrieving their neighbours from t
 lowers the loss and `--finetune --load` continues from its checkpoint.
 
 The project here uses a word-level Hugging Face tokenizer with a chat template's tokens
-(`tests.convert_models.save_chat_tokenizer`), so conversations render; its embedder is `word_embed` (the
+(`tests.helpers.convert_models.save_chat_tokenizer`), so conversations render; its embedder is `word_embed` (the
 workers put it where the project's BERT embedder would be loaded)."""
 
 from __future__ import annotations
@@ -28,12 +28,11 @@ from retro.db import ChunkDatabase, build_chunk_database
 from retro.project import DATA_DIR, RetroProject, db_dir, index_path
 from retro.retrieval import RetrievingDataset
 from storage.atomic import atomic_path
-from tests.convert_models import CHAT_SPECIALS, VOCAB, save_chat_tokenizer
-from tests.distributed import run_distributed
-from tests.retro_corpus import write_corpus
-from tests.test_retro_qa import write_jsonl
-from tests.test_training import read_metrics
-from tests.wordpiece_corpus import write_vocab
+from tests.helpers.convert_models import CHAT_SPECIALS, VOCAB, save_chat_tokenizer
+from tests.helpers.distributed import run_distributed
+from tests.helpers.retro_corpus import write_corpus, write_jsonl
+from tests.helpers.training import read_metrics
+from tests.helpers.wordpiece_corpus import write_vocab
 
 SEQ_LENGTH, CHUNK_LENGTH, EMBED_DIM = 16, 4, 64
 FIRST_WORD = len(CHAT_SPECIALS) + 3  # w0 (after the specials and "system", "user", "assistant")

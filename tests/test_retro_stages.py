@@ -33,7 +33,7 @@ from stages.retro_params import (
 )
 from stages.tokenize_params import TokenizeParams
 from storage.artifacts import ArtifactStore
-from tests.retro_corpus import topic_texts, write_tiny_embedder
+from tests.helpers.retro_corpus import topic_texts, write_tiny_embedder
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CHUNK_LENGTH = 16

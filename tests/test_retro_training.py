@@ -25,8 +25,8 @@ from retro.db import ChunkDatabase
 from retro.project import db_dir
 from retro.query import load_neighbours
 from retro.retrieval import Retriever, generate_with_retrieval, sequence_chunks
-from tests.distributed import run_distributed
-from tests.retro_project import (
+from tests.helpers.distributed import run_distributed
+from tests.helpers.retro_project import (
     CHUNK_LENGTH,
     EOD,
     NUM_SAVED_NEIGHBOURS,
@@ -36,7 +36,7 @@ from tests.retro_project import (
     build_project,
     twin_documents,
 )
-from tests.test_training import ROOT, read_marker, read_metrics
+from tests.helpers.training import ROOT, read_marker, read_metrics
 
 QUIET = ["--hidden-dropout", "0.0", "--attention-dropout", "0.0", "--retro-encoder-hidden-dropout", "0.0",
          "--retro-encoder-attention-dropout", "0.0"]  # fmt: skip

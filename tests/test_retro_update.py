@@ -17,7 +17,7 @@ from retro.db import ChunkDatabase, document_chunk_bounds
 from retro.project import RetroProject, db_dir
 from retro.update import update_database
 from stages.retro_evaluate import OtherSamplesNeighbours, neighbour_overlap
-from tests.retro_project import (
+from tests.helpers.retro_project import (
     CHUNK_LENGTH,
     EMBED_DIM,
     EOD,

@@ -13,7 +13,7 @@ import torch
 from megatron_train.data.builder import build_train_valid_test_datasets
 from megatron_train.data.config import DataConfig
 from megatron_train.data.samplers import MegatronPretrainingSampler, build_pretraining_data_loader
-from tests.distributed import run_distributed
+from tests.helpers.distributed import run_distributed
 
 
 def megatron_batches(total, consumed, micro_batch_size, rank, world, drop_last=True):
@@ -121,7 +121,7 @@ def test_data_loader_over_gpt_dataset_with_workers():
 
 def build_on_two_ranks(rank, world_size, data_path, cache):
     """Each rank builds the datasets; returns what it logged and the train indices it got."""
-    from tests.test_gpt_dataset import EOD
+    from tests.helpers.gpt_dataset import EOD
 
     records = []
     handler = logging.Handler()
@@ -135,7 +135,7 @@ def build_on_two_ranks(rank, world_size, data_path, cache):
 
 
 def test_rank_zero_builds_and_other_ranks_load(tmp_path):
-    from tests.test_gpt_dataset import random_documents, write_dataset
+    from tests.helpers.gpt_dataset import random_documents, write_dataset
 
     prefix = write_dataset(
         str(tmp_path / "ddp_text_document"), random_documents(np.random.default_rng(1), 30)

@@ -3,21 +3,16 @@ the interactive client."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
 import subprocess
 import sys
-import threading
 import time
 import urllib.request
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-import uvicorn
-from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from megatron_train.checkpointing import load_model_for_inference
@@ -25,13 +20,14 @@ from megatron_train.inference.generation import GenerationParams, generate
 from megatron_train.inference.server import ServerLimits, create_app
 from megatron_train.tokenizer import build_tokenizer
 from megatron_train.tools.text_generation_cli import put_request
-from tests.distributed import free_port
-from tests.test_generation import (  # noqa: F401 (one_torch_thread is an autouse fixture)
+from tests.helpers.distributed import free_port
+from tests.helpers.generation import (  # noqa: F401 (one_torch_thread is an autouse fixture)
     CharTokenizer,
     build_tiny_gpt,
     one_torch_thread,
     save_tiny_checkpoint,
 )
+from tests.helpers.servers import uvicorn_serving
 
 LIMITS = ServerLimits(
     max_batch_size=4, max_tokens_to_generate=32, max_tokens_to_oom=200, max_request_bytes=2000
@@ -268,24 +264,6 @@ def test_completions_bad_requests(client, body, message):
     status, answer = complete(client, body)
     assert status == 400
     assert message in answer["error"]["message"] and answer["error"]["type"] == "invalid_request_error"
-
-
-@contextlib.contextmanager
-def uvicorn_serving(app: FastAPI) -> Iterator[str]:
-    """`app` served by a real uvicorn server on 127.0.0.1 and a free port ("127.0.0.1:PORT"), stopped after."""
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline, "uvicorn did not start within 30 s"
-        time.sleep(0.05)
-    try:
-        yield f"127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
 
 
 @pytest.fixture(scope="module")

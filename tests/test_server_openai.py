@@ -13,7 +13,7 @@ from megatron_train.inference.beam_search import BeamSearchParams, beam_search
 from megatron_train.inference.generation import GenerationParams, generate
 from megatron_train.inference.server import ServerLimits, create_app
 from megatron_train.tokenizer.chat import ChatFormat, serving_chat_format
-from tests.test_generation import (  # noqa: F401 (one_torch_thread is an autouse fixture)
+from tests.helpers.generation import (  # noqa: F401 (one_torch_thread is an autouse fixture)
     CharTokenizer,
     build_tiny_gpt,
     one_torch_thread,

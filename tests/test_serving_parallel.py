@@ -18,8 +18,8 @@ from megatron_train.inference.beam_search import BeamSearchParams, beam_search
 from megatron_train.inference.generation import GenerationParams, generate
 from megatron_train.tokenizer import build_tokenizer
 from megatron_train.tools.text_generation_cli import put_request
-from tests.distributed import free_port, run_distributed
-from tests.test_generation import one_torch_thread, save_tiny_checkpoint  # noqa: F401 (autouse fixture)
+from tests.helpers.distributed import free_port, run_distributed
+from tests.helpers.generation import one_torch_thread, save_tiny_checkpoint  # noqa: F401 (one_torch_thread is an autouse fixture)
 
 PROMPTS = ["5 6 7", "1 2 3 4 5 6 7 8"]
 GREEDY = GenerationParams(tokens_to_generate=6, top_k=1, return_output_log_probs=True, top_logprobs=3)
@@ -31,7 +31,7 @@ LAYOUTS = [(2, 1), (1, 2)]  # (TP, PP)
 def save_tiny_llama_checkpoint(directory: str) -> str:
     """A tiny Llama (GQA, RoPE, untied output layer) checkpoint whose tokenizer is NullTokenizer(100)."""
     from megatron_train.models.gpt import GPTModel
-    from tests.tiny import tiny_llama_config
+    from tests.helpers.tiny import tiny_llama_config
 
     torch.manual_seed(1)
     model = GPTModel(tiny_llama_config(seq_length=64, init_method_std=0.2), vocab_size=128)

@@ -11,7 +11,7 @@ from megatron_train.data.config import DataConfig
 from megatron_train.data.sft_dataset import SFTDataset, build_sft_datasets, tokenize_conversations
 from megatron_train.tokenizer.chat import ChatFormat
 from megatron_train.tokenizer.huggingface import HuggingFaceAutoTokenizer
-from tests.convert_models import LLAMA2_CHAT_TEMPLATE, save_chat_tokenizer
+from tests.helpers.convert_models import LLAMA2_CHAT_TEMPLATE, save_chat_tokenizer
 
 transformers = pytest.importorskip("transformers")
 
@@ -88,7 +88,7 @@ def test_a_packed_conversation_scores_as_it_does_alone(tmp_path):
     import torch
 
     from megatron_train.models import GPTModel
-    from tests.tiny import tiny_config
+    from tests.helpers.tiny import tiny_config
 
     save_chat_tokenizer(str(tmp_path / "tok"), None)
     tokenizer = HuggingFaceAutoTokenizer(str(tmp_path / "tok"))

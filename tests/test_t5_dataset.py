@@ -13,7 +13,7 @@ from megatron_train.data.builder import build_masked_train_valid_test_datasets
 from megatron_train.data.config import DataConfig
 from megatron_train.data.samplers import build_pretraining_data_loader
 from megatron_train.data.t5_dataset import T5Dataset, T5DatasetConfig, max_noise_tokens, random_noise_spans
-from tests.wordpiece_corpus import build_tokenizer, write_sentence_corpus
+from tests.helpers.wordpiece_corpus import build_tokenizer, write_sentence_corpus
 
 NUM_STATISTICS_SAMPLES = 10_000
 

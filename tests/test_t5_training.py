@@ -16,11 +16,10 @@ from megatron_train.models.config import TransformerConfig
 from megatron_train.models.t5 import T5Model
 from megatron_train.pretrain_t5 import check_t5_config
 from megatron_train.tools.checkpoint_util import convert_checkpoint
-from tests.distributed import run_distributed
-from tests.test_bert_training import RECOMPUTE, TP2
-from tests.test_megatron_examples import example_argv
-from tests.test_training import read_metrics, sigkill_and_resume, tiny_args
-from tests.wordpiece_corpus import write_wordpiece_corpus
+from tests.helpers.distributed import run_distributed
+from tests.helpers.megatron_examples import example_argv
+from tests.helpers.training import RECOMPUTE, TP2, read_metrics, sigkill_and_resume, tiny_args
+from tests.helpers.wordpiece_corpus import write_wordpiece_corpus
 
 RELATIVE = ["--position-embedding-type", "relative", "--relative-attention-num-buckets", "8"]
 LAYOUTS = {  # name: (world size, flags); the 158-token vocabulary pads to 192 rows at TP=1, 256 at TP=2

@@ -20,8 +20,9 @@ from megatron_train.parallel import (
     state,
     vocab_parallel_cross_entropy,
 )
-from tests.distributed import run_distributed
-from tests.tiny import TINY_LLAMA, TINY_MODEL, tiny_config, tiny_llama_config
+from tests.helpers.distributed import run_distributed
+from tests.helpers.tensors import full_tensor, relative_error
+from tests.helpers.tiny import TINY_LLAMA, TINY_MODEL, tiny_config, tiny_llama_config
 
 VOCAB = 128
 
@@ -33,28 +34,12 @@ def _batch() -> tuple[torch.Tensor, torch.Tensor]:
     )
 
 
-def full_tensor(local: torch.Tensor, param: torch.nn.Parameter) -> torch.Tensor:
-    """All-gather a TP-sharded tensor to its full shape using the param's partition_dim and partition_stride."""
-    world_size = state.get_tensor_model_parallel_world_size()
-    if not getattr(param, "tensor_model_parallel", False) or world_size == 1:
-        return local
-    shards = [torch.empty_like(local) for _ in range(world_size)]
-    dist.all_gather(shards, local.contiguous(), group=state.get_tensor_model_parallel_group())
-    dim, stride = param.partition_dim, param.partition_stride
-    pieces = [shard.chunk(stride, dim=dim) for shard in shards]
-    return torch.cat([pieces[rank][s] for s in range(stride) for rank in range(world_size)], dim=dim)
-
-
 def _loss_and_full_grads(model: GPTModel) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     ids, labels = _batch()
     loss = model(ids, labels=labels)
     loss.mean().backward()
     allreduce_sequence_parallel_grads(model)
     return loss.detach(), {name: full_tensor(p.grad, p) for name, p in model.named_parameters()}
-
-
-def _relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    return ((actual - expected).abs().max() / expected.abs().max().clamp_min(1e-12)).item()
 
 
 def _equivalence_worker(rank: int, world_size: int, cases: list[tuple[str, int, bool, dict]]) -> dict:
@@ -68,9 +53,9 @@ def _equivalence_worker(rank: int, world_size: int, cases: list[tuple[str, int, 
         torch.manual_seed(1234)
         model = GPTModel(config, VOCAB, sequence_parallel=sequence_parallel)
         loss, grads = _loss_and_full_grads(model)
-        grad_errors = {key: _relative_error(grads[key], reference_grads[key]) for key in reference_grads}
+        grad_errors = {key: relative_error(grads[key], reference_grads[key]) for key in reference_grads}
         worst = max(grad_errors, key=grad_errors.get)
-        results[name] = (_relative_error(loss, reference_loss), grad_errors[worst], worst)
+        results[name] = (relative_error(loss, reference_loss), grad_errors[worst], worst)
         state.destroy_model_parallel()
     return results
 

@@ -20,6 +20,7 @@ from megatron_train.tokenizer import (
 )
 from megatron_train.tokenizer import gpt2 as gpt2_module
 from megatron_train.tokenizer.train import train_byte_level_bpe
+from tests.helpers.wordpiece_corpus import slow_bert
 
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB = ROOT.parent / "shared" / "vocab"
@@ -204,16 +205,6 @@ def test_tiktoken_is_not_used_where_its_merge_rule_or_sample_ids_could_differ(
 
 
 # --- BERT --------------------------------------------------------------------------------------------------
-
-
-def slow_bert(vocab_file, lower_case: bool):
-    """transformers' pure-Python BERT tokenizer (the legacy class in transformers 5)."""
-    pytest.importorskip("transformers")
-    try:
-        from transformers.models.bert.tokenization_bert_legacy import BertTokenizerLegacy as SlowBert
-    except ImportError:
-        from transformers import BertTokenizer as SlowBert
-    return SlowBert(str(vocab_file), do_lower_case=lower_case)
 
 
 def fuzz_texts(count: int, seed: int = 0) -> list[str]:

@@ -67,7 +67,7 @@ def test_byte_level_bpe_is_deterministic_and_respects_min_frequency(chapters, tm
 @pytest.mark.parametrize("lowercase", [True, False])
 def test_wordpiece_vocab_loads_in_ours_and_transformers(chapters, tmp_path, lowercase):
     pytest.importorskip("transformers")
-    from tests.test_tokenizer import slow_bert
+    from tests.helpers.wordpiece_corpus import slow_bert
 
     files = train_wordpiece(iter(chapters), str(tmp_path), vocab_size=1200, lowercase=lowercase)
     lines = Path(files["vocab_file"]).read_text(encoding="utf-8").splitlines()

@@ -12,25 +12,28 @@ import os
 import re
 import signal
 import subprocess
-import sys
-from collections.abc import Callable
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
 from megatron_train.arguments import config_from_dict, config_to_argv, config_to_dict, parse_args
-from megatron_train.checkpointing import read_latest_iteration
 from megatron_train.models.config import TransformerConfig
 from megatron_train.training.flops import num_floating_point_operations, peak_flops_per_device
 from megatron_train.training.logging import format_evaluation_line, format_training_line
 from megatron_train.training.microbatches import MicroBatchCalculator
-from storage.indexed_dataset import IndexedDatasetBuilder
-from tests.distributed import run_distributed
+from tests.helpers.distributed import run_distributed
+from tests.helpers.training import (
+    pretrain_worker,
+    read_marker,
+    read_metrics,
+    run_entry_point,
+    sigkill_at_iteration,
+    tiny_args,
+    train_losses,
+    write_corpus,
+)
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-VOCAB = 128
 LINE = re.compile(
     r"^ iteration +(\d+)/ +(\d+) \| consumed samples: +(\d+) \| elapsed time per iteration \(ms\): [\d.]+ \|"
     r" throughput per GPU \(TFLOP/s/GPU\): [\d.]+ \| learning rate: \d\.\d{6}E[+-]\d\d \|"
@@ -38,54 +41,6 @@ LINE = re.compile(
     r" number of skipped iterations: +\d+ \| number of nan iterations: +\d+ \| tokens per second: [\d.]+ \|"
     r" MFU: n/a \| peak memory \(MB\): [\d.]+ \|$"
 )
-
-
-def tiny_args(save: str, *extra: str) -> list[str]:
-    return [
-        "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
-        "--max-position-embeddings", "16", "--vocab-size", str(VOCAB), "--micro-batch-size", "2",
-        "--global-batch-size", "4", "--lr", "3e-3", "--lr-decay-style", "cosine", "--lr-warmup-fraction", "0.2",
-        "--log-interval", "1", "--eval-interval", "1000", "--eval-iters", "1", "--num-workers", "0",
-        "--save", save, "--load", save, "--seed", "7", *extra,
-    ]  # fmt: skip
-
-
-def write_corpus(directory: str, documents: int = 200) -> str:
-    """A learnable .bin/.idx: each document counts up by one from a random start (mod 100)."""
-    rng = np.random.default_rng(0)
-    prefix = os.path.join(directory, "corpus_text_document")
-    builder = IndexedDatasetBuilder(prefix + ".bin", dtype=np.uint16)
-    for _ in range(documents):
-        start, step, length = rng.integers(0, 100), 1, rng.integers(8, 40)
-        builder.add_item(np.append((start + step * np.arange(length)) % 100, VOCAB - 1))  # eod = vocab - 1
-        builder.end_document()
-    builder.finalize(prefix + ".idx")
-    return prefix
-
-
-def read_metrics(save: str) -> list[dict]:
-    with open(os.path.join(save, "metrics.jsonl")) as handle:
-        return [json.loads(line) for line in handle]
-
-
-def read_marker(save: str) -> int | None:
-    return read_latest_iteration(save) if os.path.isdir(save) else None
-
-
-def train_losses(save: str) -> list[float]:
-    return [r["lm loss"] for r in read_metrics(save) if "split" not in r]
-
-
-def pretrain_worker(rank: int, world_size: int, runs: list[list[str]]) -> list[list[dict]]:
-    """Run pretrain_gpt once per argv in this process group; return each run's metrics records."""
-    from megatron_train.pretrain_gpt import main
-
-    results = []
-    for argv in runs:
-        main(argv)
-        save = argv[argv.index("--save") + 1]
-        results.append(read_metrics(save) if rank == world_size - 1 else [])
-    return results
 
 
 def test_microbatch_calculator_and_rampup() -> None:
@@ -214,44 +169,6 @@ def test_loop_averages_and_logs_every_key_of_the_loss_dict(tmp_path) -> None:
     for record in evaluations:
         assert record["half loss"] == pytest.approx(record["lm loss"] / 2, rel=1e-6)
         assert record["half loss PPL"] == pytest.approx(math.exp(record["lm loss"] / 2), rel=1e-6)
-
-
-def run_entry_point(module: str, argv: list[str], **popen: object) -> subprocess.Popen:
-    """`python -m <module> <argv>` on this checkout, one thread, stdout and stderr merged into `stdout`."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
-    return subprocess.Popen(
-        [sys.executable, "-m", module, *argv],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen,
-    )  # fmt: skip
-
-
-def sigkill_at_iteration(proc: subprocess.Popen, iteration: int) -> None:
-    """SIGKILL a training run as soon as its console logs `iteration`, and wait for it to die so."""
-    for line in proc.stdout:
-        if line.startswith(f" iteration {iteration:8d}/"):
-            proc.send_signal(signal.SIGKILL)
-            break
-    proc.communicate(timeout=60)
-    assert proc.returncode == -signal.SIGKILL
-
-
-def sigkill_and_resume(
-    module: str, argv_for: Callable[..., list[str]], root: Path, iterations: int
-) -> tuple[str, list[dict], list[dict]]:
-    """Train `module` for `iterations` with dropout on, saving every 2, uninterrupted in `root`/reference; train
-    it again in `root`/killed, SIGKILL it at iteration 5 and rerun it to the end with the same argv
-    (`argv_for(run dir, *those flags)`). Returns the reference's console output and both runs' training records."""
-    flags = ["--train-iters", str(iterations), "--save-interval", "2", "--hidden-dropout", "0.1",
-             "--attention-dropout", "0.1"]  # fmt: skip
-    reference, killed = str(root / "reference"), str(root / "killed")
-    output, _ = run_entry_point(module, argv_for(reference, *flags)).communicate(timeout=300)
-    assert read_marker(reference) == iterations, output
-    killed_argv = argv_for(killed, *flags)
-    sigkill_at_iteration(run_entry_point(module, killed_argv), 5)  # checkpoints at 2 and 4 are on disk
-    assert 4 <= read_marker(killed) < iterations
-    resumed_output, _ = run_entry_point(module, killed_argv).communicate(timeout=300)
-    assert read_marker(killed) == iterations, resumed_output
-    return output, *([r for r in read_metrics(run) if "split" not in r] for run in (reference, killed))
 
 
 def _cli(argv: list[str], **popen: object) -> subprocess.Popen:

@@ -14,8 +14,8 @@ from megatron_train.models.gpt import GPTModel
 from megatron_train.parallel import state
 from megatron_train.parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatron_train.tokenizer import vocab_size_with_padding
-from tests.distributed import run_distributed
-from tests.test_training import pretrain_worker, tiny_args, write_corpus
+from tests.helpers.distributed import run_distributed
+from tests.helpers.training import pretrain_worker, tiny_args, write_corpus
 
 # NullTokenizer --vocab-size 127: ids 0..127 (eod 127, the corpus' eod), 128 in all; --make-vocab-size-divisible-by
 # 48 pads that to 144 rows under TP=1 and to 192 under TP=2 (16 vs 64 padding rows).

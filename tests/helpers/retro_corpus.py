@@ -1,25 +1,30 @@
 """A small GPT corpus for the Retro tests: word-level GPT tokens over the WordPiece test stems.
 
 `WordTokenizer` is a GPT-style tokenizer whose ids are whole words (" ba", " keto", ...) plus a newline
-and an EOD: its text re-tokenizes cleanly with the test BERT vocabulary (`tests.wordpiece_corpus`), and
+and an EOD: its text re-tokenizes cleanly with the test BERT vocabulary (`tests.helpers.wordpiece_corpus`), and
 a chunk of newlines only re-tokenizes to nothing (an invalid chunk). Documents are drawn from topics
 (each a subset of the words), so `topic_embed` gives clustered vectors for the index tests.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import signal
 from collections.abc import Sequence
+from pathlib import Path
 
 import numpy as np
 
 from megatron_train.tokenizer import MegatronTokenizer
+from retro.config import IndexConfig
 from storage.indexed_dataset import IndexedDatasetBuilder, data_file_path, index_file_path
-from tests.wordpiece_corpus import STEMS
+from tests.helpers.wordpiece_corpus import STEMS
 
 EOD, NEWLINE = 0, 1
 WORDS = [" <eod>", "\n", *(f" {stem}" for stem in STEMS)]
 NUM_TOPICS = 8
+INDEX_CONFIG = IndexConfig(retro_index_str="IVF16,Flat", retro_index_ntrain=1200, retro_block_size=500)
 
 
 class WordTokenizer(MegatronTokenizer):
@@ -102,7 +107,7 @@ def write_tiny_embedder(directory: str, hidden: int = 32) -> str:
     import torch
     import transformers
 
-    from tests.wordpiece_corpus import write_vocab
+    from tests.helpers.wordpiece_corpus import write_vocab
 
     os.makedirs(directory, exist_ok=True)
     vocab = write_vocab(f"{directory}/vocab.txt")
@@ -115,3 +120,26 @@ def write_tiny_embedder(directory: str, hidden: int = 32) -> str:
     )  # fmt: skip
     transformers.BertModel(config).save_pretrained(directory)
     return directory
+
+
+class CountingEmbed:
+    """`topic_embed` that counts the texts it embeds; at call `fail_at` it raises (a crash mid-fill), or
+    with `kill` SIGKILLs its own process."""
+
+    def __init__(self, fail_at: int | None = None, kill: bool = False) -> None:
+        self.fail_at, self.kill, self.calls, self.texts = fail_at, kill, 0, 0
+
+    def __call__(self, texts: list[str]) -> np.ndarray:
+        self.calls += 1
+        if self.calls == self.fail_at:
+            if self.kill:
+                os.kill(os.getpid(), signal.SIGKILL)
+            raise RuntimeError("crash while embedding a block")
+        self.texts += len(texts)
+        return topic_embed(texts)
+
+
+def write_jsonl(path: Path, records: list[dict]) -> str:
+    """`records` as JSON lines in `path` (QA and SFT task files); returns the path."""
+    path.write_text("".join(json.dumps(record) + "\n" for record in records))
+    return str(path)

@@ -1,5 +1,5 @@
 """The tiny model the tests build: one shape for every test, in a module rather than a pytest fixture so that
-spawned worker processes (`tests/distributed.py`) import the same definition (docs/architecture.md, tests)."""
+spawned worker processes (`tests/helpers/distributed.py`) import the same definition (docs/architecture.md, tests)."""
 
 from __future__ import annotations
 

@@ -2,8 +2,8 @@
 tests/test_convert_torch_dist.py and tests/test_convert_megatron.py in a fresh process, where megatron-core is
 installed).
 
-    python -m tests.megatron_core_interop tied|untied            # torch_dist
-    python -m tests.megatron_core_interop tied|untied legacy     # Megatron-LM's legacy `torch` files
+    python -m tests.helpers.megatron_core_interop tied|untied            # torch_dist
+    python -m tests.helpers.megatron_core_interop tied|untied legacy     # Megatron-LM's legacy `torch` files
 
 torch_dist: Megatron-Core's GPTModel (local spec, GQA Llama shape) at TP1 loads what our saver wrote for
 TP2 x PP2 with no missing key and the same tensors; its own save has exactly our saver's keys, and our loader
@@ -26,8 +26,8 @@ import torch.nn.functional as F
 from megatron_train.convert import ModelWeights, torch_dist
 from megatron_train.convert.weights import pad_vocab, trim_vocab
 from megatron_train.models import GPTModel
-from tests.convert_models import VOCAB, ids, our_llama
-from tests.distributed import free_port
+from tests.helpers.convert_models import VOCAB, ids, our_llama
+from tests.helpers.distributed import free_port
 
 
 def _megatron_core_model(untied: bool) -> torch.nn.Module:

@@ -1,12 +1,14 @@
 """A small sentence-split WordPiece corpus for the BERT and T5 dataset tests, built from scratch.
 
 The vocabulary holds two-letter stems and their "##" continuations, so a word of k stems tokenizes to
-k pieces: whole-word masking has multi-piece words to keep together.
+k pieces: whole-word masking has multi-piece words to keep together. `slow_bert` is the reference tokenizer:
+transformers' pure-Python one.
 """
 
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from megatron_train.tokenizer.bert import BertWordPieceTokenizer
 from storage.indexed_dataset import IndexedDatasetBuilder, data_file_path, index_file_path
@@ -53,3 +55,13 @@ def write_wordpiece_corpus(directory, num_documents: int, vocab_extra_ids: int =
     prefix = str(directory / "corpus_text_sentence")
     write_sentence_corpus(prefix, build_tokenizer(directory, vocab_extra_ids), num_documents)
     return str(directory / "vocab.txt"), prefix
+
+
+def slow_bert(vocab_file, lower_case: bool):
+    """transformers' pure-Python BERT tokenizer (the legacy class in transformers 5)."""
+    pytest.importorskip("transformers")
+    try:
+        from transformers.models.bert.tokenization_bert_legacy import BertTokenizerLegacy as SlowBert
+    except ImportError:
+        from transformers import BertTokenizer as SlowBert
+    return SlowBert(str(vocab_file), do_lower_case=lower_case)

@@ -1,8 +1,12 @@
-"""Models and readers shared by the converter tests (tests/test_convert_*.py)."""
+"""Models, readers and Megatron-LM stand-ins shared by the converter tests (tests/test_convert_*.py)."""
 
 from __future__ import annotations
 
+import argparse
+import enum
+import logging
 import os
+import pathlib
 
 import torch
 from safetensors import safe_open
@@ -75,3 +79,54 @@ def save_chat_tokenizer(folder: str, chat_template: str | None) -> None:
     )
     tokenizer.chat_template = chat_template
     tokenizer.save_pretrained(folder)
+
+
+class ModelType(enum.Enum):
+    """Megatron's megatron.core.enums.ModelType, which pretrain() puts in args (args.model_type)."""
+
+    encoder_or_decoder = 1
+
+
+def megatron_args(model: TransformerConfig, tp: int, pp: int, padded: int) -> argparse.Namespace:
+    """The args Megatron-LM's pretrain_gpt.py pickles (the model's subset, as Megatron names them)."""
+    return argparse.Namespace(
+        num_layers=model.num_layers, hidden_size=model.hidden_size, ffn_hidden_size=model.ffn_hidden_size,
+        num_attention_heads=model.num_attention_heads, kv_channels=model.kv_channels, group_query_attention=True,
+        num_query_groups=model.num_query_groups, seq_length=model.seq_length,
+        max_position_embeddings=model.seq_length, position_embedding_type="rope", rotary_base=10000,
+        rotary_percent=1.0, normalization="RMSNorm", norm_epsilon=1e-5, swiglu=True, add_bias_linear=False,
+        untie_embeddings_and_output_weights=True, hidden_dropout=0.0, attention_dropout=0.0, fp16=False,
+        bf16=False, params_dtype=torch.float32, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        padded_vocab_size=padded, make_vocab_size_divisible_by=128, tokenizer_type="NullTokenizer",
+        vocab_size=VOCAB - 1, iteration=20, transformer_impl="transformer_engine", use_mcore_models=True,
+        model_type=ModelType.encoder_or_decoder,
+        ckpt_format="torch",
+    )  # fmt: skip
+
+
+class WritesFile:
+    """Unpickling this would write a file: what a crafted checkpoint could do."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return pathlib.Path.write_text, (pathlib.Path(self.path), "ran")
+
+
+def hf_logits(folder: str, tokens: torch.Tensor, caplog) -> torch.Tensor:
+    """transformers' logits of a saved folder, asserting it loads with no missing or unused weights and no
+    warning (transformers' logger does not propagate: caplog's handler is attached to it)."""
+    import transformers
+
+    caplog.clear()
+    hf_logger = logging.getLogger("transformers")
+    hf_logger.addHandler(caplog.handler)
+    try:
+        model, info = transformers.AutoModelForCausalLM.from_pretrained(folder, output_loading_info=True)
+    finally:
+        hf_logger.removeHandler(caplog.handler)
+    assert {key: value for key, value in info.items() if value} == {}, info
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+    with torch.no_grad():
+        return model.eval()(tokens).logits

@@ -22,8 +22,8 @@ from retro.db import build_chunk_database
 from retro.project import DATA_DIR, RetroProject, db_dir, index_path
 from retro.query import query_pretraining_neighbours
 from storage.atomic import atomic_path
-from tests.retro_corpus import write_corpus
-from tests.wordpiece_corpus import write_vocab
+from tests.helpers.retro_corpus import write_corpus
+from tests.helpers.wordpiece_corpus import write_vocab
 
 VOCAB_SIZE, EOD = 127, 127
 SEQ_LENGTH, CHUNK_LENGTH = 16, 4
