@@ -1,7 +1,9 @@
 """Command lines for flows: every field of a flow's typed config becomes a flag.
 
 A field `min_words` of the config's `clean` section is `--clean.min-words`; top-level fields are plain
-(`--store`). Values parse by the field's type; `None` clears an optional field (switches a filter off).
+(`--store`). Values parse by the field's type; `None` clears an optional field (switches a filter off). A list
+of strings takes one or more words, each a JSON list or comma-separated values: `--clean.languages en,de`,
+`--clean.url-blocklist a.txt b.txt` and `--tokenize.json-keys '["text", "title"]'` all work.
 """
 
 from __future__ import annotations
@@ -36,6 +38,31 @@ def _parser_for(annotation: Any) -> Any:
     if origin is typing.Literal:
         return str
     return json.loads  # lists, tuples, dicts: JSON on the command line
+
+
+def _is_string_list(annotation: Any) -> bool:
+    """list[str], tuple[str, ...] (optional or not)."""
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return len(args) == 1 and _is_string_list(args[0])
+    return typing.get_origin(annotation) in (list, tuple) and set(args) <= {str, Ellipsis} and bool(args)
+
+
+class _StringList(argparse.Action):
+    """One or more words, each a JSON list or comma-separated values, as one list; `None` alone clears it."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if values in (["None"], ["none"], ["null"]):
+            setattr(namespace, self.dest, None)
+            return
+        items: list[str] = []
+        for word in values:
+            try:
+                parsed = json.loads(word) if word.lstrip().startswith("[") else None
+            except json.JSONDecodeError as error:
+                parser.error(f"{option_string}: {word!r} is not a JSON list ({error.msg})")
+            items += parsed if isinstance(parsed, list) else [item for item in word.split(",") if item]
+        setattr(namespace, self.dest, items)
 
 
 def _parse_bool(text: str) -> bool:
@@ -75,12 +102,17 @@ def build_parser(config_cls: type[BaseModel], description: str) -> argparse.Argu
         if _is_section(annotation):
             group = parser.add_argument_group(name)
             for sub, sub_ann, sub_default in _fields(annotation):
+                kind = (
+                    {"nargs": "+", "action": _StringList}
+                    if _is_string_list(sub_ann)
+                    else {"type": _parser_for(sub_ann)}
+                )
                 group.add_argument(
                     _flag(name, sub),
                     dest=f"{name}.{sub}",
-                    type=_parser_for(sub_ann),
                     default=argparse.SUPPRESS,
                     help=f"(default: {sub_default!r})",
+                    **kind,
                 )
         else:
             parser.add_argument(

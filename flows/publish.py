@@ -32,16 +32,19 @@ def artifact_key(name: str) -> str:
 def publish_stages(flow_name: str, refs: dict[str, dict[str, Any]], store_url: str) -> None:
     """The flow's stage summary as a table, and one link per stage to where its artifact lies."""
     rows = []
-    for row in summarize(refs, store_url):
+    summary = summarize(refs, store_url)
+    for row in summary:
         values = dataclasses.asdict(row)
         values["cache_hit"] = "hit" if row.cache_hit else "ran"
-        values["dropped"] = ", ".join(f"{k}={v}" for k, v in sorted(row.dropped.items())) or "-"
+        for name in ("dropped", "languages"):
+            values[name] = ", ".join(f"{k}={v}" for k, v in sorted(values[name].items())) or "-"
         rows.append(values)
-    hits = sum(row["cache_hit"] == "hit" for row in rows)
+    stages = [row for row in summary if not row.is_step]
+    hits = sum(row.cache_hit for row in stages)
     create_table_artifact(
         table=rows,
         key=artifact_key(f"{flow_name}-summary"),
-        description=f"{flow_name}: documents, drops, tokens and time per stage; cache hits {hits}/{len(rows)}",
+        description=f"{flow_name}: documents, drops, tokens and time per stage; cache hits {hits}/{len(stages)}",
     )
     for stage, ref in refs.items():
         create_link_artifact(

@@ -1,4 +1,9 @@
-"""The corpus flow's closing table: documents and bytes through each stage, drops, tokens, time, cache hits."""
+"""The corpus flow's closing table: documents and bytes through each stage, drops, tokens, time, cache hits.
+
+When the clean stage ran a web step (URL filter, extraction, language ID, decontamination, PII), a row per step
+follows its row (`clean/url_filter`, ...), with documents in and out and drops by reason, and a line under the
+table gives the documents per language.
+"""
 
 from __future__ import annotations
 
@@ -19,6 +24,17 @@ class StageRow:
     dropped: dict[str, int] = field(default_factory=dict)
     tokens: int | None = None
     seconds: float | None = None
+    languages: dict[str, int] = field(default_factory=dict)  # documents per identified language
+
+    @property
+    def is_step(self) -> bool:
+        """A step inside a stage (`clean/language`), not a stage of its own."""
+        return "/" in self.stage
+
+
+# The clean stage's steps in the order they run; the table shows them when one of the web steps ran.
+STEP_ORDER = ("url_filter", "extract", "repair", "language", "decontaminate", "quality", "pii")
+WEB_STEPS = frozenset({"url_filter", "extract", "language", "decontaminate", "pii"})
 
 
 def _row(stage: str, ref: dict[str, Any], manifest: dict[str, Any]) -> StageRow:
@@ -38,9 +54,29 @@ def _row(stage: str, ref: dict[str, Any], manifest: dict[str, Any]) -> StageRow:
     return row
 
 
+def _step_rows(stage: str, ref: dict[str, Any], manifest: dict[str, Any]) -> list[StageRow]:
+    counts = manifest.get("counts") or {}
+    steps = counts.get("steps") or {}
+    if not WEB_STEPS & steps.keys():
+        return []
+    rows = []
+    for name in (name for name in STEP_ORDER if name in steps):
+        step = steps[name]
+        row = StageRow(f"{stage}/{name}", bool(ref.get("cache_hit")), step["docs_in"], step["docs_out"])
+        row.dropped = {k: v for k, v in step["dropped"].items() if v}
+        row.languages = dict(counts.get("languages") or {}) if name == "language" else {}
+        rows.append(row)
+    return rows
+
+
 def summarize(refs: dict[str, dict[str, Any]], store_url: str) -> list[StageRow]:
+    """One row per stage, followed by its steps' rows (`_step_rows`)."""
     store = ArtifactStore(store_url)
-    return [_row(stage, ref, store.ref(ref).manifest()) for stage, ref in refs.items()]
+    rows = []
+    for stage, ref in refs.items():
+        manifest = store.ref(ref).manifest()
+        rows += [_row(stage, ref, manifest), *_step_rows(stage, ref, manifest)]
+    return rows
 
 
 def _fmt(value: Any, spec: str = "") -> str:
@@ -65,12 +101,19 @@ def summary_table(rows: list[StageRow]) -> str:
     ]
     widths = [max(len(h), *(len(line[i]) for line in lines)) for i, h in enumerate(header)]
     fmt_line = lambda cells: " | ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True))  # noqa: E731
-    hits = sum(r.cache_hit for r in rows)
+    stages = [r for r in rows if not r.is_step]
+    languages = [
+        f"documents per language ({r.stage}): "
+        + ", ".join(f"{k}={v}" for k, v in sorted(r.languages.items()))
+        for r in rows
+        if r.languages
+    ]
     return "\n".join(
         [
             fmt_line(header),
             "-+-".join("-" * w for w in widths),
             *map(fmt_line, lines),
-            f"cache hits: {hits}/{len(rows)} stages",
+            *languages,
+            f"cache hits: {sum(r.cache_hit for r in stages)}/{len(stages)} stages",
         ]
     )

@@ -1,9 +1,13 @@
 """Download stage: documents from files, fsspec URLs or a Hugging Face dataset into Parquet shards.
 
 Sources: a local path, directory, glob or any fsspec URL (file, http(s), s3, gs, memory, ...) of JSON Lines
-(optionally .gz/.zst/.xz/.bz2) or Parquet files; or a Hugging Face dataset by name (streamed), by local
-folder given to `load_dataset`, or saved with `save_to_disk`. Output: `shards/00000.parquet`, ... with
-columns `id`, `text` and the source's other fields. Documents without an id get a deterministic one.
+(optionally .gz/.zst/.xz/.bz2), Parquet or web archive files (WARC/WET, optionally .gz: storage/warc.py);
+or a Hugging Face dataset by name (streamed), by local folder given to `load_dataset`, or saved with
+`save_to_disk`. Output: `shards/00000.parquet`, ... with columns `id`, `text` and the source's other fields.
+Documents without an id get a deterministic one. A web archive's pages keep their HTML (the clean stage
+extracts the main text after its URL filter) with columns `url`, `date` and `content_type`; the manifest
+counts the records read, the records dropped (`non_html`, `empty_page`, `unparsable_record`) and the offsets
+of the records that could not be parsed.
 
 The key depends on the source's fingerprint (URL plus size, mtime, ETag of every file), so a scheduled
 refresh rebuilds a changed source and is a cache hit on an unchanged one. Reading is one stream; shards are
@@ -26,6 +30,7 @@ from stages.shards import log, shard_file, shard_name
 from storage.artifacts import ArtifactRef, ArtifactStore, ArtifactWriter
 from storage.documents import expand_inputs, iter_records, write_parquet_shard
 from storage.fingerprint import canonical_json, hash_bytes, source_fingerprint
+from storage.warc import is_warc, iter_warc_pages, new_warc_stats
 
 EMBEDDED_CORPUS = str(Path(__file__).parent / "corpora" / "kjv.jsonl.xz")
 
@@ -75,8 +80,8 @@ def source_description(params: DownloadParams) -> str:
     return hash_bytes(canonical_json(hub).encode())
 
 
-def _hf_rows(params: DownloadParams) -> Iterator[tuple[str, dict]]:
-    """(default id, row) of a Hugging Face dataset, streamed where the dataset allows it."""
+def _hf_documents(params: DownloadParams) -> Iterator[dict]:
+    """The documents of a Hugging Face dataset, streamed where the dataset allows it."""
     import datasets
 
     if _is_saved_dataset(params.hf_name):
@@ -98,16 +103,21 @@ def _hf_rows(params: DownloadParams) -> Iterator[tuple[str, dict]]:
                 f"{params.hf_name}[{params.hf_split}] row {index}: no string field {params.text_key!r} "
                 f"(fields: {', '.join(sorted(row))}); set text_key"
             )
-        yield f"{params.hf_split}-{index}", row
+        yield _document(f"{params.hf_split}-{index}", row, params.text_key, params.id_key)
 
 
-def _file_rows(params: DownloadParams, stats: dict) -> Iterator[tuple[str, dict]]:
-    """(default id, row) of every file the source names; the default id is `<relative path>:<line>`."""
+def _file_documents(params: DownloadParams, stats: dict, warc_stats: dict) -> Iterator[dict]:
+    """The documents of every file the source names; a record's default id is `<relative path>:<line>`, a web
+    archive page's id its WARC-Record-ID (else `<relative path>@<offset>`)."""
     urls = expand_inputs(params.source, **params.storage_options)
     prefix = os.path.commonprefix(urls)
     root = prefix[: prefix.rfind("/") + 1]  # the deepest folder holding every file
     for url in urls:
         relative = url[len(root) :]
+        if is_warc(url):
+            for offset, page in iter_warc_pages(url, warc_stats, **params.storage_options):
+                yield _document(f"{relative}@{offset}", page, "text", "id")
+            continue
         records = iter_records(
             url,
             text_keys=(params.text_key,),
@@ -116,7 +126,7 @@ def _file_rows(params: DownloadParams, stats: dict) -> Iterator[tuple[str, dict]
             **params.storage_options,
         )
         for record in records:
-            yield f"{relative}:{record.line}", record.data
+            yield _document(f"{relative}:{record.line}", record.data, params.text_key, params.id_key)
 
 
 def _document(default_id: str, row: dict, text_key: str, id_key: str) -> dict:
@@ -127,9 +137,22 @@ def _document(default_id: str, row: dict, text_key: str, id_key: str) -> dict:
     return {"id": default_id if doc_id is None else str(doc_id), "text": row[text_key], **metadata}
 
 
+def _warc_counts(warc_stats: dict) -> dict:
+    """The web archive counts for the manifest (none when the source had no WARC/WET file)."""
+    if not warc_stats["warc_records"] and not any(warc_stats["bad_offsets"].values()):
+        return {}
+    offsets = {url: found for url, found in warc_stats["bad_offsets"].items() if found}
+    return {
+        "warc_records": warc_stats["warc_records"],
+        "dropped": warc_stats["dropped"],
+        "bad_record_offsets": offsets,
+    }
+
+
 def _build(params: DownloadParams, writer: ArtifactWriter) -> dict:
     stats: dict = {"skipped_bad_records": 0, "invalid_utf8_lines": 0}
-    rows = _hf_rows(params) if params.hf_name is not None else _file_rows(params, stats)
+    warc_stats = new_warc_stats()
+    docs = _hf_documents(params) if params.hf_name is not None else _file_documents(params, stats, warc_stats)
     counts = {"docs": 0, "bytes": 0, "shards": 0, "shards_reused": 0}
     started = time.time()
     batch: list[dict] = []
@@ -145,8 +168,7 @@ def _build(params: DownloadParams, writer: ArtifactWriter) -> dict:
             writer.commit_shard(name, {shard_file(name): local})
         batch.clear()
 
-    for default_id, row in tqdm(rows, desc="download", unit="doc"):
-        doc = _document(default_id, row, params.text_key, params.id_key)
+    for doc in tqdm(docs, desc="download", unit="doc"):
         batch.append(doc)
         counts["docs"] += 1
         counts["bytes"] += len(doc["text"].encode())
@@ -164,7 +186,7 @@ def _build(params: DownloadParams, writer: ArtifactWriter) -> dict:
         counts["docs"] / max(seconds, 1e-9),
     )
     return {
-        "counts": {**counts, **stats},
+        "counts": {**counts, **stats, **_warc_counts(warc_stats)},
         "throughput": {"docs_per_s": round(counts["docs"] / max(seconds, 1e-9), 1)},
     }
 

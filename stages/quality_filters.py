@@ -1,5 +1,6 @@
-"""Document quality filters in the style of Gopher (Rae et al. 2021, appendix A), C4 (Raffel et al. 2020)
-and Megatron-LM's openwebtext cleanup: pure functions of the text, each switchable.
+"""Document quality filters in the style of Gopher (Rae et al. 2021, appendix A), C4 (Raffel et al. 2020),
+FineWeb (Penedo et al. 2024; datatrove's `FineWebQualityFilter`) and Megatron-LM's openwebtext cleanup: pure
+functions of the text, each switchable. The FineWeb rules are off unless `fineweb` is set.
 
 `first_failing_rule(text, params)` checks the rules in `RULES` order and returns the name of the first one
 that drops the document (or None), so a stage can count drops per rule. A rule whose parameter is None or
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 from functools import cached_property
 
 import numpy as np
+import regex
 
 # Gopher's stop words: a document must contain at least `min_stop_words` of them (as words).
 GOPHER_STOP_WORDS = frozenset({"the", "be", "to", "of", "and", "that", "have", "with"})
@@ -24,6 +26,8 @@ _PARAGRAPH_BREAK = re.compile(r"\n\s*\n")
 _JAVASCRIPT = re.compile(r"\bjavascript\b", re.IGNORECASE)
 _LETTER = re.compile(r"[^\W\d_]")
 _NGRAM_BASE = np.uint64(0x100000001B3)
+# Unicode's sentence terminals (., !, ?, 。, ।, ...): the characters datatrove's TERMINAL_PUNCTUATION lists.
+_SENTENCE_END = regex.compile(r"\p{Sentence_Terminal}$")
 
 
 @dataclass(frozen=True)
@@ -61,6 +65,13 @@ class QualityParams:
     c4_lorem_ipsum: bool = True  # drop pages containing "lorem ipsum"
     c4_curly_brace: bool = True  # drop pages containing "{" (code)
     c4_javascript: bool = True  # drop pages where a line mentions JavaScript ("please enable JavaScript")
+    # FineWeb's rules (all off unless `fineweb`; None switches one off), on non-blank lines:
+    fineweb: bool = False
+    fineweb_min_line_punct_ratio: float | None = 0.12  # lines ending in a sentence terminal
+    fineweb_max_short_line_ratio: float | None = 0.67  # lines of at most `fineweb_short_line_chars`
+    fineweb_short_line_chars: int = 30
+    fineweb_max_char_duplicates_ratio: float | None = 0.01  # characters in repeated lines / all (no newlines)
+    fineweb_max_newline_ratio: float | None = 0.3  # newlines per word ("list-like" pages)
 
 
 class TextStats:
@@ -76,6 +87,11 @@ class TextStats:
     @cached_property
     def lines(self) -> list[str]:
         return [line for line in (raw.strip() for raw in self.text.split("\n")) if line]
+
+    @cached_property
+    def nonblank_lines(self) -> list[str]:
+        """Lines as FineWeb counts them: not stripped, blank ones left out."""
+        return [line for line in self.text.split("\n") if line.strip()]
 
     @cached_property
     def paragraphs(self) -> list[str]:
@@ -110,7 +126,7 @@ def _duplicate_fractions(items: list[str]) -> tuple[float, float]:
     return repeated / max(len(items), 1), repeated_chars / max(total_chars, 1)
 
 
-def _ngram_keys(word_ids: np.ndarray, n: int) -> np.ndarray:
+def ngram_keys(word_ids: np.ndarray, n: int) -> np.ndarray:
     """A 64-bit key per word n-gram (position i: words i .. i+n-1); equal n-grams get equal keys."""
     keys = np.zeros(len(word_ids) - n + 1, dtype=np.uint64)
     for j in range(n):
@@ -123,7 +139,7 @@ def top_ngram_chars_fraction(word_ids: np.ndarray, word_lengths: np.ndarray, n: 
     word characters (Gopher)."""
     if len(word_ids) < n:
         return 0.0
-    _, first, counts = np.unique(_ngram_keys(word_ids, n), return_index=True, return_counts=True)
+    _, first, counts = np.unique(ngram_keys(word_ids, n), return_index=True, return_counts=True)
     top = counts.max()
     if top < 2:
         return 0.0
@@ -136,7 +152,7 @@ def duplicate_ngram_chars_fraction(word_ids: np.ndarray, word_lengths: np.ndarra
     a word counts once however many repeats cover it; first occurrences do not count)."""
     if len(word_ids) < n:
         return 0.0
-    _, first = np.unique(_ngram_keys(word_ids, n), return_index=True)
+    _, first = np.unique(ngram_keys(word_ids, n), return_index=True)
     repeat = np.ones(len(word_ids) - n + 1, dtype=bool)
     repeat[first] = False
     # Words covered by some repeated n-gram: +1 where a repeat starts, -1 n words later, running sum > 0.
@@ -239,6 +255,36 @@ def c4_javascript(s: TextStats, p: QualityParams) -> bool:
     return p.c4_javascript and _JAVASCRIPT.search(s.text) is not None
 
 
+def fineweb_line_punct(s: TextStats, p: QualityParams) -> bool:
+    limit = p.fineweb_min_line_punct_ratio
+    if not p.fineweb or limit is None or not s.nonblank_lines:
+        return False
+    ended = sum(_SENTENCE_END.search(line) is not None for line in s.nonblank_lines)
+    return ended / len(s.nonblank_lines) < limit
+
+
+def fineweb_short_lines(s: TextStats, p: QualityParams) -> bool:
+    limit = p.fineweb_max_short_line_ratio
+    if not p.fineweb or limit is None or not s.nonblank_lines:
+        return False
+    short = sum(len(line) <= p.fineweb_short_line_chars for line in s.nonblank_lines)
+    return short / len(s.nonblank_lines) > limit
+
+
+def fineweb_char_duplicates(s: TextStats, p: QualityParams) -> bool:
+    limit = p.fineweb_max_char_duplicates_ratio
+    if not p.fineweb or limit is None:
+        return False
+    _, repeated_chars = _duplicate_fractions(s.nonblank_lines)
+    line_chars = sum(len(line) for line in s.nonblank_lines)
+    return repeated_chars * line_chars / max(len(s.text.replace("\n", "")), 1) > limit
+
+
+def fineweb_newlines(s: TextStats, p: QualityParams) -> bool:
+    limit = p.fineweb_max_newline_ratio
+    return p.fineweb and limit is not None and s.text.count("\n") / max(len(s.words), 1) > limit
+
+
 # Cheap rules first: the first failing rule is the one counted.
 RULES: dict[str, Callable[[TextStats, QualityParams], bool]] = {
     "too_few_words": too_few_words,
@@ -256,7 +302,17 @@ RULES: dict[str, Callable[[TextStats, QualityParams], bool]] = {
     "duplicate_paragraphs": duplicate_paragraphs,
     "top_ngram_repetition": top_ngram_repetition,
     "duplicate_ngram_repetition": duplicate_ngram_repetition,
+    "fineweb_line_punct": fineweb_line_punct,
+    "fineweb_short_lines": fineweb_short_lines,
+    "fineweb_char_duplicates": fineweb_char_duplicates,
+    "fineweb_newlines": fineweb_newlines,
 }
+FINEWEB_RULES = ("fineweb_line_punct", "fineweb_short_lines", "fineweb_char_duplicates", "fineweb_newlines")
+
+
+def rule_names(params: QualityParams) -> list[str]:
+    """The rules a stage reports counts for: all but the FineWeb ones, which only when `fineweb` is on."""
+    return [name for name in RULES if params.fineweb or name not in FINEWEB_RULES]
 
 
 def first_failing_rule(text: str, params: QualityParams) -> str | None:

@@ -16,6 +16,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from storage.atomic import atomic_path
+from storage.warc import is_warc
 
 JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
 PARQUET_SUFFIXES = (".parquet", ".pq")
@@ -76,6 +77,8 @@ def document_format(url: str) -> str:
 
 
 def _is_document_file(path: str) -> bool:
+    if is_warc(path):
+        return True
     try:
         document_format(path)
     except ValueError:
@@ -96,8 +99,9 @@ def expand_inputs(pattern: str, **storage_options) -> list[str]:
         paths = []
     if not paths:
         raise FileNotFoundError(
-            f"no input files match {pattern!r}; pass a file, a directory of .jsonl/.parquet files, "
-            "a glob such as 'data/*.jsonl.gz', or an fsspec URL such as 's3://bucket/prefix/*.parquet'"
+            f"no input files match {pattern!r}; pass a file, a directory of .jsonl/.parquet/.warc.gz files, "
+            "a glob such as 'data/*.jsonl.gz' or 'crawl/*.warc.gz', or an fsspec URL such as "
+            "'s3://bucket/prefix/*.parquet'"
         )
     if "://" not in pattern:
         return sorted(paths)

@@ -11,6 +11,7 @@ import pytest
 from stages import clean, download
 from stages.clean import CleanParams, clean_shard, clean_text
 from stages.quality_filters import (
+    FINEWEB_RULES,
     RULES,
     QualityParams,
     TextStats,
@@ -58,12 +59,25 @@ JUNK = {
     ),
     "top_ngram_repetition": " ".join(f"the great {w}" for w in _rng.sample(_VOCAB, 200)),
     "duplicate_ngram_repetition": _random_prose(200) + " " + " ".join([_random_prose(25)] * 3),
+    # FineWeb's rules (on with `fineweb`): verses without their full stops; lines of four words; one long
+    # line said three times (3% of the characters, under Gopher's 20%); lines of 2 and 9 words, a blank line
+    # between them (0.36 newlines a word, half the lines short).
+    "fineweb_line_punct": "\n".join(line.rstrip(".;:,") for line in PROSE.split("\n")),
+    "fineweb_short_lines": "\n".join(
+        " ".join(_VOCAB[i : i + 4]).rstrip(".;:,") + "." for i in range(0, 400, 4)
+    ),
+    "fineweb_char_duplicates": PROSE + ("\n" + GOOD[1].split("\n")[3]) * 2,
+    "fineweb_newlines": "\n\n".join(
+        f"Part {i}.\n\n" + " ".join(_VOCAB[i : i + 9]).rstrip(".;:,") + "." for i in range(0, 360, 9)
+    ),
 }
 
 
 @pytest.mark.parametrize("rule", [r for r in RULES if r != "too_many_words"])
 def test_each_junk_document_fails_its_rule_first(rule):
-    assert first_failing_rule(JUNK[rule], QualityParams()) == rule
+    params = QualityParams(fineweb=rule in FINEWEB_RULES)
+    assert first_failing_rule(JUNK[rule], params) == rule
+    assert first_failing_rule(JUNK[rule], QualityParams()) == (None if rule in FINEWEB_RULES else rule)
     off = {
         f.name: (False if isinstance(f.default, bool) else None) for f in dataclasses.fields(QualityParams)
     }
@@ -122,7 +136,8 @@ def source(tmp_path_factory):
 
 def test_clean_stage_counts_every_rule(source, tmp_path):
     store = ArtifactStore(str(tmp_path / "store"))
-    ref = clean.run(CleanParams(), [source], store, map_shards=SERIAL)
+    params = CleanParams(fineweb=True)
+    ref = clean.run(params, [source], store, map_shards=SERIAL)
     counts = ref.manifest()["counts"]
     n_junk = sum(text is not None for text in JUNK.values())
     assert counts["docs_in"] == len(GOOD) + n_junk + 2
@@ -132,8 +147,8 @@ def test_clean_stage_counts_every_rule(source, tmp_path):
     assert [d["id"] for d in docs] == [f"good-{i}" for i in range(len(GOOD))] + ["mojibake"]
     assert "th\u00e9" in docs[-1]["text"]
     assert counts["bytes_out"] == sum(len(d["text"].encode()) for d in docs)
-    assert clean.run(CleanParams(), [source], store, map_shards=SERIAL).cache_hit
-    assert clean.key(CleanParams(), [source]) == ref.key
+    assert clean.run(params, [source], store, map_shards=SERIAL).cache_hit
+    assert clean.key(params, [source]) == ref.key
 
 
 def test_params_are_flat_and_load_from_plain_json():
