@@ -1,12 +1,15 @@
 """The corpus flow on real clusters: a dask.distributed LocalCluster and a local Ray instance give the same
-artifacts, byte for byte, as the process runner; a Dask worker SIGKILLed mid-run costs nothing but a rerun."""
+artifacts, byte for byte, as the process runner; a Dask worker SIGKILLed mid-run costs nothing but a rerun.
+
+The corpus is a crawl the tests write (tests/web_pages.py: a WARC and a WET file of pages in four languages), run
+with every web step on (URL filter, extraction, language ID, decontamination, FineWeb rules, PII), so the runners
+are compared on those steps too."""
 
 from __future__ import annotations
 
 import contextlib
 import glob
 import json
-import lzma
 import os
 import signal
 import threading
@@ -16,25 +19,37 @@ from pathlib import Path
 import pytest
 
 from flows.corpus import CorpusConfig, run_corpus
-from stages.download import EMBEDDED_CORPUS, DownloadParams
+from stages.clean import CleanParams
+from stages.download import DownloadParams
 from stages.tokenize import TokenizeParams
 from stages.tokenize_params import local_copy
 from storage.artifacts import ArtifactStore
+from tests.web_pages import Crawl, write_crawl
 
 
 @pytest.fixture(scope="module")
-def tiny_corpus(tmp_path_factory) -> Path:
-    """The first 16 chapters of the embedded corpus, two download shards: a flow on it takes seconds."""
-    path = tmp_path_factory.mktemp("corpus") / "corpus.jsonl"
-    with lzma.open(EMBEDDED_CORPUS, "rt") as source, open(path, "w") as out:
-        out.writelines(line for _, line in zip(range(16), source, strict=False))
-    return path
+def crawl(tmp_path_factory) -> Crawl:
+    """28 pages in 4 download shards (12 kept): a flow on it takes seconds."""
+    return write_crawl(str(tmp_path_factory.mktemp("web")))
 
 
-def corpus_config(store: Path | str, corpus: Path | str, **overrides) -> CorpusConfig:
+@pytest.fixture(scope="module")
+def tiny_corpus(crawl) -> Path:
+    return Path(crawl.folder)
+
+
+def corpus_config(store: Path | str, corpus: Path | str, crawl: Crawl, **overrides) -> CorpusConfig:
     base = {
         "store": str(store),
         "download": DownloadParams(source=str(corpus), docs_per_shard=8),
+        "clean": CleanParams(
+            url_blocklist=(crawl.domains,),
+            url_banned_words=("casino",),
+            languages=("en",),
+            decontaminate=(crawl.lambada, crawl.wikitext),
+            fineweb=True,
+            pii=True,
+        ),
         "tokenize": TokenizeParams(append_eod=True, workers=1),
         "workers": 2,
     }
@@ -56,21 +71,24 @@ def artifact_contents(refs: dict) -> dict[str, tuple[str, dict]]:
 
 
 @pytest.fixture(scope="module")
-def reference(prefect_api_url, tiny_corpus, tmp_path_factory) -> dict[str, tuple[str, dict]]:
+def reference(prefect_api_url, tiny_corpus, crawl, tmp_path_factory) -> dict[str, tuple[str, dict]]:
     """The artifacts of the default runner: local worker processes."""
     store = tmp_path_factory.mktemp("process-runner")
-    return artifact_contents(run_corpus(corpus_config(store, tiny_corpus, task_runner="process")))
+    refs = run_corpus(corpus_config(store, tiny_corpus, crawl, task_runner="process"))
+    clean = ArtifactStore(str(store)).ref(refs["clean"]).manifest()["counts"]
+    assert clean["docs_out"] == 12 and set(clean["steps"]) >= {"url_filter", "extract", "language", "pii"}
+    return artifact_contents(refs)
 
 
-def test_dask_local_cluster_matches_process_runner(reference, tiny_corpus, tmp_path):
+def test_dask_local_cluster_matches_process_runner(reference, tiny_corpus, crawl, tmp_path):
     pytest.importorskip("prefect_dask")
-    refs = run_corpus(corpus_config(tmp_path / "store", tiny_corpus, task_runner="dask"))
+    refs = run_corpus(corpus_config(tmp_path / "store", tiny_corpus, crawl, task_runner="dask"))
     assert artifact_contents(refs) == reference
 
 
-def test_ray_local_instance_matches_process_runner(reference, tiny_corpus, tmp_path):
+def test_ray_local_instance_matches_process_runner(reference, tiny_corpus, crawl, tmp_path):
     pytest.importorskip("prefect_ray")
-    refs = run_corpus(corpus_config(tmp_path / "store", tiny_corpus, task_runner="ray"))
+    refs = run_corpus(corpus_config(tmp_path / "store", tiny_corpus, crawl, task_runner="ray"))
     assert artifact_contents(refs) == reference
 
 
@@ -83,7 +101,7 @@ def _kill_mid_run(store: Path, pid: int, killed: list[bool]) -> None:
     killed.append(not glob.glob(str(store / "tokenize" / "*" / "manifest.json")))
 
 
-def test_dask_worker_sigkilled_mid_run_then_rerun_is_identical(reference, tiny_corpus, tmp_path):
+def test_dask_worker_sigkilled_mid_run_then_rerun_is_identical(reference, tiny_corpus, crawl, tmp_path):
     distributed = pytest.importorskip("distributed")
     pytest.importorskip("prefect_dask")
     store = tmp_path / "store"
@@ -92,7 +110,9 @@ def test_dask_worker_sigkilled_mid_run_then_rerun_is_identical(reference, tiny_c
         distributed.Client(cluster) as client,
     ):
         victim = sorted(client.run(os.getpid).values())[0]
-        config = corpus_config(store, tiny_corpus, task_runner="dask", dask_address=cluster.scheduler_address)
+        config = corpus_config(
+            store, tiny_corpus, crawl, task_runner="dask", dask_address=cluster.scheduler_address
+        )
         killed: list[bool] = []
         killer = threading.Thread(target=_kill_mid_run, args=(store, victim, killed))
         killer.start()
@@ -109,7 +129,7 @@ def test_dask_worker_sigkilled_mid_run_then_rerun_is_identical(reference, tiny_c
 
 
 def test_corpus_flow_on_s3_store_and_s3_source_matches_local_run(
-    reference, tiny_corpus, s3_endpoint, tmp_path, monkeypatch
+    reference, tiny_corpus, crawl, s3_endpoint, tmp_path, monkeypatch
 ):
     """The store and the source on a real S3-compatible server (moto), reached through the standard AWS
     environment variables as on a cluster: every stage's files equal the local run's (the keys differ, since
@@ -126,8 +146,9 @@ def test_corpus_flow_on_s3_store_and_s3_source_matches_local_run(
         monkeypatch.setenv(name, value)
     fs = s3fs.S3FileSystem()
     fs.mkdir("corpus-flow")
-    fs.put_file(str(tiny_corpus), "corpus-flow/source/corpus.jsonl")
-    config = corpus_config("s3://corpus-flow/store", "s3://corpus-flow/source/corpus.jsonl")
+    for path in tiny_corpus.iterdir():  # the WARC and the WET file, read from S3 by the download stage
+        fs.put_file(str(path), f"corpus-flow/source/{path.name}")
+    config = corpus_config("s3://corpus-flow/store", "s3://corpus-flow/source/", crawl)
     refs = run_corpus(config)
     assert all(ref["url"].startswith("s3://corpus-flow/store/") for ref in refs.values())
     assert fs.exists(f"corpus-flow/store/tokenize/{refs['tokenize']['key']}/manifest.json")
