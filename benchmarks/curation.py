@@ -2,7 +2,7 @@
 
 Data: the benchmark writes its own crawl, `--megabytes` of WARC response records (gzip members) in several
 files: HTML article pages with a site's boilerplate around them (navigation, cookie banner, sidebar, footer,
-inline script and style, tests/web_pages.py). 80% are English articles of 20 to 40 King James verses drawn at
+inline script and style, tests/helpers/web_pages.py). 80% are English articles of 20 to 40 King James verses drawn at
 random, 12% German, French or Spanish articles, 3% pages on blocklisted domains, 5% near copies of earlier English
 pages on other URLs (a few words changed); 1% are images.
 
@@ -78,7 +78,7 @@ from benchmarks.dedup import Signature, SplitTokenizer  # noqa: E402
 from stages import clean, dedup, download  # noqa: E402
 from stages.shards import process_pool  # noqa: E402
 from storage.artifacts import ArtifactStore  # noqa: E402
-from tests.web_pages import Page, foreign_paragraphs, html_page, kjv_chapters, write_warc  # noqa: E402
+from tests.helpers.web_pages import Page, foreign_paragraphs, html_page, kjv_chapters, write_warc  # noqa: E402
 
 # Blocked domains under public suffixes: datatrove's URLFilter matches registered domains from the public-suffix
 # list, so a host under `.example` (the sites here) would pass it; ours matches label by label, either way.

@@ -1,7 +1,7 @@
 """The corpus flow on real clusters: a dask.distributed LocalCluster and a local Ray instance give the same
 artifacts, byte for byte, as the process runner; a Dask worker SIGKILLed mid-run costs nothing but a rerun.
 
-The corpus is a crawl the tests write (tests/web_pages.py: a WARC and a WET file of pages in four languages), run
+The corpus is a crawl the tests write (tests/helpers/web_pages.py: a WARC and a WET file of pages in four languages), run
 with every web step on (URL filter, extraction, language ID, decontamination, FineWeb rules, PII), so the runners
 are compared on those steps too."""
 
@@ -24,7 +24,7 @@ from stages.download import DownloadParams
 from stages.tokenize import TokenizeParams
 from stages.tokenize_params import local_copy
 from storage.artifacts import ArtifactStore
-from tests.web_pages import Crawl, write_crawl
+from tests.helpers.web_pages import Crawl, write_crawl
 
 
 @pytest.fixture(scope="module")

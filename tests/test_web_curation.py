@@ -1,6 +1,6 @@
 """Web curation: WARC/WET input, URL filter, extraction, language ID, decontamination, FineWeb rules, PII.
 
-The tests write their own crawl (tests/web_pages.py): HTML pages in four languages with boilerplate, pages on
+The tests write their own crawl (tests/helpers/web_pages.py): HTML pages in four languages with boilerplate, pages on
 blocklisted hosts, evaluation passages planted in some, an image, an empty page and a record damaged on disk;
 every page's fate is known, so each step's drops are checked exactly.
 """
@@ -30,7 +30,7 @@ from stages.shards import process_pool
 from stages.url_filter import read_blocklists
 from storage.artifacts import ArtifactStore
 from storage.warc import iter_warc_pages, new_warc_stats
-from tests.web_pages import Page, html_page, kjv_chapters, random_passages, write_crawl, write_warc
+from tests.helpers.web_pages import Page, html_page, kjv_chapters, random_passages, write_crawl, write_warc
 
 ROOT = Path(__file__).resolve().parents[1]
 SERIAL = process_pool(1)
