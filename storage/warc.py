@@ -13,6 +13,7 @@ record start (the next gzip member, or the next `WARC/1.` header line of an unco
 
 from __future__ import annotations
 
+import codecs
 import zlib
 from collections.abc import Iterator
 from typing import BinaryIO
@@ -57,7 +58,11 @@ def decode_html(payload: bytes, declared: str | None) -> str:
         name, _, value = part.strip().partition("=")
         if name.lower() == "charset" and value:
             charset = value.strip("\"' ")
-    return bytes_to_str(payload, charset or detect_encoding(payload))
+    try:
+        codecs.lookup(charset or "")
+    except LookupError:  # none given, or a name no codec has (charset=foo): what the bytes look like
+        charset = detect_encoding(payload)
+    return bytes_to_str(payload, charset)
 
 
 def _page(record, stats: dict) -> dict | None:
