@@ -30,19 +30,21 @@ pipeline on trafilatura (datatrove's extractor), and last `ratio: <ours/datatrov
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import tempfile
 
 # Datatrove's assets (the language model) go to a cache of this run's own, before huggingface_hub reads the setting.
 _ASSETS = tempfile.mkdtemp(prefix="curation-assets-")
 os.environ["HF_ASSETS_CACHE"] = _ASSETS
+atexit.register(shutil.rmtree, _ASSETS, True)
 
 import argparse  # noqa: E402
 import difflib  # noqa: E402
 import functools  # noqa: E402
 import json  # noqa: E402
 import random  # noqa: E402
-import shutil  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
