@@ -103,6 +103,8 @@ def load_model_stage_for_inference(
     padded_vocab_size = vocab_size_with_padding(
         saved.padded_vocab_size, config.tokenizer.make_vocab_size_divisible_by, tp_size
     )
+    if config.model.true_vocab_size is None:  # the rows this TP size adds are padding, never scored or predicted
+        config.model.true_vocab_size = saved.padded_vocab_size
     model = GPTModel(
         config.model, padded_vocab_size, state.is_pipeline_first_stage(), state.is_pipeline_last_stage()
     )

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
+from megatron_train.evaluation.ranks import data_parallel_share, is_reporting_rank, sum_over_replicas
+from megatron_train.inference.forward import forward_step
 from megatron_train.tokenizer.base import MegatronTokenizer
 
 
@@ -73,27 +75,34 @@ def count_correct(
     pad_id: int,
     micro_batch_size: int = 8,
 ) -> int:
-    """How many examples' targets are all the argmax at their positions (context cut to fit seq_length)."""
+    """How many examples' targets are all the argmax at their positions (context cut to fit seq_length).
+    Under torchrun each data-parallel replica counts its share (`evaluation.ranks`); every rank returns the total."""
     model.eval()
     device = next(model.parameters()).device
+    share = [examples[index] for index in data_parallel_share(len(examples))]
     correct = 0
-    for first in tqdm(range(0, len(examples), micro_batch_size), desc="lambada", unit="batch"):
+    batch_starts = range(0, len(share), micro_batch_size)
+    for first in tqdm(batch_starts, desc="lambada", unit="batch", disable=not is_reporting_rank()):
         batch = [
             (context + target)[-(seq_length + 1) :]
-            for context, target in examples[first : first + micro_batch_size]
+            for context, target in share[first : first + micro_batch_size]
         ]
-        targets = [target for _, target in examples[first : first + micro_batch_size]]
+        targets = [target for _, target in share[first : first + micro_batch_size]]
         width = max(len(ids) for ids in batch) - 1
         ids = torch.full((len(batch), width + 1), pad_id, dtype=torch.long)
         for row, sequence in enumerate(batch):
             ids[row, : len(sequence)] = torch.tensor(sequence)
         ids = ids.to(device)
         position_ids = torch.arange(width, device=device).expand(len(batch), -1)
-        predictions = model(ids[:, :-1], position_ids=position_ids)[..., :vocab_size].argmax(-1).cpu()
+        logits = forward_step(model, ids[:, :-1], position_ids, None)
+        if logits is None:  # not the last pipeline stage
+            continue
+        predictions = logits[..., :vocab_size].argmax(-1).cpu()
         for row, (sequence, target) in enumerate(zip(batch, targets, strict=True)):
             end = len(sequence) - 1
             correct += predictions[row, end - len(target) : end].tolist() == target
-    return correct
+    (total,) = sum_over_replicas([correct])
+    return int(total)
 
 
 def evaluate_lambada(

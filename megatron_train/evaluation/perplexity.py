@@ -17,6 +17,8 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from megatron_train.evaluation.ranks import data_parallel_share, is_reporting_rank, sum_over_replicas
+from megatron_train.inference.forward import forward_step
 from storage.indexed_dataset import IndexedDataset
 
 logger = logging.getLogger(__name__)
@@ -46,17 +48,22 @@ def window(
 
 
 def _batches(
-    tokens, seq_length: int, overlapping_eval: int | None, micro_batch_size: int, pad_id: int
+    tokens,
+    windows: Sequence[int],
+    seq_length: int,
+    overlapping_eval: int | None,
+    micro_batch_size: int,
+    pad_id: int,
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    total = num_windows(len(tokens), seq_length, overlapping_eval)
-    for first in range(0, total, micro_batch_size):
-        windows = [
+    """The `windows` (indices) in batches of micro_batch_size: (ids [b, seq_length + 1], loss mask [b, seq_length])."""
+    for first in range(0, len(windows), micro_batch_size):
+        batch = [
             window(tokens, index, seq_length, overlapping_eval, pad_id)
-            for index in range(first, min(first + micro_batch_size, total))
+            for index in windows[first : first + micro_batch_size]
         ]
         yield (
-            torch.from_numpy(np.stack([ids for ids, _ in windows])),
-            torch.from_numpy(np.stack([mask for _, mask in windows])),
+            torch.from_numpy(np.stack([ids for ids, _ in batch])),
+            torch.from_numpy(np.stack([mask for _, mask in batch])),
         )
 
 
@@ -71,23 +78,31 @@ def sum_lm_loss(
 ) -> tuple[float, int]:
     """Sum of the per-token losses of every target in `tokens`, and how many targets were scored.
 
-    `tokens` may be anything that slices to ids (a list, an array, an IndexedTokens stream)."""
+    `tokens` may be anything that slices to ids (a list, an array, an IndexedTokens stream). Under torchrun
+    `model` is this rank's part and each data-parallel replica scores its share of the windows
+    (`evaluation.ranks`); every rank returns the totals."""
     if seq_length < 1:
         raise ValueError(f"seq_length must be >= 1, got {seq_length}")
     model.eval()
     device = next(model.parameters()).device
     total_loss, scored, started = 0.0, 0, time.perf_counter()
-    batches = _batches(tokens, seq_length, overlapping_eval, micro_batch_size, pad_id)
-    num_batches = math.ceil(num_windows(len(tokens), seq_length, overlapping_eval) / micro_batch_size)
-    for ids, loss_mask in tqdm(batches, total=num_batches, desc="evaluating", unit="batch"):
+    windows = data_parallel_share(num_windows(len(tokens), seq_length, overlapping_eval))
+    batches = _batches(tokens, windows, seq_length, overlapping_eval, micro_batch_size, pad_id)
+    num_batches = math.ceil(len(windows) / micro_batch_size)
+    progress = tqdm(
+        batches, total=num_batches, desc="evaluating", unit="batch", disable=not is_reporting_rank()
+    )
+    for ids, loss_mask in progress:
         ids, loss_mask = ids.to(device), loss_mask.to(device)
         position_ids = torch.arange(seq_length, device=device).expand(ids.size(0), -1)
-        losses = model(ids[:, :-1], position_ids=position_ids, labels=ids[:, 1:])
-        total_loss += float((losses.double() * loss_mask).sum())
-        scored += int(loss_mask.sum())
+        losses = forward_step(model, ids[:, :-1], position_ids, None, labels=ids[:, 1:])
+        if losses is not None:  # the last pipeline stage
+            total_loss += float((losses.double() * loss_mask).sum())
+            scored += int(loss_mask.sum())
+    total_loss, scored = sum_over_replicas([total_loss, scored])
     elapsed = time.perf_counter() - started
     logger.info("scored %d tokens in %.1f s (%.0f tokens/s)", scored, elapsed, scored / max(elapsed, 1e-9))
-    return total_loss, scored
+    return total_loss, int(scored)
 
 
 class IndexedTokens:

@@ -14,6 +14,7 @@ import argparse
 import dataclasses
 
 import torch
+import torch.distributed as dist
 
 from megatron_train.arguments import MegatronConfig, build_parser, config_from_dict, flag_name
 from megatron_train.checkpointing import (
@@ -30,6 +31,8 @@ from megatron_train.models.config import TransformerConfig
 from megatron_train.parallel import state
 from megatron_train.tokenizer import MegatronTokenizer, tokenizer_from_config
 from megatron_train.tokenizer.flags import tokenizer_config_from_args
+from megatron_train.training.config import TrainingConfig
+from megatron_train.training.setup import initialize_distributed, print_parameter_count
 
 _MODEL_FLAGS = {f.name: flag_name(f) for f in dataclasses.fields(TransformerConfig)}
 
@@ -51,6 +54,27 @@ def build_inference_parser(description: str) -> argparse.ArgumentParser:
         help="Accepted for Megatron's scripts: the model settings always come from the checkpoint.",
     )
     return parser
+
+
+def start_model_parallel(args: argparse.Namespace, data_parallel: bool) -> bool:
+    """Under torchrun: join the process group and split it into model replicas of TP x PP ranks, several of
+    them (data parallel) only where the tool splits its work over replicas (`data_parallel`; a server is one
+    replica). True when this call created the process group (the caller destroys it)."""
+    # Megatron's flags default to "not given" (the checkpoint decides); these have the training defaults.
+    created = initialize_distributed(
+        getattr(args, "distributed_timeout_minutes", TrainingConfig.distributed_timeout_minutes)
+    )
+    tp = getattr(args, "tensor_model_parallel_size", 1)
+    pp = getattr(args, "pipeline_model_parallel_size", 1)
+    world = dist.get_world_size()
+    if world != tp * pp and not (data_parallel and world % (tp * pp) == 0):
+        replicas = "a multiple of " if data_parallel else ""
+        raise ValueError(
+            f"torchrun started {world} processes but --tensor-model-parallel-size {tp} x "
+            f"--pipeline-model-parallel-size {pp} = {tp * pp}: pass --nproc-per-node {replicas}{tp * pp}"
+        )
+    state.initialize_model_parallel(tp, pp)
+    return created
 
 
 def check_model_flags(args: argparse.Namespace, saved: MegatronConfig, where: str) -> None:
@@ -117,8 +141,9 @@ def load_for_inference(
     check_model_flags(args, saved, iteration_dir)
     tokenizer = tokenizer_for(saved, args, iteration_dir)
     check_tokenizer_fits(tokenizer, metadata, iteration_dir)
-    if state.model_parallel_is_initialized():  # a multi-rank server: this rank's part of the model
+    if state.model_parallel_is_initialized():  # under torchrun: this rank's part of the model
         model, config = load_model_stage_for_inference(args.load, iteration=iteration, device=device)
+        print_parameter_count([model])
     else:
         model, config = load_model_for_inference(args.load, iteration=iteration, device=device)
     return model.eval(), tokenizer, config

@@ -23,17 +23,23 @@ def _model_parallel_size() -> int:
 
 
 def forward_step(
-    model: torch.nn.Module, tokens: torch.Tensor, position_ids: torch.Tensor, kv_cache: KVCache | None
+    model: torch.nn.Module,
+    tokens: torch.Tensor,
+    position_ids: torch.Tensor,
+    kv_cache: KVCache | None,
+    labels: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
-    """Logits [b, s, padded vocab] of the new `tokens` [b, s] on the last stage; None on the other stages,
-    which pass their hidden states [s, b, h] to the next stage."""
+    """Logits [b, s, padded vocab] of the new `tokens` [b, s] on the last stage, or with `labels` [b, s] the
+    per-token losses [b, s] (zero-shot evaluation); None on the other stages, which pass their hidden states
+    [s, b, h] to the next stage."""
+    scored = {} if labels is None else {"labels": labels}  # a generation-only model takes no labels
     if state.get_pipeline_model_parallel_world_size() == 1:
-        return model(tokens, position_ids=position_ids, kv_cache=kv_cache)
+        return model(tokens, position_ids=position_ids, kv_cache=kv_cache, **scored)
     dtype = next(model.parameters()).dtype
     shape = (tokens.size(1), tokens.size(0), model.config.hidden_size)
     p2p = P2PCommunicator(shape, dtype, tokens.device)
     model.set_input_tensor(p2p.recv_forward())
-    output = model(tokens, position_ids=position_ids, kv_cache=kv_cache)
+    output = model(tokens, position_ids=position_ids, kv_cache=kv_cache, **scored)
     model.set_input_tensor(None)
     if state.is_pipeline_last_stage():
         return output

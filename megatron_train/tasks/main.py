@@ -6,6 +6,8 @@
     python -m megatron_train.tasks.main --task VALID_PPL --valid-data DATA_text_document --load CKPT
     python -m megatron_train.tasks.main --task RETRO-QA --valid-data nq_test.jsonl --load RETRO_CKPT \
         --retro-project-dir DIR [--ft-neighbours 5] [--out-seq-length 32]     (a GPT checkpoint: no project)
+    torchrun --nproc-per-node 8 -m megatron_train.tasks.main --task WIKITEXT103 --valid-data wiki.test.tokens \\
+        --load CKPT --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2      (2 data-parallel replicas)
     torchrun --nproc-per-node 2 -m megatron_train.tasks.main --task MNLI --pretrained-checkpoint BERT_CKPT \\
         --train-data MNLI/train.tsv --valid-data MNLI/dev_matched.tsv MNLI/dev_mismatched.tsv --epochs 3 \\
         --micro-batch-size 8 --lr 5e-5 --lr-warmup-fraction 0.065 --seq-length 128 --save FINETUNED --load FINETUNED
@@ -13,6 +15,13 @@
     ... --task MNLI --hf-dataset glue/mnli (a cached hub dataset or a save_to_disk folder instead of files)
 
 The finetuning tasks (`tasks.finetune`) print Megatron's accuracy lines per validation set after each epoch.
+
+WIKITEXT103, LAMBADA and VALID_PPL run under torchrun as Megatron's zero-shot evaluation does: world = TP x PP x
+DP, each rank holds only its TP slice of its pipeline stage (read from the checkpoint, resharded on load; Megatron's
+` > number of parameters on (tensor, pipeline) model parallel rank (t, p): N` line), the forward runs stage by
+stage (`inference.forward.forward_step`) and the data-parallel replicas split the windows or examples
+(`evaluation.ranks`); the numbers equal one process's. Run as one process, the whole model is evaluated whatever
+the TP/PP flags say.
 
 Takes Megatron's whole argument set, as its tasks/main.py does: model flags are checked against the checkpoint,
 tokenizer flags replace the tokenizer it recorded, training-only flags are accepted and unused; `--seq-length`
@@ -26,12 +35,21 @@ import argparse
 import dataclasses
 import json
 import logging
+import os
+
+import torch.distributed as dist
 
 from megatron_train.device import get_device
 from megatron_train.evaluation.lambada import evaluate_lambada
 from megatron_train.evaluation.perplexity import validation_perplexity
+from megatron_train.evaluation.ranks import is_reporting_rank
 from megatron_train.evaluation.wikitext import evaluate_wikitext
-from megatron_train.inference.checkpoint import build_inference_parser, load_for_inference
+from megatron_train.inference.checkpoint import (
+    build_inference_parser,
+    load_for_inference,
+    start_model_parallel,
+)
+from megatron_train.parallel import state
 from megatron_train.tasks.finetune.finetune import TASKS as FINETUNE_TASKS
 from megatron_train.tasks.finetune.finetune import add_finetune_flags, run_finetune
 from megatron_train.tasks.retro_qa import evaluate_qa
@@ -114,18 +132,29 @@ def main(argv: list[str] | None = None) -> dict:
         return metrics
     if getattr(args, "load", None) is None or not args.valid_data:
         parser.error(f"--task {args.task} evaluates a GPT checkpoint: pass --load and --valid-data")
+    multi_rank = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    if multi_rank and args.task == "RETRO-QA":
+        parser.error(
+            "--task RETRO-QA runs in one process (generation with retrieval): start it without torchrun"
+        )
+    created_group = False
     try:
-        if args.task == "RETRO-QA":  # a Retro checkpoint with --retro-project-dir retrieves as it generates
-            model, tokenizer, config = load_for_generation(args, device=get_device())
-        else:
-            model, tokenizer, config = load_for_inference(args, device=get_device())
-    except USER_ERRORS as error:
-        parser.error(str(error))
-    result = run_task(args, model, tokenizer, config)
-    line = result.megatron_line(args.task)
-    print("-" * (len(line) + 1))
-    print(line)
-    print("-" * (len(line) + 1))
+        try:
+            if multi_rank:  # each rank holds its TP slice of its pipeline stage; replicas share the data
+                created_group = start_model_parallel(args, data_parallel=True)
+            if (
+                args.task == "RETRO-QA"
+            ):  # a Retro checkpoint with --retro-project-dir retrieves as it generates
+                model, tokenizer, config = load_for_generation(args, device=get_device())
+            else:
+                model, tokenizer, config = load_for_inference(args, device=get_device())
+        except USER_ERRORS as error:
+            parser.error(str(error))
+        result = run_task(args, model, tokenizer, config)
+    finally:
+        state.destroy_model_parallel()
+        if created_group:
+            dist.destroy_process_group()
     metrics = {
         "task": args.task,
         "valid_data": args.valid_data[0],
@@ -134,8 +163,13 @@ def main(argv: list[str] | None = None) -> dict:
     }
     if hasattr(result, "accuracy"):
         metrics["accuracy"] = result.accuracy
-    if args.results_json:
-        atomic_write_text(args.results_json, json.dumps(metrics, indent=2))
+    if is_reporting_rank():
+        line = result.megatron_line(args.task)
+        print("-" * (len(line) + 1))
+        print(line)
+        print("-" * (len(line) + 1))
+        if args.results_json:
+            atomic_write_text(args.results_json, json.dumps(metrics, indent=2))
     return metrics
 
 

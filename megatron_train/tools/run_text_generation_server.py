@@ -31,12 +31,9 @@ import uvicorn
 
 from megatron_train.checkpointing import CheckpointError
 from megatron_train.device import get_device
-from megatron_train.inference.checkpoint import build_inference_parser
+from megatron_train.inference.checkpoint import build_inference_parser, start_model_parallel
 from megatron_train.inference.ranks import follow
 from megatron_train.inference.server import ServerLimits, create_app
-from megatron_train.parallel import state
-from megatron_train.training.config import TrainingConfig
-from megatron_train.training.setup import initialize_distributed
 from retro.retrieval import add_retrieval_flags, load_for_generation
 
 
@@ -81,22 +78,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def start_model_parallel(args: argparse.Namespace) -> None:
-    """Under torchrun: join the process group and split it into TP x PP (the whole world is one model)."""
-    # Megatron's flags default to "not given" (the checkpoint decides); these have the training defaults.
-    initialize_distributed(
-        getattr(args, "distributed_timeout_minutes", TrainingConfig.distributed_timeout_minutes)
-    )
-    tp = getattr(args, "tensor_model_parallel_size", 1)
-    pp = getattr(args, "pipeline_model_parallel_size", 1)
-    if dist.get_world_size() != tp * pp:
-        raise ValueError(
-            f"torchrun started {dist.get_world_size()} processes but --tensor-model-parallel-size {tp} x "
-            f"--pipeline-model-parallel-size {pp} = {tp * pp}: pass --nproc-per-node {tp * pp}"
-        )
-    state.initialize_model_parallel(tp, pp)
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -109,7 +90,7 @@ def main(argv: list[str] | None = None) -> None:
         )
     try:
         if multi_rank:
-            start_model_parallel(args)
+            start_model_parallel(args, data_parallel=False)
         model, tokenizer, config = load_for_generation(args, device=get_device())
     except (ValueError, CheckpointError, FileNotFoundError) as error:
         parser.error(str(error))

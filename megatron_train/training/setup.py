@@ -109,6 +109,17 @@ def build_model_chunks(
     return chunks
 
 
+def print_parameter_count(chunks: list[torch.nn.Module]) -> None:
+    """Megatron's line of how many parameters this rank's model chunks hold, from data-parallel rank 0."""
+    if state.get_data_parallel_rank() == 0:
+        print(
+            " > number of parameters on (tensor, pipeline) model parallel rank "
+            f"({state.get_tensor_model_parallel_rank()}, {state.get_pipeline_model_parallel_rank()}): "
+            f"{sum(p.numel() for chunk in chunks for p in chunk.parameters())}",
+            flush=True,
+        )
+
+
 def setup_model_and_optimizer(
     config: MegatronConfig, model_provider: ModelProvider, padded_vocab_size: int, device: torch.device
 ) -> TrainingSetup:
@@ -126,13 +137,7 @@ def setup_model_and_optimizer(
     if train_iters is None:
         train_iters = calculator.train_iters_for_samples(training.train_samples or 0)
     unwrapped = build_model_chunks(config, model_provider, padded_vocab_size, device)
-    if state.get_data_parallel_rank() == 0:
-        print(
-            " > number of parameters on (tensor, pipeline) model parallel rank "
-            f"({state.get_tensor_model_parallel_rank()}, {state.get_pipeline_model_parallel_rank()}): "
-            f"{sum(p.numel() for chunk in unwrapped for p in chunk.parameters())}",
-            flush=True,
-        )
+    print_parameter_count(unwrapped)
     ddp_config = DDPConfig(
         grad_reduce_in_fp32=training.accumulate_allreduce_grads_in_fp32,
         overlap_grad_reduce=training.overlap_grad_reduce,
