@@ -72,10 +72,16 @@ def load_model_for_inference(
     Single process: the TP shards and PP stages of any saved layout are merged into one model; every file is
     verified against its recorded hash, so a damaged checkpoint fails naming the file.
     """
-    iteration_dir, saved = open_saved_checkpoint(load_dir, iteration)
+    return model_from_saved(open_saved_checkpoint(load_dir, iteration)[1], device)
+
+
+def model_from_saved(
+    saved: SavedCheckpoint, device: torch.device | str | None = None
+) -> tuple[torch.nn.Module, MegatronConfig]:
+    """`load_model_for_inference` of a checkpoint already opened (ours, or one converted in memory)."""
     config = saved_config_for_layout(saved, tp_size=1, pp_size=1)
     model = build_saved_model(
-        saved_model_type(saved.metadata), config, saved.padded_vocab_size, iteration_dir
+        saved_model_type(saved.metadata), config, saved.padded_vocab_size, saved.iteration_dir
     )
     names = {name: name for name in model.state_dict()}
     load_model_weights(model, saved, names, saved.padded_vocab_size, tp_size=1, tp_rank=0)
@@ -93,17 +99,25 @@ def load_model_stage_for_inference(
     The checkpoint may have been saved under any (TP, PP) layout: each weight is resharded on load; the
     vocabulary is padded further when this TP size needs it (padding rows are never predicted).
     """
-    iteration_dir, saved = open_saved_checkpoint(load_dir, iteration)
+    return model_stage_from_saved(open_saved_checkpoint(load_dir, iteration)[1], device)
+
+
+def model_stage_from_saved(
+    saved: SavedCheckpoint, device: torch.device | str | None = None
+) -> tuple[GPTModel, MegatronConfig]:
+    """`load_model_stage_for_inference` of a checkpoint already opened (ours, or one converted in memory)."""
     if saved_model_type(saved.metadata) != "gpt":
         raise CheckpointError(
-            f"checkpoint {iteration_dir} holds a {saved_model_type(saved.metadata)} model, not GPT"
+            f"checkpoint {saved.iteration_dir} holds a {saved_model_type(saved.metadata)} model, not GPT"
         )
     tp_size, tp_rank = state.get_tensor_model_parallel_world_size(), state.get_tensor_model_parallel_rank()
     config = saved_config_for_layout(saved, tp_size, state.get_pipeline_model_parallel_world_size())
     padded_vocab_size = vocab_size_with_padding(
         saved.padded_vocab_size, config.tokenizer.make_vocab_size_divisible_by, tp_size
     )
-    if config.model.true_vocab_size is None:  # the rows this TP size adds are padding, never scored or predicted
+    if (
+        config.model.true_vocab_size is None
+    ):  # the rows this TP size adds are padding, never scored or predicted
         config.model.true_vocab_size = saved.padded_vocab_size
     model = GPTModel(
         config.model, padded_vocab_size, state.is_pipeline_first_stage(), state.is_pipeline_last_stage()

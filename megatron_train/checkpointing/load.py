@@ -30,7 +30,7 @@ from megatron_train.checkpointing.names import (
     stage_module,
 )
 from megatron_train.checkpointing.progress import TrainingProgress
-from megatron_train.checkpointing.rng import global_rank, load_rng_state
+from megatron_train.checkpointing.rng import global_rank
 from megatron_train.checkpointing.saved import SavedCheckpoint, saved_true_vocab_range
 from megatron_train.parallel import state
 
@@ -116,9 +116,12 @@ def load_checkpoint(
     opt_param_scheduler: Any | None,
     config: MegatronConfig,
     padded_vocab_size: int,
+    saved: SavedCheckpoint | None = None,
 ) -> TrainingProgress:
     """Load `--load` (its latest iteration, or `--ckpt-step`) with Megatron's --finetune / --no-load-* rules,
     resharding weights and optimizer state when it was saved under another (TP, PP, DP, virtual) layout.
+    `saved` is that checkpoint already opened in its own format (`convert.detect.open_checkpoint`: ours, or a
+    Megatron-LM one converted in memory); without it `--load` is read as ours.
 
     `model` is what `save_checkpoint` takes: this stage's module, or the list of its chunks when interleaved.
 
@@ -126,14 +129,16 @@ def load_checkpoint(
     see `_check_nothing_to_overwrite`.
     """
     ckpt = config.checkpoint
-    iteration_dir = resolve_iteration_dir(ckpt.load, ckpt.ckpt_step)
-    if iteration_dir is None:
-        _check_nothing_to_overwrite(config)
-        logger.warning(
-            "no %s in %s: nothing to load; starting from random weights", TRACKER_FILENAME, ckpt.load
-        )
-        return TrainingProgress()
-    saved = SavedCheckpoint(iteration_dir)
+    if saved is None:
+        iteration_dir = resolve_iteration_dir(ckpt.load, ckpt.ckpt_step)
+        if iteration_dir is None:
+            _check_nothing_to_overwrite(config)
+            logger.warning(
+                "no %s in %s: nothing to load; starting from random weights", TRACKER_FILENAME, ckpt.load
+            )
+            return TrainingProgress()
+        saved = SavedCheckpoint(iteration_dir)
+    iteration_dir = saved.iteration_dir
     metadata = saved.metadata
     if saved_model_type(metadata) != model_type(model):
         raise CheckpointError(
@@ -155,25 +160,20 @@ def load_checkpoint(
         logger.info("loaded weights of %s for finetuning (iteration and samples reset)", iteration_dir)
         return TrainingProgress()
     if optimizer is not None and not ckpt.no_load_optim:
-        if not saved.has_optimizer_state():
-            missing = next(p for p in saved.optimizer_json_paths() if not os.path.exists(p))
-            raise CheckpointError(
-                f"{missing} is missing (saved with --no-save-optim?); pass --no-load-optim to load the "
-                "weights with a fresh optimizer"
-            )
+        saved.require_optimizer_state()
         trained = {n: names[n] for n, p in model.named_parameters() if p.requires_grad}
         tensors = {
             key: saved.tensor_for(name, "optimizer", tp_size, tp_rank, padded_vocab_size)
             for key, name in saved.optimizer_tensor_names(trained).items()
         }
         meta = saved.optimizer_meta_for(trained)
-        optimizer.load_state_dict(tensors, meta, source=saved.optimizer_json_paths()[0])
+        optimizer.load_state_dict(tensors, meta, source=saved.optimizer_source)
         if opt_param_scheduler is not None and metadata["opt_param_scheduler"] is not None:
             opt_param_scheduler.load_state_dict(metadata["opt_param_scheduler"])
     elif optimizer is not None:
         optimizer.reload_model_params()
     if not ckpt.no_load_rng:
-        load_rng_state(saved.files, metadata, saved_layout, our_layout)
+        saved.restore_rng_state(our_layout)
     logger.info("loaded checkpoint %s", iteration_dir)
     return TrainingProgress(
         iteration=metadata["iteration"],

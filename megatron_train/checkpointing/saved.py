@@ -30,6 +30,7 @@ from megatron_train.checkpointing.layout import (
     true_vocab_range,
 )
 from megatron_train.checkpointing.names import param_of
+from megatron_train.checkpointing.rng import load_rng_state
 
 
 def saved_true_vocab_range(metadata: dict) -> tuple[int, int]:
@@ -87,6 +88,10 @@ class SavedCheckpoint:
                 f"{self.iteration_dir} do not belong together: load another iteration"
             ) from error
 
+    def _shard(self, name: str, kind: str, tp_rank: int, pp_rank: int) -> torch.Tensor:
+        """One saved TP shard of a tensor, from the file of (`tp_rank`, `pp_rank`)."""
+        return self._read(self.path(kind, tp_rank, pp_rank), name)
+
     def _record(self, param: str) -> dict[str, Any]:
         if param not in self.params:
             raise CheckpointError(
@@ -111,7 +116,7 @@ class SavedCheckpoint:
         sharding = self.sharding(name, kind)
         pp_rank = self._record(param_of(name, kind))["pp_rank"]
         tp_ranks = range(self.tp_size) if sharding.is_split else [0]
-        tensor = merge_tp_shards([self._read(self.path(kind, r, pp_rank), name) for r in tp_ranks], sharding)
+        tensor = merge_tp_shards([self._shard(name, kind, r, pp_rank) for r in tp_ranks], sharding)
         if padded_vocab_size is not None and self._repads(name, kind, padded_vocab_size):
             # weights and fp32 main params copy the last row, Adam moments start at zero
             tensor = resize_vocab(tensor, padded_vocab_size, kind == "model" or name.endswith(".main_param"))
@@ -124,7 +129,7 @@ class SavedCheckpoint:
         sharding = self.sharding(name, kind)
         if sharding.is_split and tp_size == self.tp_size and not self._repads(name, kind, padded_vocab_size):
             pp_rank = self._record(param_of(name, kind))["pp_rank"]
-            return self._read(self.path(kind, tp_rank, pp_rank), name)  # the saved cut: one shard
+            return self._shard(name, kind, tp_rank, pp_rank)  # the saved cut: one shard
         return split_tp_shard(
             self.global_tensor(name, kind, padded_vocab_size), sharding, tp_size, tp_rank, name
         )
@@ -137,6 +142,24 @@ class SavedCheckpoint:
 
     def has_optimizer_state(self) -> bool:
         return all(os.path.exists(path) for path in self.optimizer_json_paths())
+
+    def require_optimizer_state(self) -> None:
+        """Refuse to load an optimizer from a checkpoint saved without its state, naming the missing file."""
+        missing = [path for path in self.optimizer_json_paths() if not os.path.exists(path)]
+        if missing:
+            raise CheckpointError(
+                f"{missing[0]} is missing (saved with --no-save-optim?); pass --no-load-optim to load the "
+                "weights with a fresh optimizer"
+            )
+
+    @property
+    def optimizer_source(self) -> str:
+        """What to name in an error about the optimizer state."""
+        return self.optimizer_json_paths()[0]
+
+    def restore_rng_state(self, our_layout: tuple[int, int]) -> None:
+        """Every rank's RNG states, when (TP, PP) is the saved one (`rng.load_rng_state`)."""
+        load_rng_state(self.files, self.metadata, (self.tp_size, self.pp_size), our_layout)
 
     def _optimizer_meta(self) -> tuple[dict, set[str]]:
         """Every stage's optimizer.json merged (per-param entries are keyed by checkpoint name), and the

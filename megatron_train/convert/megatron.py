@@ -19,6 +19,7 @@ import io
 import logging
 import os
 import re
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -123,7 +124,13 @@ def read_checkpoint_file(path: str) -> dict[str, Any]:
 def read_allowed_pickle(source: str | io.BytesIO, where: str) -> Any:
     """A torch.save'd object (a file or its bytes) unpickled with `weights_only=True` and the allow-list; any
     other class is refused by name before a byte is unpickled, so a crafted checkpoint runs nothing."""
-    refused = sorted(set(torch.serialization.get_unsafe_globals_in_checkpoint(source)) - _ALLOWED_NAMES)
+    try:
+        refused = sorted(set(torch.serialization.get_unsafe_globals_in_checkpoint(source)) - _ALLOWED_NAMES)
+    except (RuntimeError, ValueError, EOFError) as error:
+        raise CheckpointError(
+            f"{where} is not a complete torch.save file (truncated or damaged: {str(error).splitlines()[0]}): copy "
+            "it again from where Megatron-LM saved it, or load another iteration"
+        ) from error
     if refused:
         raise CheckpointError(
             f"{where} holds pickled objects of {refused}, outside the classes a Megatron checkpoint holds "
@@ -224,15 +231,74 @@ def config_from_args(args: argparse.Namespace, true_vocab_size: int | None, wher
     )
 
 
-def _count_chunks(saved: dict[str, Any]) -> int:
-    return sum(1 for key in saved if re.fullmatch(r"model\d+", key))
+@dataclass
+class LegacyCheckpoint:
+    """One iteration of a Megatron-LM `torch` checkpoint with every (TP, PP) rank's file read."""
+
+    iteration_dir: str
+    iteration: int
+    args: argparse.Namespace
+    version: float  # Megatron's checkpoint_version: 3 for Megatron-Core models
+    files: dict[tuple[int, int], dict[str, Any]]  # (tp_rank, pp_rank) -> what that rank saved
+
+    def path(self, tp_rank: int, pp_rank: int, name: str = CHECKPOINT_FILE) -> str:
+        """A file of a rank's folder (`distrib_optim.pt` beside `model_optim_rng.pt`)."""
+        pp = self.args.pipeline_model_parallel_size
+        return os.path.join(model_shard_dir(self.iteration_dir, tp_rank, pp_rank, pp), name)
+
+    def model_chunks(self, tp_rank: int, pp_rank: int) -> list[dict[str, Any]]:
+        """A rank's model state dicts: one, or one per virtual stage (an interleaved pipeline's model0, ...)."""
+        saved = self.files[(tp_rank, pp_rank)]
+        if "model" in saved:
+            return [saved["model"]]
+        return [saved[f"model{i}"] for i in range(sum(1 for key in saved if re.fullmatch(r"model\d+", key)))]
+
+    def rank_tensors(self, tp_rank: int, pp_rank: int, model_type: str) -> list[tuple[str, torch.Tensor]]:
+        """A rank's model tensors in the order its file holds them (its parameters' order), under our global
+        names; the last stage's copy of a tied output layer keeps the name `output_layer.weight`."""
+        args = self.args
+        chunks = self.model_chunks(tp_rank, pp_rank)
+        virtual_size = len(chunks) if len(chunks) > 1 else None
+        heads = args.num_attention_heads // args.tensor_model_parallel_size
+        tensors = []
+        for virtual_rank, chunk in enumerate(chunks):
+            layers = get_layer_range(
+                args.num_layers, pp_rank, args.pipeline_model_parallel_size, virtual_rank, virtual_size
+            )
+            for name, tensor in _our_names(chunk, self.version, heads, LAYER_STACKS[model_type]).items():
+                local = _LOCAL_LAYER.match(name)
+                if local:
+                    name = f"{local.group(1)}.layers.{layers.start + int(local.group(2))}.{local.group(3)}"
+                tensors.append((name, tensor))
+        return tensors
+
+    def weights(self, true_vocab_size: int | None = None, model_type: str = "gpt") -> ModelWeights:
+        """The model (`gpt` or `bert`, Megatron's --model-type), its TP shards merged and its stages' layers
+        numbered globally; the vocabulary cut to `true_vocab_size` (see `config_from_args`)."""
+        args = self.args
+        config = config_from_args(args, true_vocab_size, self.iteration_dir)
+        tied = not config.model.untie_embeddings_and_output_weights
+        shards: dict[str, list[torch.Tensor]] = {}
+        for pp_rank in range(args.pipeline_model_parallel_size):
+            for tp_rank in range(args.tensor_model_parallel_size):
+                for name, tensor in self.rank_tensors(tp_rank, pp_rank, model_type):
+                    if not (tied and name == OUTPUT_WEIGHT):  # the last stage's copy of the tied embedding
+                        shards.setdefault(name, []).append(tensor)
+        shardings = model_shardings(config, args.padded_vocab_size, model_type)
+        check_tensor_names(shards, list(shardings), self.iteration_dir)
+        tensors = {name: merge_tp_shards(parts, shardings[name]) for name, parts in shards.items()}
+        files = {name: path for name, path in tokenizer_files(config).items() if os.path.exists(path)}
+        return ModelWeights(
+            config,
+            trim_vocab(tensors, config.model.true_vocab_size),
+            files,
+            self.iteration,
+            model_type=model_type,
+        )
 
 
-def load(
-    load_dir: str, iteration: int | None = None, true_vocab_size: int | None = None, model_type: str = "gpt"
-) -> ModelWeights:
-    """The model (`gpt` or `bert`, Megatron's --model-type) of a Megatron-LM checkpoint, its TP shards merged and
-    its stages' layers numbered globally."""
+def open_checkpoint(load_dir: str, iteration: int | None = None) -> LegacyCheckpoint:
+    """`load_dir`'s iteration (latest, or `iteration`) with every rank's file read."""
     iteration_dir, number = find_iteration_dir(load_dir, iteration)
     without_pp = os.path.join(model_shard_dir(iteration_dir, 0, 0, 1), CHECKPOINT_FILE)
     first_path = (
@@ -248,40 +314,24 @@ def load(
         )
     args = first["args"]
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    config = config_from_args(args, true_vocab_size, iteration_dir)
-    model = config.model
-    version = float(first.get("checkpoint_version", 0))
-    shards: dict[str, list[torch.Tensor]] = {}
-    for pp_rank in range(pp):
-        for tp_rank in range(tp):
-            path = os.path.join(model_shard_dir(iteration_dir, tp_rank, pp_rank, pp), CHECKPOINT_FILE)
-            saved = first if (tp_rank, pp_rank) == (0, 0) else read_checkpoint_file(path)
-            # an interleaved pipeline saves its model chunks as model0, model1, ...
-            chunks = (
-                [saved["model"]]
-                if "model" in saved
-                else [saved[f"model{i}"] for i in range(_count_chunks(saved))]
-            )
-            virtual_size = len(chunks) if len(chunks) > 1 else None
-            for virtual_rank, chunk in enumerate(chunks):
-                layers = get_layer_range(model.num_layers, pp_rank, pp, virtual_rank, virtual_size)
-                local = _our_names(chunk, version, model.num_attention_heads // tp, LAYER_STACKS[model_type])
-                for name, tensor in local.items():
-                    match = _LOCAL_LAYER.match(name)
-                    if match:
-                        name = (
-                            f"{match.group(1)}.layers.{layers.start + int(match.group(2))}.{match.group(3)}"
-                        )
-                    elif name == OUTPUT_WEIGHT and not model.untie_embeddings_and_output_weights:
-                        continue  # the last stage's copy of the tied embedding
-                    shards.setdefault(name, []).append(tensor)
-    shardings = model_shardings(config, args.padded_vocab_size, model_type)
-    check_tensor_names(shards, list(shardings), iteration_dir)
-    tensors = {name: merge_tp_shards(parts, shardings[name]) for name, parts in shards.items()}
-    files = {name: path for name, path in tokenizer_files(config).items() if os.path.exists(path)}
-    return ModelWeights(
-        config, trim_vocab(tensors, model.true_vocab_size), files, number, model_type=model_type
-    )
+    files = {
+        (tp_rank, pp_rank): first
+        if (tp_rank, pp_rank) == (0, 0)
+        else read_checkpoint_file(
+            os.path.join(model_shard_dir(iteration_dir, tp_rank, pp_rank, pp), CHECKPOINT_FILE)
+        )
+        for pp_rank in range(pp)
+        for tp_rank in range(tp)
+    }
+    return LegacyCheckpoint(iteration_dir, number, args, float(first.get("checkpoint_version", 0)), files)
+
+
+def load(
+    load_dir: str, iteration: int | None = None, true_vocab_size: int | None = None, model_type: str = "gpt"
+) -> ModelWeights:
+    """The model (`gpt` or `bert`, Megatron's --model-type) of a Megatron-LM checkpoint, its TP shards merged and
+    its stages' layers numbered globally."""
+    return open_checkpoint(load_dir, iteration).weights(true_vocab_size, model_type)
 
 
 def megatron_args(weights: ModelWeights, tp: int, pp: int, padded_vocab_size: int) -> argparse.Namespace:

@@ -192,7 +192,8 @@ class _SafeReader(dcp.FileSystemReader):
         path = os.path.join(str(self.path), ".metadata")
         if not os.path.exists(path):
             raise CheckpointError(
-                f"{path} is missing: {self.path} is not a complete torch_dist checkpoint (an interrupted save?)"
+                f"{path} is missing: {self.path} is not a complete torch_dist checkpoint (an interrupted save?); "
+                "load another iteration (--ckpt-step N) or copy the folder again"
             )
         with open(path, "rb") as handle:
             try:
@@ -238,11 +239,85 @@ def _our_name(key: str) -> str:
     return key
 
 
-def load(
-    load_dir: str, iteration: int | None = None, true_vocab_size: int | None = None, model_type: str = "gpt"
-) -> ModelWeights:
-    """The model (`gpt` or `bert`) of a Megatron-Core torch_dist checkpoint (latest, or `iteration`), at any
-    saved layout."""
+@dataclass
+class DistCheckpoint:
+    """One iteration of a Megatron-Core torch_dist checkpoint: its DCP index and common state read, tensors not yet."""
+
+    iteration_dir: str
+    iteration: int
+    common: dict[str, Any]  # args, iteration, opt_param_scheduler, ... as Megatron saved them
+    reader: _SafeReader
+    metadata: Metadata
+
+    @property
+    def args(self) -> Any:
+        return self.common["args"]
+
+    def weights(self, true_vocab_size: int | None = None, model_type: str = "gpt") -> ModelWeights:
+        """The model (`gpt` or `bert`) at any saved layout, its vocabulary cut to `true_vocab_size`."""
+        config = config_from_args(self.args, true_vocab_size, self.iteration_dir)
+        tensors = self._read_tensors(
+            {key: key for key in self._tensor_keys() if key.startswith(MODEL_PREFIXES)}
+        )
+        check_tensor_names(
+            tensors,
+            list(model_shardings(config, self.args.padded_vocab_size, model_type)),
+            self.iteration_dir,
+        )
+        return ModelWeights(
+            config,
+            trim_vocab(tensors, config.model.true_vocab_size),
+            {},
+            self.iteration,
+            model_type=model_type,
+        )
+
+    def optimizer_tensors(self) -> dict[str, dict[str, torch.Tensor]]:
+        """{our param name: {state: tensor}} of the optimizer state saved in model space, as Megatron-Core's
+        Adam (`optimizer.state.<state>.<model key>`: exp_avg, exp_avg_sq, fp32_param) and its distributed
+        optimizer's fully reshardable format (`param`, the fp32 main param) write it; empty for other layouts."""
+        keys = {}
+        for key in self._tensor_keys():
+            parts = key.split(".", 3)
+            if (
+                parts[:2] == ["optimizer", "state"]
+                and len(parts) == 4
+                and parts[3].startswith(MODEL_PREFIXES)
+            ):
+                keys[key] = f"{parts[3]}\0{parts[2]}"  # the model key, then the state's name
+        states: dict[str, dict[str, torch.Tensor]] = {}
+        for name, tensor in self._read_tensors(keys).items():
+            param, state = name.split("\0")
+            states.setdefault(param, {})[state] = tensor
+        return states
+
+    def _tensor_keys(self) -> list[str]:
+        return [
+            key
+            for key, item in self.metadata.state_dict_metadata.items()
+            if isinstance(item, TensorStorageMetadata)
+        ]
+
+    def _read_tensors(self, keys: dict[str, str]) -> dict[str, torch.Tensor]:
+        """The tensors of DCP `keys`, each under its name (`keys[key]`, a model key with anything after it) made
+        ours: stacked layers split into `<stack>.layers.<i>.`, TransformerEngine's fused norm names renamed."""
+        items = self.metadata.state_dict_metadata
+        loaded = {key: torch.empty(tuple(items[key].size), dtype=items[key].properties.dtype) for key in keys}
+        _load_in_one_process(loaded, self.reader, DefaultLoadPlanner(flatten_state_dict=False))
+        tensors: dict[str, torch.Tensor] = {}
+        for key, tensor in loaded.items():
+            stacked = _STACKED.match(keys[key])
+            if stacked:
+                stack, name = stacked.groups()
+                for layer, layer_tensor in enumerate(tensor):
+                    tensors[_our_name(f"{stack}.layers.{layer}.{name}")] = layer_tensor.clone()
+            else:
+                tensors[_our_name(keys[key])] = tensor
+        return tensors
+
+
+def open_checkpoint(load_dir: str, iteration: int | None = None) -> DistCheckpoint:
+    """`load_dir`'s iteration (latest, or `iteration`): its backend checked, its index and common state read."""
     iteration_dir, number = find_iteration_dir(load_dir, iteration)
     config_path = os.path.join(iteration_dir, CONFIG_FILE)
     if not os.path.exists(config_path):
@@ -261,29 +336,15 @@ def load(
         raise CheckpointError(
             f"{iteration_dir}: the common state holds no args; its model's shape is unknown"
         )
-    args = common["args"]
-    config = config_from_args(args, true_vocab_size, iteration_dir)
-    model_keys = {
-        key: torch.empty(tuple(item.size), dtype=item.properties.dtype)
-        for key, item in metadata.state_dict_metadata.items()
-        if isinstance(item, TensorStorageMetadata) and key.startswith(MODEL_PREFIXES)
-    }
-    _load_in_one_process(model_keys, reader, DefaultLoadPlanner(flatten_state_dict=False))
-    tensors: dict[str, torch.Tensor] = {}
-    for key, tensor in model_keys.items():
-        stacked = _STACKED.match(key)
-        if stacked:
-            stack, name = stacked.groups()
-            for layer, layer_tensor in enumerate(tensor):
-                tensors[_our_name(f"{stack}.layers.{layer}.{name}")] = layer_tensor.clone()
-        else:
-            tensors[_our_name(key)] = tensor
-    check_tensor_names(
-        tensors, list(model_shardings(config, args.padded_vocab_size, model_type)), iteration_dir
-    )
-    return ModelWeights(
-        config, trim_vocab(tensors, config.model.true_vocab_size), {}, number, model_type=model_type
-    )
+    return DistCheckpoint(iteration_dir, number, common, reader, metadata)
+
+
+def load(
+    load_dir: str, iteration: int | None = None, true_vocab_size: int | None = None, model_type: str = "gpt"
+) -> ModelWeights:
+    """The model (`gpt` or `bert`) of a Megatron-Core torch_dist checkpoint (latest, or `iteration`), at any
+    saved layout."""
+    return open_checkpoint(load_dir, iteration).weights(true_vocab_size, model_type)
 
 
 def _tp_chunks(

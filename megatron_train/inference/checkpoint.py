@@ -17,16 +17,10 @@ import torch
 import torch.distributed as dist
 
 from megatron_train.arguments import MegatronConfig, build_parser, config_from_dict, flag_name
-from megatron_train.checkpointing import (
-    MODEL_ARGS_TO_CHECK,
-    CheckpointError,
-    load_model_for_inference,
-    load_model_stage_for_inference,
-    read_metadata,
-    resolve_iteration_dir,
-    saved_true_vocab_range,
-)
+from megatron_train.checkpointing import MODEL_ARGS_TO_CHECK, CheckpointError, saved_true_vocab_range
+from megatron_train.checkpointing.inference import model_from_saved, model_stage_from_saved
 from megatron_train.checkpointing.names import saved_model_type
+from megatron_train.convert.detect import open_checkpoint
 from megatron_train.models.config import TransformerConfig
 from megatron_train.parallel import state
 from megatron_train.tokenizer import MegatronTokenizer, tokenizer_from_config
@@ -123,27 +117,29 @@ def load_for_inference(
     model-parallel groups initialised the model is this rank's TP slice of its pipeline stage. A checkpoint
     of another model type than `model_types` is refused."""
     iteration = getattr(args, "ckpt_step", None)
-    iteration_dir = resolve_iteration_dir(args.load, iteration)
-    if iteration_dir is None:
+    saved = open_checkpoint(
+        args.load, iteration, model_types[0]
+    )  # ours, or Megatron-LM's converted in memory
+    if saved is None:
         raise CheckpointError(
             f"nothing saved in {args.load}: no latest marker; pass --ckpt-step or another --load"
         )
-    metadata = read_metadata(iteration_dir)
+    where, metadata = saved.iteration_dir, saved.metadata
     kind = saved_model_type(metadata)
     if kind not in model_types:
         retro_hint = "; serve or evaluate it with --retro-project-dir DIR (its retrieval database)"
         raise ValueError(
-            f"checkpoint {iteration_dir} holds a {kind} model; generation and language-model evaluation need "
+            f"checkpoint {where} holds a {kind} model; generation and language-model evaluation need "
             f"a {' or '.join(t.upper() for t in model_types)} checkpoint"
             + (retro_hint if kind == "retro" else " (pretrain_gpt)")
         )
-    saved = config_from_dict(metadata["args"])
-    check_model_flags(args, saved, iteration_dir)
-    tokenizer = tokenizer_for(saved, args, iteration_dir)
-    check_tokenizer_fits(tokenizer, metadata, iteration_dir)
+    saved_config = config_from_dict(metadata["args"])
+    check_model_flags(args, saved_config, where)
+    tokenizer = tokenizer_for(saved_config, args, where)
+    check_tokenizer_fits(tokenizer, metadata, where)
     if state.model_parallel_is_initialized():  # under torchrun: this rank's part of the model
-        model, config = load_model_stage_for_inference(args.load, iteration=iteration, device=device)
+        model, config = model_stage_from_saved(saved, device=device)
         print_parameter_count([model])
     else:
-        model, config = load_model_for_inference(args.load, iteration=iteration, device=device)
+        model, config = model_from_saved(saved, device=device)
     return model.eval(), tokenizer, config

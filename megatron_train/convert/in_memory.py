@@ -1,0 +1,163 @@
+"""A Megatron-LM checkpoint converted in memory and read as one of ours, so `--load` takes it where it is
+(pretrain_*, tasks.main, the text generation server; docs/architecture.md, checkpoints).
+
+The converter's loaders (`megatron.open_checkpoint`, `torch_dist.open_checkpoint`) read the whole model; it is then
+seen as a TP1 x PP1 checkpoint of ours (`ConvertedCheckpoint`), so every rank of any (TP, PP, DP) layout cuts its
+part of it as it does from our files, the vocabulary re-padded for its TP size. Training progress (iteration,
+consumed samples, the LR scheduler) comes from the checkpoint; Adam's state where it maps (`megatron_optimizer`;
+otherwise loading it is refused unless --no-load-optim or --finetune); RNG states never (Megatron's per-rank
+streams do not carry over: as --no-load-rng). Every rank reads the whole checkpoint: for a model too large for
+that, convert it once with `tools/checkpoint_util` and load the result.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from megatron_train.arguments import config_to_dict
+from megatron_train.checkpointing.layout import module_order, true_vocab_range
+from megatron_train.checkpointing.names import sharding_record
+from megatron_train.checkpointing.saved import SavedCheckpoint
+from megatron_train.convert.megatron import LegacyCheckpoint
+from megatron_train.convert.megatron_optimizer import (
+    UnmappedOptimizerState,
+    dist_optimizer_state,
+    legacy_optimizer_state,
+)
+from megatron_train.convert.torch_dist import DistCheckpoint
+from megatron_train.convert.weights import ModelWeights, model_shardings
+
+logger = logging.getLogger(__name__)
+
+# What our scheduler's `load_state_dict` reads: Megatron's OptimizerParamScheduler.state_dict has the same keys.
+SCHEDULER_KEYS = (
+    "max_lr",
+    "lr_warmup_steps",
+    "num_steps",
+    "lr_decay_style",
+    "lr_decay_steps",
+    "min_lr",
+    "start_wd",
+    "end_wd",
+    "wd_incr_style",
+    "wd_incr_steps",
+)
+
+
+class ConvertedCheckpoint(SavedCheckpoint):
+    """Another format's checkpoint read through the converter's loaders: its whole model (the vocabulary padded
+    as saved), its optimizer state where it maps, and its training progress, read as `SavedCheckpoint` reads ours.
+    `iteration_dir` is the source's iteration folder (error messages name it)."""
+
+    def __init__(
+        self,
+        weights: ModelWeights,
+        args: Any,
+        source_format: str,
+        where: str,
+        scheduler: dict | None,
+        optimizer: tuple[dict[str, torch.Tensor], dict] | None,
+        optimizer_refusal: str,
+    ) -> None:
+        padded_vocab_size = args.padded_vocab_size
+        recorded = getattr(args, "true_vocab_size", None)
+        weights.config.model.true_vocab_size = recorded  # the loader kept every padded row
+        divisor = (
+            getattr(args, "make_vocab_size_divisible_by", None) or 128
+        ) * args.tensor_model_parallel_size
+        shardings = model_shardings(weights.config, padded_vocab_size, weights.model_type)
+        self.iteration_dir = where
+        self.source_format = source_format
+        self.tp_size = self.pp_size = 1
+        self.padded_vocab_size = padded_vocab_size
+        self.metadata = {
+            "iteration": weights.iteration,
+            "consumed_train_samples": getattr(args, "consumed_train_samples", 0) or 0,
+            "consumed_valid_samples": getattr(args, "consumed_valid_samples", 0) or 0,
+            "padded_vocab_size": padded_vocab_size,
+            "true_vocab_size_range": (
+                (recorded - 1, recorded) if recorded else true_vocab_range(padded_vocab_size, divisor)
+            ),
+            "tensor_model_parallel_size": 1,
+            "pipeline_model_parallel_size": 1,
+            "world_size": 1,
+            "opt_param_scheduler": scheduler,
+            "args": config_to_dict(weights.config),
+            "model_type": weights.model_type,
+        }
+        self.params = {
+            name: sharding_record(list(tensor.shape), shardings[name], False, 0, 1, 0, 1, name)
+            for name, tensor in sorted(weights.tensors.items(), key=lambda item: module_order(item[0]))
+        }
+        self._tensors = {"model": weights.tensors, "optimizer": {} if optimizer is None else optimizer[0]}
+        self._saved_optimizer = None if optimizer is None else (optimizer[1], set(optimizer[0]))
+        self._optimizer_refusal = optimizer_refusal
+
+    def _shard(self, name: str, kind: str, tp_rank: int, pp_rank: int) -> torch.Tensor:
+        return self._tensors[kind][name]
+
+    def has_optimizer_state(self) -> bool:
+        return self._saved_optimizer is not None
+
+    def require_optimizer_state(self) -> None:
+        if self._saved_optimizer is None:
+            raise UnmappedOptimizerState(
+                f"{self._optimizer_refusal}: pass --no-load-optim to continue from its weights with a fresh "
+                "optimizer (or --finetune to start a new run from them)"
+            )
+
+    @property
+    def optimizer_source(self) -> str:
+        return f"the optimizer state of {self.iteration_dir}"
+
+    def restore_rng_state(self, our_layout: tuple[int, int]) -> None:
+        logger.warning(
+            "%s is a Megatron-LM %s checkpoint: its RNG states are not restored (as --no-load-rng); dropout "
+            "continues from this run's --seed",
+            self.iteration_dir,
+            self.source_format,
+        )
+
+
+def _scheduler_state(saved: dict | None, where: str) -> dict | None:
+    """Megatron's `opt_param_scheduler` state when it has what ours reads, else None (the run's flags decide)."""
+    if saved is not None and all(key in saved for key in SCHEDULER_KEYS):
+        return {key: saved[key] for key in SCHEDULER_KEYS}
+    logger.warning("%s holds no learning-rate scheduler state this version reads: the flags decide", where)
+    return None
+
+
+def converted_legacy(checkpoint: LegacyCheckpoint, model_type: str) -> ConvertedCheckpoint:
+    """A Megatron-LM `torch` checkpoint (every rank's file read) as one of ours, with its Adam state."""
+    args = checkpoint.args
+    weights = checkpoint.weights(args.padded_vocab_size, model_type)
+    optimizer, refusal = None, ""
+    try:
+        shardings = model_shardings(weights.config, args.padded_vocab_size, model_type)
+        optimizer = legacy_optimizer_state(checkpoint, model_type, shardings)
+    except UnmappedOptimizerState as error:
+        refusal = str(error)
+    scheduler = _scheduler_state(
+        checkpoint.files[(0, 0)].get("opt_param_scheduler"), checkpoint.iteration_dir
+    )
+    return ConvertedCheckpoint(
+        weights, args, "torch", checkpoint.iteration_dir, scheduler, optimizer, refusal
+    )
+
+
+def converted_dist(checkpoint: DistCheckpoint, model_type: str) -> ConvertedCheckpoint:
+    """A Megatron-Core torch_dist checkpoint as one of ours, with its Adam state where it is saved in model space."""
+    args = checkpoint.args
+    weights = checkpoint.weights(args.padded_vocab_size, model_type)
+    optimizer, refusal = None, ""
+    try:
+        optimizer = dist_optimizer_state(checkpoint, weights)
+    except UnmappedOptimizerState as error:
+        refusal = str(error)
+    scheduler = _scheduler_state(checkpoint.common.get("opt_param_scheduler"), checkpoint.iteration_dir)
+    return ConvertedCheckpoint(
+        weights, args, "torch_dist", checkpoint.iteration_dir, scheduler, optimizer, refusal
+    )
