@@ -34,13 +34,9 @@ from typing import Any
 import torch
 
 from megatron_train.arguments import MegatronConfig, build_parser, parse_args
-from megatron_train.checkpointing import (
-    CheckpointError,
-    SavedCheckpoint,
-    check_compatible,
-    resolve_iteration_dir,
-)
+from megatron_train.checkpointing import CheckpointError, SavedCheckpoint, check_compatible
 from megatron_train.checkpointing.names import global_names, saved_model_type
+from megatron_train.convert.detect import open_checkpoint
 from megatron_train.data.builder import build_train_valid_test_datasets
 from megatron_train.data.retro_dataset import RetroDataset
 from megatron_train.data.sft_dataset import build_sft_datasets
@@ -161,7 +157,7 @@ def retro_model_provider(
     pre_process: bool = True,
     post_process: bool = True,
     vp_stage: int = 0,
-    gpt_checkpoint: str | None = None,
+    gpt_checkpoint: SavedCheckpoint | None = None,
 ) -> torch.nn.Module:
     """The Retro model (or, without --retro-add-retriever, the GPT baseline); retro-fitted from
     `gpt_checkpoint` when given, its decoder frozen with --retro-fit-freeze-decoder."""
@@ -186,11 +182,11 @@ def retro_model_provider(
 
 
 def load_gpt_decoder(
-    model: RetroModel, config: MegatronConfig, padded_vocab_size: int, iteration_dir: str
+    model: RetroModel, config: MegatronConfig, padded_vocab_size: int, saved: SavedCheckpoint
 ) -> None:
     """Retro-fitting: the GPT checkpoint's weights into every parameter of the same name (embedding, decoder
     layers, final norm, output layer), resharded to this rank's TP slice; the Retro parameters keep their init."""
-    saved = SavedCheckpoint(iteration_dir)
+    iteration_dir = saved.iteration_dir
     check_compatible(saved.metadata, config, padded_vocab_size, iteration_dir)
     tp_size, tp_rank = state.get_tensor_model_parallel_world_size(), state.get_tensor_model_parallel_rank()
     weights = {
@@ -203,20 +199,21 @@ def load_gpt_decoder(
                 len(weights), len(missing))  # fmt: skip
 
 
-def gpt_checkpoint_to_retrofit(config: MegatronConfig) -> str | None:
-    """The GPT checkpoint `--load` names when it is one (retro-fitting), else None (a Retro run to resume)."""
+def gpt_checkpoint_to_retrofit(config: MegatronConfig) -> SavedCheckpoint | None:
+    """The GPT checkpoint `--load` holds when it is one (retro-fitting; ours, or a Megatron-LM one converted in
+    memory), else None (a Retro run to resume)."""
     ckpt = config.checkpoint
     if not config.retro.retro_add_retriever or ckpt.load is None:
         return None
-    iteration_dir = resolve_iteration_dir(ckpt.load, ckpt.ckpt_step)
-    if iteration_dir is None or saved_model_type(SavedCheckpoint(iteration_dir).metadata) != "gpt":
+    saved = open_checkpoint(ckpt.load, ckpt.ckpt_step, "gpt")
+    if saved is None or saved_model_type(saved.metadata) != "gpt":
         return None
     if not ckpt.finetune:
         raise CheckpointError(
-            f"--load {ckpt.load} holds a GPT checkpoint ({iteration_dir}): pass --finetune to retro-fit from "
+            f"--load {ckpt.load} holds a GPT checkpoint ({saved.iteration_dir}): pass --finetune to retro-fit from "
             "it (Retro weights start fresh, iterations from 0), or --load a Retro checkpoint to resume"
         )
-    return iteration_dir
+    return saved
 
 
 def forward_step(

@@ -1,5 +1,6 @@
 """Zero-shot WikiText-103 and LAMBADA (`tasks.main`) split over ranks: TP2, PP2 and TP2 x PP2, each with
-data-parallel replicas, give one process's numbers while every rank holds only its part of the model."""
+data-parallel replicas, give one process's numbers while every rank holds only its part of the model, read from
+our checkpoint or from Megatron-LM's legacy files of the same weights."""
 
 from __future__ import annotations
 
@@ -15,12 +16,15 @@ import pytest
 import torch
 
 from megatron_train.checkpointing import load_model_for_inference
+from megatron_train.models.gpt import GPTModel
 from megatron_train.tasks import main as tasks_main
+from megatron_train.tools import checkpoint_util
 from tests.distributed import free_port, run_distributed
 from tests.test_generation import one_torch_thread, save_tiny_checkpoint  # noqa: F401 (autouse fixture)
+from tests.tiny import tiny_config
 
-# (TP, PP) on 4 ranks: 2, 2, 1 and 4 data-parallel replicas
-LAYOUTS = [(2, 1), (1, 2), (2, 2), (1, 1)]
+# (TP, PP, checkpoint) on 4 ranks: 2, 2, 1 and 4 data-parallel replicas; ours, and Megatron-LM's legacy files
+RUNS = [(2, 1, "flow"), (1, 2, "flow"), (2, 2, "flow"), (1, 1, "flow"), (2, 2, "torch")]
 PARAMETER_LINE = re.compile(
     r" > number of parameters on \(tensor, pipeline\) model parallel rank \((\d+), (\d+)\): (\d+)"
 )
@@ -44,10 +48,14 @@ def stage_parameters(tp: int, pp: int, pp_rank: int) -> int:
 
 @pytest.fixture(scope="module")
 def evaluation(tmp_path_factory) -> dict:
-    """A tiny GPT checkpoint (NullTokenizer(100): ids as words), WikiText and LAMBADA files, and each task's
-    flags with its single-process metrics."""
+    """A tiny GPT checkpoint (NullTokenizer(100): ids as words) in our format and in Megatron-LM's legacy one,
+    WikiText and LAMBADA files, and each task's flags with its single-process metrics."""
     root = tmp_path_factory.mktemp("zero_shot")
-    load = save_tiny_checkpoint(str(root / "ckpt"))
+    torch.manual_seed(0)  # the tiny GPT, its padding rows (past the tokenizer's 101 ids) recorded as padding
+    config = tiny_config(seq_length=64, max_position_embeddings=64, init_method_std=0.2, true_vocab_size=101)
+    load = save_tiny_checkpoint(str(root / "ckpt"), GPTModel(config, vocab_size=128).eval())
+    checkpoint_util.main(["--loader", "flow", "--saver", "megatron", "--load-dir", load, "--save-dir",
+                          str(root / "torch")])  # fmt: skip
     wiki = root / "wiki.test.tokens"
     wiki.write_text(
         "".join(" " + " ".join(str((7 * i + j) % 97) for j in range(23)) + " \n" for i in range(9))
@@ -68,18 +76,19 @@ def evaluation(tmp_path_factory) -> dict:
         task: ["--task", task, "--load", load, "--micro-batch-size", "3", *flags]
         for task, flags in tasks.items()
     }
-    return {"argvs": argvs, "expected": {task: tasks_main.main(argv) for task, argv in argvs.items()}}
+    expected = {task: tasks_main.main(argv) for task, argv in argvs.items()}
+    return {"argvs": argvs, "expected": expected, "loads": {"flow": load, "torch": str(root / "torch")}}
 
 
-def _evaluate_in_layouts(rank: int, world_size: int, argvs: dict) -> dict:
+def _evaluate_in_layouts(rank: int, world_size: int, argvs: dict, loads: dict) -> dict:
     results = {}
-    for tp, pp in LAYOUTS:
+    for tp, pp, saved in RUNS:
         for task, argv in argvs.items():
             printed = io.StringIO()
             with contextlib.redirect_stdout(printed):
                 layout = ["--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp)]
-                metrics = tasks_main.main([*argv, *layout])
-            results[(tp, pp, task)] = (metrics, printed.getvalue())
+                metrics = tasks_main.main([*argv, *layout, "--load", loads[saved]])
+            results[(tp, pp, saved, task)] = (metrics, printed.getvalue())
     return results
 
 
@@ -91,16 +100,15 @@ def check_parameter_lines(printed: str, tp: int, pp: int) -> None:
 def test_tp_pp_and_dp_evaluate_as_one_process(evaluation):
     expected = evaluation["expected"]
     assert (expected["LAMBADA"]["correct"], expected["LAMBADA"]["total"]) == (6, 11)
-    ranks = run_distributed(_evaluate_in_layouts, 4, evaluation["argvs"])
-    for (tp, pp, task), _ in ranks[0].items():
-        where = f"{task} at TP={tp} PP={pp} DP={4 // (tp * pp)}"
-        for metrics, _ in (rank_results[(tp, pp, task)] for rank_results in ranks):
+    ranks = run_distributed(_evaluate_in_layouts, 4, evaluation["argvs"], evaluation["loads"])
+    for run, _ in ranks[0].items():
+        tp, pp, saved, task = run
+        where = f"{task} at TP={tp} PP={pp} DP={4 // (tp * pp)} from a {saved} checkpoint"
+        for metrics, _ in (rank_results[run] for rank_results in ranks):
             numbers = {key: value for key, value in expected[task].items() if not isinstance(value, str)}
             assert {key: metrics[key] for key in numbers} == pytest.approx(numbers, rel=1e-5), where
-        check_parameter_lines("".join(rank_results[(tp, pp, task)][1] for rank_results in ranks), tp, pp)
-        result_lines = [
-            rank for rank, results in enumerate(ranks) if "validation results" in results[(tp, pp, task)][1]
-        ]
+        check_parameter_lines("".join(rank_results[run][1] for rank_results in ranks), tp, pp)
+        result_lines = [rank for rank, results in enumerate(ranks) if "validation results" in results[run][1]]
         assert result_lines == [0], where  # the result is printed once
 
 

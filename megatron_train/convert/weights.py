@@ -17,6 +17,7 @@ import torch
 from megatron_train.arguments import MegatronConfig
 from megatron_train.checkpointing.inference import build_saved_model
 from megatron_train.checkpointing.layout import VOCAB_PARAMS, TensorSharding, check_layout, resize_vocab
+from megatron_train.parallel import state
 from megatron_train.tokenizer import vocab_size_with_padding
 
 # A Hugging Face tokenizer's files, any of which a model folder may hold.
@@ -72,7 +73,7 @@ def model_shardings(
     Remembered per (family, model config, vocabulary): a conversion's loader and saver build it once."""
     key = (model_type, repr(config.model), vocab_size)
     if key not in _SHARDINGS:
-        with torch.device("meta"):
+        with torch.device("meta"), state.single_process_view():  # the whole model, also on a rank of a layout
             model = build_saved_model(model_type, config, vocab_size, "the converted model")
         _SHARDINGS[key] = {
             name: TensorSharding(

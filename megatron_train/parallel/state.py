@@ -10,6 +10,8 @@ every rank 0, so single-process code runs unchanged; asking for a group then rai
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -92,6 +94,18 @@ def destroy_model_parallel() -> None:
     """Forget the groups (the default process group stays)."""
     global _STATE
     _STATE = None
+
+
+@contextlib.contextmanager
+def single_process_view() -> Iterator[None]:
+    """Every size 1 and every rank 0 inside, as before `initialize_model_parallel`: for building the whole model
+    (the converter's meta-device model) on a process that is one rank of a layout."""
+    global _STATE
+    saved, _STATE = _STATE, None
+    try:
+        yield
+    finally:
+        _STATE = saved
 
 
 def model_parallel_is_initialized() -> bool:
