@@ -6,6 +6,7 @@ tokens; a folder that cannot be read ends the entry point in one line naming the
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
@@ -13,6 +14,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from megatron_train.convert.detect import open_checkpoint
 from megatron_train.tools import checkpoint_util
@@ -181,6 +183,11 @@ def test_what_cannot_be_read_is_one_line_naming_the_file(megatron_core_run, tmp_
     hf = tmp_path / "hf"
     hf.mkdir()
     (hf / "config.json").write_text("{}")
+    no_args = tmp_path / "no_args"
+    (no_args / "iter_0000001" / "mp_rank_00").mkdir(parents=True)
+    torch.save({"args": argparse.Namespace(hidden_size=32), "model": {}},
+               no_args / "iter_0000001" / "mp_rank_00" / "model_optim_rng.pt")  # fmt: skip
+    (no_args / "latest_checkpointed_iteration.txt").write_text("1")
     cases = {
         str(neither): f"{neither}/iter_0000001 is neither a Megatron-Flow checkpoint nor a Megatron-LM torch",
         truncated: f"{pt} is not a complete torch.save file (truncated or damaged",
@@ -191,6 +198,8 @@ def test_what_cannot_be_read_is_one_line_naming_the_file(megatron_core_run, tmp_
         f"megatron_train.tools.checkpoint_util --model-type GPT --loader hf --saver flow --load-dir {hf} "
         f"--save-dir {hf}_flow",
         f"{root}/torch/iter_0000002": "is one iteration's folder: pass the folder that holds it",
+        str(no_args): f"{no_args}/iter_0000001/mp_rank_00/model_optim_rng.pt: its args lack ['num_layers', "
+        "'num_attention_heads', 'padded_vocab_size', 'tensor_model_parallel_size', 'pipeline_model_parallel_size']",
     }
     for load, message in cases.items():
         with pytest.raises(SystemExit):
@@ -203,3 +212,12 @@ def test_what_cannot_be_read_is_one_line_naming_the_file(megatron_core_run, tmp_
         )
     assert "--num-layers (given: num_layers=3) does not match checkpoint" in capsys.readouterr().err
     assert open_checkpoint(str(tmp_path / "empty"), None, "gpt") is None  # nothing saved: a fresh start
+    damaged = _copy(root, "torch_distributed_optimizer", tmp_path / "damaged_optimizer")
+    state = f"{damaged}/iter_0000002/mp_rank_00/distrib_optim.pt"
+    os.truncate(state, 100)
+    saved = open_checkpoint(damaged, None, "gpt")  # the weights still load (--no-load-optim, --finetune) ...
+    assert saved.has_optimizer_state() is False
+    with pytest.raises(
+        ValueError, match=f"{state} is not a complete torch.save file .*: pass --no-load-optim"
+    ):
+        saved.require_optimizer_state()  # ... Adam's state is refused naming its file

@@ -13,11 +13,13 @@ that, convert it once with `tools/checkpoint_util` and load the result.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from megatron_train.arguments import config_to_dict
+from megatron_train.checkpointing.files import CheckpointError
 from megatron_train.checkpointing.layout import module_order, true_vocab_range
 from megatron_train.checkpointing.names import sharding_record
 from megatron_train.checkpointing.saved import SavedCheckpoint
@@ -47,10 +49,14 @@ SCHEDULER_KEYS = (
 )
 
 
+OptimizerState = tuple[dict[str, torch.Tensor], dict]  # what `MegatronOptimizer.state_dict` returns
+
+
 class ConvertedCheckpoint(SavedCheckpoint):
     """Another format's checkpoint read through the converter's loaders: its whole model (the vocabulary padded
     as saved), its optimizer state where it maps, and its training progress, read as `SavedCheckpoint` reads ours.
-    `iteration_dir` is the source's iteration folder (error messages name it)."""
+    `iteration_dir` is the source's iteration folder (error messages name it). `read_optimizer` maps the
+    optimizer state when a run first asks for it (a --finetune or --no-load-optim run never reads it)."""
 
     def __init__(
         self,
@@ -59,8 +65,7 @@ class ConvertedCheckpoint(SavedCheckpoint):
         source_format: str,
         where: str,
         scheduler: dict | None,
-        optimizer: tuple[dict[str, torch.Tensor], dict] | None,
-        optimizer_refusal: str,
+        read_optimizer: Callable[[], OptimizerState],
     ) -> None:
         padded_vocab_size = args.padded_vocab_size
         recorded = getattr(args, "true_vocab_size", None)
@@ -92,18 +97,33 @@ class ConvertedCheckpoint(SavedCheckpoint):
             name: sharding_record(list(tensor.shape), shardings[name], False, 0, 1, 0, 1, name)
             for name, tensor in sorted(weights.tensors.items(), key=lambda item: module_order(item[0]))
         }
-        self._tensors = {"model": weights.tensors, "optimizer": {} if optimizer is None else optimizer[0]}
-        self._saved_optimizer = None if optimizer is None else (optimizer[1], set(optimizer[0]))
-        self._optimizer_refusal = optimizer_refusal
+        self._weights = weights.tensors
+        self._read_optimizer: Callable[[], OptimizerState] | None = read_optimizer
+        self._optimizer_state: OptimizerState | None = None
+        self._optimizer_refusal = ""
+
+    def _optimizer(self) -> OptimizerState | None:
+        """The optimizer state, mapped on the first call; None (with the reason kept) where it does not map."""
+        if self._read_optimizer is not None:
+            try:
+                self._optimizer_state = self._read_optimizer()
+            except (UnmappedOptimizerState, CheckpointError) as error:
+                self._optimizer_refusal = str(error)
+            self._read_optimizer = None
+        return self._optimizer_state
 
     def _shard(self, name: str, kind: str, tp_rank: int, pp_rank: int) -> torch.Tensor:
-        return self._tensors[kind][name]
+        return self._weights[name] if kind == "model" else self._optimizer()[0][name]
+
+    def _optimizer_meta(self) -> tuple[dict, set[str]]:
+        tensors, meta = self._optimizer()
+        return meta, set(tensors)
 
     def has_optimizer_state(self) -> bool:
-        return self._saved_optimizer is not None
+        return self._optimizer() is not None
 
     def require_optimizer_state(self) -> None:
-        if self._saved_optimizer is None:
+        if self._optimizer() is None:
             raise UnmappedOptimizerState(
                 f"{self._optimizer_refusal}: pass --no-load-optim to continue from its weights with a fresh "
                 "optimizer (or --finetune to start a new run from them)"
@@ -134,30 +154,22 @@ def converted_legacy(checkpoint: LegacyCheckpoint, model_type: str) -> Converted
     """A Megatron-LM `torch` checkpoint (every rank's file read) as one of ours, with its Adam state."""
     args = checkpoint.args
     weights = checkpoint.weights(args.padded_vocab_size, model_type)
-    optimizer, refusal = None, ""
-    try:
-        shardings = model_shardings(weights.config, args.padded_vocab_size, model_type)
-        optimizer = legacy_optimizer_state(checkpoint, model_type, shardings)
-    except UnmappedOptimizerState as error:
-        refusal = str(error)
+    shardings = model_shardings(weights.config, args.padded_vocab_size, model_type)
     scheduler = _scheduler_state(
         checkpoint.files[(0, 0)].get("opt_param_scheduler"), checkpoint.iteration_dir
     )
     return ConvertedCheckpoint(
-        weights, args, "torch", checkpoint.iteration_dir, scheduler, optimizer, refusal
-    )
+        weights, args, "torch", checkpoint.iteration_dir, scheduler,
+        lambda: legacy_optimizer_state(checkpoint, model_type, shardings),
+    )  # fmt: skip
 
 
 def converted_dist(checkpoint: DistCheckpoint, model_type: str) -> ConvertedCheckpoint:
     """A Megatron-Core torch_dist checkpoint as one of ours, with its Adam state where it is saved in model space."""
     args = checkpoint.args
     weights = checkpoint.weights(args.padded_vocab_size, model_type)
-    optimizer, refusal = None, ""
-    try:
-        optimizer = dist_optimizer_state(checkpoint, weights)
-    except UnmappedOptimizerState as error:
-        refusal = str(error)
     scheduler = _scheduler_state(checkpoint.common.get("opt_param_scheduler"), checkpoint.iteration_dir)
     return ConvertedCheckpoint(
-        weights, args, "torch_dist", checkpoint.iteration_dir, scheduler, optimizer, refusal
-    )
+        weights, args, "torch_dist", checkpoint.iteration_dir, scheduler,
+        lambda: dist_optimizer_state(checkpoint, weights),
+    )  # fmt: skip

@@ -109,6 +109,15 @@ _LEGACY_NAMES = [
     (r"^lm_head\.bias$", "output_layer.bias"),
 ]
 LAYER_STACKS = {"gpt": "decoder", "bert": "encoder"}
+# What a checkpoint's args must give: the model's shape, the padded vocabulary and the layout it was saved from.
+REQUIRED_ARGS = (
+    "num_layers",
+    "hidden_size",
+    "num_attention_heads",
+    "padded_vocab_size",
+    "tensor_model_parallel_size",
+    "pipeline_model_parallel_size",
+)
 _LOCAL_LAYER = re.compile(r"^(decoder|encoder)\.layers\.(\d+)\.(.*)$")
 
 
@@ -204,6 +213,17 @@ def _our_names(
             value = _legacy_qkv(value, version, local_heads)
         tensors[name] = value
     return tensors
+
+
+def checked_args(args: Any, where: str) -> argparse.Namespace:
+    """Megatron's pickled args, refused unless they give the model's shape and the saved layout."""
+    missing = [name for name in REQUIRED_ARGS if getattr(args, name, None) is None]
+    if not isinstance(args, argparse.Namespace) or missing:
+        raise CheckpointError(
+            f"{where}: its args lack {missing or REQUIRED_ARGS} (a {type(args).__name__}): the model's shape is "
+            "unknown; this is not a Megatron-LM training checkpoint, or it was saved without its args"
+        )
+    return args
 
 
 def config_from_args(args: argparse.Namespace, true_vocab_size: int | None, where: str) -> MegatronConfig:
@@ -312,7 +332,7 @@ def open_checkpoint(load_dir: str, iteration: int | None = None) -> LegacyCheckp
             f"{first_path} holds no args (saved with --no-save-args?): its model's shape is unknown; re-save it "
             "with Megatron-LM's args, or load it there and save again"
         )
-    args = first["args"]
+    args = checked_args(first["args"], first_path)
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     files = {
         (tp_rank, pp_rank): first

@@ -51,6 +51,7 @@ from megatron_train.checkpointing.layout import TensorSharding, stage_tensor_nam
 from megatron_train.convert.megatron import (
     CHECKPOINT_VERSION,
     TE_NAMES,
+    checked_args,
     config_from_args,
     find_iteration_dir,
     megatron_args,
@@ -336,6 +337,7 @@ def open_checkpoint(load_dir: str, iteration: int | None = None) -> DistCheckpoi
         raise CheckpointError(
             f"{iteration_dir}: the common state holds no args; its model's shape is unknown"
         )
+    checked_args(common["args"], f"{iteration_dir} ({COMMON_FILE})")
     return DistCheckpoint(iteration_dir, number, common, reader, metadata)
 
 
