@@ -1,5 +1,5 @@
 """`--load` takes Megatron-LM checkpoints where they are: checkpoints Megatron-Core itself wrote on CPU
-(tests/megatron_core_training.py: legacy `torch` files with Adam's state, with the distributed optimizer's
+(tests/helpers/megatron_core_training.py: legacy `torch` files with Adam's state, with the distributed optimizer's
 distrib_optim.pt, and `torch_dist`) continue training under pretrain_gpt with Megatron-Core's own losses, finetune
 exactly as the same weights converted first through checkpoint_util, and serve the converted checkpoint's greedy
 tokens; a folder that cannot be read ends the entry point in one line naming the file and what to do."""
@@ -18,9 +18,9 @@ import torch
 
 from megatron_train.convert.detect import open_checkpoint
 from megatron_train.tools import checkpoint_util
-from tests.distributed import run_distributed
-from tests.test_generation import one_torch_thread  # noqa: F401 (autouse fixture)
-from tests.test_server import put, serve
+from tests.helpers.distributed import run_distributed
+from tests.helpers.generation import one_torch_thread  # noqa: F401 (autouse fixture)
+from tests.helpers.servers import put, serve
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The tiny GPT on mock data; --vocab-size 127 is NullTokenizer's 128 tokens, so no padding row changes the loss.
@@ -43,7 +43,7 @@ def megatron_core_run(tmp_path_factory) -> tuple[str, dict]:
     with open(os.path.join(root, "argv.json"), "w") as handle:
         json.dump(ARGV, handle)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([ROOT, *sys.path])}
-    run = subprocess.run([sys.executable, "-m", "tests.megatron_core_training", root], cwd=ROOT, env=env,
+    run = subprocess.run([sys.executable, "-m", "tests.helpers.megatron_core_training", root], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=400)  # fmt: skip
     assert run.returncode == 0 and "megatron-core training ok" in run.stdout, (
         run.stdout[-2000:] + run.stderr[-4000:]

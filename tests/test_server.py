@@ -27,7 +27,7 @@ from tests.helpers.generation import (  # noqa: F401 (one_torch_thread is an aut
     one_torch_thread,
     save_tiny_checkpoint,
 )
-from tests.helpers.servers import uvicorn_serving
+from tests.helpers.servers import put, serve, uvicorn_serving
 
 LIMITS = ServerLimits(
     max_batch_size=4, max_tokens_to_generate=32, max_tokens_to_oom=200, max_request_bytes=2000
@@ -47,12 +47,6 @@ def tokenizer():
 @pytest.fixture(scope="module")
 def client(model, tokenizer):
     return TestClient(create_app(model, tokenizer, LIMITS))
-
-
-def put(client, body) -> tuple[int, dict]:
-    content = body if isinstance(body, bytes) else json.dumps(body).encode()
-    response = client.put("/api", content=content, headers={"Content-Type": "application/json"})
-    return response.status_code, response.json()
 
 
 def test_health(client):
@@ -340,16 +334,6 @@ def test_run_text_generation_server_serves_a_checkpoint(tmp_path):
 
 
 GREEDY4 = GenerationParams(tokens_to_generate=4, top_k=1)
-
-
-def serve(monkeypatch, argv: list[str]) -> TestClient:
-    """run_text_generation_server.main(argv) up to the app it would hand uvicorn, as a test client."""
-    from megatron_train.tools import run_text_generation_server
-
-    served = {}
-    monkeypatch.setattr(run_text_generation_server.uvicorn, "run", lambda app, **_: served.update(app=app))
-    run_text_generation_server.main(argv)
-    return TestClient(served["app"])
 
 
 def test_server_takes_a_megatron_training_scripts_flags(tmp_path, monkeypatch):

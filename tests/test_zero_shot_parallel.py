@@ -19,12 +19,13 @@ from megatron_train.checkpointing import load_model_for_inference
 from megatron_train.models.gpt import GPTModel
 from megatron_train.tasks import main as tasks_main
 from megatron_train.tools import checkpoint_util
-from tests.distributed import free_port, run_distributed
-from tests.test_generation import one_torch_thread, save_tiny_checkpoint  # noqa: F401 (autouse fixture)
-from tests.tiny import tiny_config
+from tests.helpers.distributed import free_port, run_distributed
+from tests.helpers.generation import one_torch_thread, save_tiny_checkpoint  # noqa: F401 (autouse fixture)
+from tests.helpers.tiny import tiny_config
 
-# (TP, PP, checkpoint) on 4 ranks: 2, 2, 1 and 4 data-parallel replicas; ours, and Megatron-LM's legacy files
-RUNS = [(2, 1, "flow"), (1, 2, "flow"), (2, 2, "flow"), (1, 1, "flow"), (2, 2, "torch")]
+# (TP, PP, checkpoint) on 4 ranks, so TP2 and PP2 also run 2 data-parallel replicas; ours, and Megatron-LM's
+# legacy files of the same weights
+RUNS = [(2, 1, "flow"), (1, 2, "flow"), (2, 2, "flow"), (2, 2, "torch")]
 PARAMETER_LINE = re.compile(
     r" > number of parameters on \(tensor, pipeline\) model parallel rank \((\d+), (\d+)\): (\d+)"
 )

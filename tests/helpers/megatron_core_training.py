@@ -2,7 +2,7 @@
 training loop does, then keeps training and records its losses (run by tests/test_megatron_checkpoints.py in a
 fresh process, where megatron-core is installed).
 
-    python -m tests.megatron_core_training ROOT      ROOT/argv.json: our pretrain_gpt flags (--mock-data)
+    python -m tests.helpers.megatron_core_training ROOT      ROOT/argv.json: our pretrain_gpt flags (--mock-data)
 
 Two runs from the same initial weights, on the micro-batches our pretrain_gpt reads for those flags, each saving at
 iteration SAVE_AT in Megatron-LM's legacy files (model_optim_rng.pt: args, model, optimizer and scheduler state) and
@@ -35,7 +35,7 @@ from megatron_train.training.entry import padded_vocab_size_for
 from megatron_train.training.loop import get_batch
 from megatron_train.training.lr_scheduler import build_opt_param_scheduler
 from megatron_train.training.setup import build_data_iterators
-from tests.distributed import free_port
+from tests.helpers.distributed import free_port
 
 SAVE_AT = 2
 # How Megatron-LM saves the distributed optimizer into torch_dist with --dist-ckpt-optim-fully-reshardable.
