@@ -253,6 +253,7 @@ def clean_shard(writer: ArtifactWriter, source: ArtifactRef, name: str, params: 
 class CleanStage(Stage):
     name = "clean"
     version = "1"
+    libraries = ("pyarrow", "ftfy")
     Params = CleanParams
     maps_shards = True
 

@@ -66,6 +66,7 @@ def _convert(params: ConvertParams, pretrained: ArtifactRef, writer: ArtifactWri
 class ConvertStage(Stage):
     name = "convert"
     version = "1"
+    libraries = ("torch", "safetensors")
     Params = ConvertParams
 
     def run(self, params: ConvertParams, inputs: Inputs, store: ArtifactStore) -> ArtifactRef:

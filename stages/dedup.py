@@ -361,6 +361,7 @@ def write_kept_shard(writer: ArtifactWriter, source: ArtifactRef, name: str) -> 
 class DedupStage(Stage):
     name = "dedup"
     version = "3"  # 3: multiply-add signatures modulo 2**32
+    libraries = ("pyarrow", "numpy", "xxhash")
     Params = DedupParams
     maps_shards = True
 

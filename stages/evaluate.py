@@ -214,6 +214,7 @@ def _evaluate(
 class EvaluateStage(Stage):
     name = "evaluate"
     version = "1"
+    libraries = ("torch",)
     Params = EvaluateParams
 
     def run(self, params: EvaluateParams, inputs: Inputs, store: ArtifactStore) -> ArtifactRef:

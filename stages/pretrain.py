@@ -52,7 +52,7 @@ from storage.artifacts import (
     ArtifactWriter,
 )
 from storage.atomic import atomic_write_text, is_temporary
-from storage.fingerprint import hash_file
+from storage.verify import content_hash
 
 log = logging.getLogger("megatron_flow.stage.pretrain")  # every line of the training job; flows forward it
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
@@ -126,7 +126,7 @@ def _tokenizer_flags(params: PretrainParams, tokenizer: ArtifactRef | None) -> t
         return fields, [tokenizer.fingerprint]
     given = params.config.tokenizer
     paths = [p for p in (given.vocab_file, given.merge_file, given.tokenizer_model) if p]
-    return {}, [hash_file(p) for p in paths]
+    return {}, [content_hash(p) for p in paths]
 
 
 def _data_prefix(tokenized: ArtifactRef, json_key: str) -> str:
@@ -358,12 +358,17 @@ def _split_inputs(inputs: Inputs) -> tuple[ArtifactRef, ArtifactRef | None]:
 class PretrainStage(Stage):
     name = "pretrain"
     version = "1"
+    libraries = ("torch",)
     Params = PretrainParams
 
     def params_from_dict(self, values: dict) -> PretrainParams:
         """Inverse of `dataclasses.asdict(params)`: the params nest the whole Megatron config."""
         launch = LaunchParams(**values.get("launch", {}))
         return PretrainParams(**{**values, "config": config_from_dict(values["config"]), "launch": launch})
+
+    def code_modules(self, params: PretrainParams) -> tuple[str, ...]:
+        """The stage and the `torchrun` entry point it launches (what the training workers run)."""
+        return (*super().code_modules(params), PRETRAIN_MODULES[params.model])
 
     def key_params(self, params: PretrainParams) -> dict:
         """Where the processes run (node rank, rendezvous, launcher) does not change the run; how many do."""

@@ -53,9 +53,12 @@ def input_refs(store: ArtifactStore, inputs: Sequence[dict | str]) -> list[Artif
 def committed_ref(
     stage: str, params: dict[str, Any], inputs: Sequence[dict | str], store: ArtifactStore
 ) -> tuple[str, dict[str, Any] | None]:
-    """(the stage's key for these params and inputs, its committed artifact in `store` as a cache-hit ref or
-    None), decided from the store alone: nothing runs, no Prefect server is needed."""
+    """(the stage's key for these params and inputs, what a run would find in `store` under its cache policy as a
+    cache-hit ref, or None), decided from the store alone: nothing runs, no Prefect server is needed."""
     runner = stage_named(stage)
-    key = runner.key(runner.params_from_dict(params), input_refs(store, inputs))
-    found = store.find(runner.name, key)
-    return key, None if found is None else dataclasses.replace(found, cache_hit=True).to_dict()
+    typed, refs = runner.params_from_dict(params), input_refs(store, inputs)
+    key, base_key = runner.keys(typed, refs)
+    found = store.lookup(runner.name, key, base_key)
+    if found is None:
+        return key, None
+    return found.key, dataclasses.replace(found, cache_hit=True).to_dict()

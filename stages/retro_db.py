@@ -26,6 +26,7 @@ DB_FILES = ("chunks.npy", "chunks_invalid.npy", DATASETS_FILE)
 class RetroDbStage(Stage):
     name = "retro_db"
     version = "1"
+    libraries = ("tokenizers", "numpy")
     Params = DbParams
 
     def key_params(self, params: DbParams) -> dict:

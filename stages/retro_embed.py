@@ -89,6 +89,7 @@ def embedding_blocks(embed: ArtifactRef) -> list[tuple[int, int]]:
 class RetroEmbedStage(Stage):
     name = "retro_embed"
     version = "1"
+    libraries = ("torch",)
     Params = EmbedParams
     maps_shards = True
 

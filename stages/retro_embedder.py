@@ -20,7 +20,7 @@ from stages.base import Inputs, Stage
 from stages.retro_params import EmbedderParams
 from storage.artifacts import ArtifactRef, ArtifactStore, ArtifactWriter
 from storage.atomic import is_temporary
-from storage.fingerprint import hash_path
+from storage.verify import content_hash
 
 
 def cut_layers(source: str, num_layers: int, out_dir: str) -> None:
@@ -48,10 +48,11 @@ def cut_layers(source: str, num_layers: int, out_dir: str) -> None:
 class RetroEmbedderStage(Stage):
     name = "retro_embedder"
     version = "1"
+    libraries = ("torch", "safetensors")
     Params = EmbedderParams
 
     def key_params(self, params: EmbedderParams) -> dict:
-        return {"source": hash_path(params.source_path()), "num_layers": params.num_layers}
+        return {"source": content_hash(params.source_path()), "num_layers": params.num_layers}
 
     def run(self, params: EmbedderParams, inputs: Inputs, store: ArtifactStore) -> ArtifactRef:
         """The embedder directory as an artifact (no inputs: the source is a local directory)."""

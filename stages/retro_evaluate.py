@@ -255,6 +255,7 @@ def _evaluate(
 class RetroEvaluateStage(Stage):
     name = "retro_evaluate"
     version = "3"
+    libraries = ("faiss-cpu", "torch")
     Params = RetroEvaluateParams
 
     def run(self, params: RetroEvaluateParams, inputs: Inputs, store: ArtifactStore) -> ArtifactRef:

@@ -48,6 +48,7 @@ def encode_block(writer: ArtifactWriter, trained_path: str, vectors_path: str, s
 class RetroIndexAddStage(Stage):
     name = "retro_index_add"
     version = "1"
+    libraries = ("faiss-cpu", "numpy")
     Params = IndexAddParams
     maps_shards = True
 

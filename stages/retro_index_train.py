@@ -21,6 +21,7 @@ from storage.artifacts import ArtifactRef, ArtifactStore, ArtifactWriter
 class RetroIndexTrainStage(Stage):
     name = "retro_index_train"
     version = "1"
+    libraries = ("faiss-cpu", "numpy")
     Params = IndexTrainParams
 
     def run(self, params: IndexTrainParams, inputs: Inputs, store: ArtifactStore) -> ArtifactRef:

@@ -21,8 +21,8 @@ from retro.config import ChunkDatabaseConfig, IndexConfig, QueryConfig, require_
 from retro.embedder import embedder_vocab
 from storage.artifacts import MANIFEST, SHARD_DIR, ArtifactRef
 from storage.atomic import is_temporary
-from storage.fingerprint import hash_path
 from storage.indexed_dataset import data_file_path, index_file_path
+from storage.verify import content_hash
 
 
 def default_embedder() -> str:
@@ -68,8 +68,8 @@ class RetroParams:
         }
         for name in self.FILE_FIELDS:
             if fields[name] is not None:
-                fields[name] = hash_path(fields[name])
-        fields["embedder"] = hash_path(self.embedder_path(), embedder_files(self.embedder_path()))
+                fields[name] = content_hash(fields[name])
+        fields["embedder"] = content_hash(self.embedder_path(), embedder_files(self.embedder_path()))
         return fields
 
 

@@ -62,7 +62,12 @@ def run_config(params: RetroPretrainParams, project_dir: str, run_dir: str) -> M
 class RetroPretrainStage(Stage):
     name = "retro_pretrain"
     version = "1"
+    libraries = ("torch",)
     Params = RetroPretrainParams
+
+    def code_modules(self, params: RetroPretrainParams) -> tuple[str, ...]:
+        """The stage and the `torchrun` entry point it launches."""
+        return (*super().code_modules(params), PRETRAIN_RETRO)
 
     def run(
         self,

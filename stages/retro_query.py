@@ -91,6 +91,7 @@ def project_config(
 class RetroQueryStage(Stage):
     name = "retro_query"
     version = "1"
+    libraries = ("faiss-cpu", "torch")
     Params = QueryParams
 
     def key_params(self, params: QueryParams) -> dict:

@@ -49,9 +49,10 @@ from stages.shards import MapShards, process_pool, read_committed_json, run_shar
 from stages.tokenize_inputs import WorkUnit, plan_units, resolve_inputs
 from stages.tokenize_params import COUNTERS, PARTIALS_DIR, TokenizeParams
 from stages.tokenize_worker import tokenize_unit
-from storage.artifacts import ArtifactRef, ArtifactStore, ArtifactWriter
+from storage.artifacts import ArtifactRef, ArtifactStore, ArtifactWriter, StoreNotWritable
 from storage.atomic import atomic_copy
 from storage.indexed_dataset import IndexedDatasetBuilder, best_dtype, data_file_path, index_file_path
+from storage.verify import ChangedArtifactError
 
 log = logging.getLogger("megatron_flow.stage.tokenize")
 
@@ -122,6 +123,7 @@ def merge_units(
 class TokenizeStage(Stage):
     name = "tokenize"
     version = "1"
+    libraries = ("tokenizers", "sentencepiece", "tiktoken", "transformers")
     Params = TokenizeParams
     maps_shards = True
 
@@ -291,7 +293,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         check_output_prefix(args.output_prefix)
         ref = run(params, args.input, ArtifactStore(args.store))
-    except (FileNotFoundError, ValueError) as err:
+    except (FileNotFoundError, ValueError, StoreNotWritable, ChangedArtifactError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
     summary = ref.manifest()["summary"]

@@ -9,7 +9,7 @@ from typing import ClassVar
 import fsspec
 
 from megatron_train.tokenizer import MegatronTokenizer, build_tokenizer
-from storage.fingerprint import hash_path
+from storage.verify import content_hash
 
 ARTIFACT_PREFIX = "tokens"
 PARTIALS_DIR = "partials"
@@ -92,7 +92,7 @@ class TokenizeParams:
         fields = {name: getattr(self, name) for name in self.OUTPUT_FIELDS}
         for name in ("vocab_file", "merge_file", "tokenizer_model"):
             if fields[name] is not None:
-                fields[name] = hash_path(fields[name])
+                fields[name] = content_hash(fields[name])
         return fields
 
 

@@ -128,6 +128,7 @@ def load_trained_tokenizer(ref: ArtifactRef) -> MegatronTokenizer:
 class TrainTokenizerStage(Stage):
     name = "train_tokenizer"
     version = "1"
+    libraries = ("tokenizers",)
     Params = TrainTokenizerParams
 
     def run(self, params: TrainTokenizerParams, inputs: Inputs, store: ArtifactStore) -> ArtifactRef:

@@ -27,6 +27,13 @@ docs/architecture.md describes:
 - A writer that fails while another writer built the artifact (e.g. it read files the winner cleaned up)
   waits for the other live writers on this machine, then returns the committed artifact as a cache hit.
 
+Committed artifacts are not trusted blindly: a local artifact's files are read-only (0444), and a stage checks
+every file of its input artifacts against their manifests before it builds (`ArtifactRef.verify`,
+`storage.verify`). The store's `CachePolicy` rebuilds a committed artifact (`--rebuild STAGE` in the flows) or
+reuses one built by other code for the same params and inputs (`--reuse-across-code-changes`): every key covers
+the stage's code (`storage.code_fingerprint`), its base key leaves the code out, and ``<root>/.base-keys/<stage>/
+<base key>`` names the key last committed for it.
+
 One module, over 400 lines, on purpose: the reference, the writer with its scratch slots and the store are one
 commit protocol; its guarantees (who wins, what a reader may see) only read right together.
 """
@@ -35,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import fcntl
 import importlib.metadata
 import itertools
@@ -45,25 +53,55 @@ import platform
 import posixpath
 import shutil
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import IO, Any
 
 import fsspec
 
 from storage.atomic import atomic_move, atomic_path, atomic_write_bytes, is_temporary
 from storage.fingerprint import canonical_json, hash_bytes, hash_file
+from storage.verify import (
+    MANIFEST,
+    READ_ONLY,
+    check_local_file,
+    check_remote_file,
+    etag_of,
+    parse_manifest,
+    with_checksum,
+)
 
 log = logging.getLogger("megatron_flow.stage")
 
-MANIFEST = "manifest.json"
 SHARD_DIR = "_shards"
 SCRATCH_DIR = ".scratch"
+BASE_KEYS_DIR = ".base-keys"  # <root>/.base-keys/<stage>/<base key>: the key last committed for it
 # Libraries whose versions go into every manifest when they are installed.
 _LIBRARIES = ("numpy", "pyarrow", "fsspec", "tokenizers", "datasets", "torch", "ftfy", "prefect")
 
 
 class AlreadyCommitted(Exception):
     """Another writer committed the artifact first: this writer's work is not needed."""
+
+
+class StoreNotWritable(Exception):
+    """The store cannot be written (a read-only folder or file system, missing permissions)."""
+
+
+_NOT_WRITABLE = (errno.EACCES, errno.EPERM, errno.EROFS)
+
+
+@contextlib.contextmanager
+def _writing(url: str) -> Iterator[None]:
+    """Permission and read-only errors while writing to the store `url`, as one `StoreNotWritable` line."""
+    try:
+        yield
+    except OSError as error:
+        if error.errno not in _NOT_WRITABLE:
+            raise
+        raise StoreNotWritable(
+            f"--store {url} cannot be written ({error.strerror}: {error.filename}); give a writable folder or URL "
+            "with --store, or make it writable"
+        ) from None
 
 
 def _is_local(fs: fsspec.AbstractFileSystem) -> bool:
@@ -74,9 +112,13 @@ def _cache_root() -> str:
     return os.environ.get("MEGATRON_FLOW_CACHE", os.path.expanduser("~/.cache/megatron-flow"))
 
 
-def _write_bytes_atomic(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -> None:
+def _write_bytes_atomic(
+    fs: fsspec.AbstractFileSystem, path: str, data: bytes, read_only: bool = True
+) -> None:
     if _is_local(fs):
         atomic_write_bytes(path, data)
+        if read_only:
+            os.chmod(path, READ_ONLY)
     else:
         fs.pipe_file(path, data)
 
@@ -85,8 +127,10 @@ def _create_once(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -> bool:
     """Write `path` only if it does not exist yet; False when another writer's file is already there."""
     try:
         if _is_local(fs):
-            with atomic_path(path, exclusive=True) as tmp, open(tmp, "wb") as f:
-                f.write(data)
+            with atomic_path(path, exclusive=True) as tmp:
+                with open(tmp, "wb") as f:
+                    f.write(data)
+                os.chmod(tmp, READ_ONLY)
         else:
             fs.pipe_file(path, data, mode="create")
     except FileExistsError:
@@ -117,14 +161,26 @@ def _library_versions() -> dict[str, str]:
 
 
 @dataclasses.dataclass(frozen=True)
+class CachePolicy:
+    """How a stage run treats what the store holds (docs/architecture.md, "Rebuilding and reusing artifacts")."""
+
+    rebuild: bool = False  # discard the committed artifact of the key, then build it again
+    reuse_across_code_changes: bool = (
+        False  # an artifact of the same params and inputs built by other code counts
+    )
+
+
+@dataclasses.dataclass(frozen=True)
 class ArtifactRef:
-    """A committed artifact: small and JSON-serialisable, what flows pass between tasks instead of data."""
+    """A committed artifact: small and JSON-serialisable, what flows pass between tasks instead of data.
+    `cache_hit`: this run found it; `rebuilt`: this run discarded the committed artifact and built it again."""
 
     stage: str
     key: str
     url: str
     cache_hit: bool = False
     storage_options: dict[str, Any] = dataclasses.field(default_factory=dict, compare=False, hash=False)
+    rebuilt: bool = False
 
     @property
     def fs(self) -> fsspec.AbstractFileSystem:
@@ -143,7 +199,21 @@ class ArtifactRef:
 
     def manifest(self) -> dict[str, Any]:
         with self.fs.open(self._path(MANIFEST), "rb") as f:
-            return json.load(f)
+            return parse_manifest(f.read(), self.file_url(MANIFEST), self.stage, self.url)
+
+    def verify(self) -> None:
+        """Every file the manifest lists is there with its size and hash (on an object store: its size and the
+        ETag recorded at commit); else a `ChangedArtifactError` naming the file. Once per process per file."""
+        fs, files = self.fs, self.manifest()["files"]
+        if _is_local(fs):
+            for name, record in files.items():
+                check_local_file(self._path(name), record, self.stage, self.url)
+            return
+        root = self._path(MANIFEST).rsplit("/", 1)[0]
+        found = {fs._strip_protocol(path): info for path, info in fs.find(root, detail=True).items()}
+        for name, record in files.items():
+            path = fs._strip_protocol(self._path(name))
+            check_remote_file(fs, path, found.get(path), record, self.stage, self.url)
 
     def files(self, prefix: str = "") -> list[str]:
         """Names of the committed files (from the manifest) that start with `prefix`, sorted."""
@@ -159,6 +229,11 @@ class ArtifactRef:
         if not os.path.exists(cache):
             with atomic_path(cache) as tmp:
                 fs.get_file(self._path(relative), tmp)
+        record = self.manifest()["files"].get(relative)
+        if (
+            record is not None
+        ):  # the local copy is what the artifact committed (a cache on disk may change too)
+            check_local_file(cache, record, self.stage, self.url)
         return cache
 
     def to_dict(self) -> dict[str, Any]:
@@ -279,6 +354,10 @@ class ArtifactWriter:
         dest = f"{self.path}/{checked_name(name, self.url)}"
         if _is_local(self.fs):
             atomic_move(local_path, dest)
+            if (
+                os.stat(dest).st_nlink == 1
+            ):  # a hard link (into another artifact, a user's file) keeps its mode
+                os.chmod(dest, READ_ONLY)
         else:
             self.fs.put_file(local_path, dest)
         return described
@@ -314,19 +393,23 @@ class ArtifactWriter:
                         known.update(json.load(f)["files"])
         files: dict[str, dict[str, Any]] = {}
         root = self.fs._strip_protocol(self.path).rstrip("/")
-        for full in sorted(self.fs.find(self.path)):
+        local = _is_local(self.fs)
+        for full, info in sorted(self.fs.find(self.path, detail=True).items()):
             rel = self.fs._strip_protocol(full)[len(root) + 1 :]
             if rel == MANIFEST or rel.startswith(f"{SHARD_DIR}/") or is_temporary(rel):
                 continue
-            size = self.fs.size(full)
+            size = info["size"]
             if rel in known and known[rel]["size"] == size:
-                files[rel] = known[rel]
+                files[rel] = {"size": size, "hash": known[rel]["hash"]}
             else:
                 files[rel] = {"size": size, "hash": hash_file(full, self.fs)}
+            if not local:  # on an object store the ETag stands in for the hash when the artifact is used
+                files[rel] |= etag_of(info)
         return files
 
     def commit(self, manifest: dict[str, Any]) -> ArtifactRef:
-        """Describe every file (size, content hash) and write manifest.json last: the artifact is done.
+        """Describe every file (size, content hash; ETag on object stores) and write manifest.json last, with
+        its checksum: the artifact is done. A local artifact's files are read-only (0444).
 
         When another writer committed first, its artifact is returned as a cache hit and nothing is written.
         """
@@ -343,8 +426,12 @@ class ArtifactWriter:
             "committed_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         }
         won = _create_once(
-            self.fs, f"{self.path}/{MANIFEST}", json.dumps(body, indent=2, sort_keys=True).encode()
+            self.fs,
+            f"{self.path}/{MANIFEST}",
+            json.dumps(with_checksum(body), indent=2, sort_keys=True).encode(),
         )
+        if won and "base_key" in manifest:
+            self.store.point_base_key(self.stage, manifest["base_key"], self.key)
         self.release(remove=True)
         return dataclasses.replace(ref, cache_hit=not won)
 
@@ -367,15 +454,29 @@ class ArtifactWriter:
 class ArtifactStore:
     """Stage outputs under a root URL: ``./artifacts`` by default, or ``s3://``, ``gs://``, ``memory://`` ..."""
 
-    def __init__(self, url: str = "./artifacts", **storage_options: Any):
+    def __init__(
+        self, url: str = "./artifacts", cache_policy: CachePolicy = CachePolicy(), **storage_options: Any
+    ):
         if "://" not in url:
             url = os.path.abspath(url)
         self.url = url.rstrip("/")
+        self.cache_policy = cache_policy
         self.storage_options = storage_options
         self.fs, self.root = fsspec.core.url_to_fs(self.url, **storage_options)
         self.root = self.root.rstrip("/")
         if _is_local(self.fs):
-            os.makedirs(self.root, exist_ok=True)
+            with contextlib.suppress(OSError):  # a read-only store still serves its artifacts
+                os.makedirs(self.root, exist_ok=True)
+
+    def check_writable(self) -> None:
+        """A `StoreNotWritable` naming the store now, when it cannot be written, rather than once work started.
+        (Object stores answer the first write: their permissions cannot be asked for without one.)"""
+        if _is_local(self.fs):
+            with _writing(self.url):
+                os.makedirs(self.root, exist_ok=True)
+                probe = os.path.join(self.root, f".write-check-{os.getpid()}")
+                os.close(os.open(probe, os.O_CREAT | os.O_WRONLY))
+                os.remove(probe)
 
     def _artifact_path(self, stage: str, key: str) -> str:
         return f"{self.root}/{stage}/{key}"
@@ -391,23 +492,78 @@ class ArtifactStore:
             )
         return None
 
+    def lookup(self, stage: str, key: str, base_key: str) -> ArtifactRef | None:
+        """What a stage run of `key` finds under the store's cache policy: the artifact of the key; with
+        `reuse_across_code_changes`, else the one last committed for the same params and inputs (`base_key`) by
+        other code; with `rebuild`, nothing."""
+        if self.cache_policy.rebuild:
+            return None
+        found = self.find(stage, key)
+        if found is None and self.cache_policy.reuse_across_code_changes:
+            pointer = f"{self.root}/{BASE_KEYS_DIR}/{stage}/{base_key}"
+            if self.fs.exists(pointer):
+                other = self.find(stage, self.fs.cat_file(pointer).decode().strip())
+                if other is not None and other.manifest().get("base_key") == base_key:
+                    return other
+        return found
+
+    def point_base_key(self, stage: str, base_key: str, key: str) -> None:
+        """Record `key` as the artifact last committed for `base_key` (what `--reuse-across-code-changes` finds)."""
+        _write_bytes_atomic(
+            self.fs, f"{self.root}/{BASE_KEYS_DIR}/{stage}/{base_key}", key.encode(), read_only=False
+        )
+
+    def discard(self, stage: str, key: str) -> None:
+        """Remove the committed artifact of `key` (to rebuild it): it stops being committed at once (its folder is
+        renamed into scratch, or its manifest deleted first on an object store), then its files go."""
+        path = self._artifact_path(stage, key)
+        if not self.fs.exists(path):
+            return
+        log.info("%s: discarding %s to rebuild it", stage, self.artifact_url(stage, key))
+        with _writing(self.url):
+            self._remove(path)
+
+    def _remove(self, path: str) -> None:
+        if _is_local(self.fs):
+            trash = os.path.join(
+                self.root, SCRATCH_DIR, "discarded", f"{os.path.basename(path)}-{time.time_ns()}"
+            )
+            os.makedirs(os.path.dirname(trash), exist_ok=True)
+            os.rename(path, trash)
+            shutil.rmtree(trash)
+        else:
+            if self.fs.exists(f"{path}/{MANIFEST}"):
+                self.fs.rm(f"{path}/{MANIFEST}")
+            self.fs.rm(path, recursive=True)
+
     def begin(self, stage: str, key: str) -> ArtifactWriter:
         """A writer for the artifact; shards committed by an earlier, interrupted attempt are kept."""
-        return ArtifactWriter(self, stage, key)
+        with _writing(self.url):
+            return ArtifactWriter(self, stage, key)
 
     def ref(self, data: dict[str, Any]) -> ArtifactRef:
         """Rebuild a reference passed around as a plain dict (e.g. a Prefect result)."""
         return ArtifactRef(**{**data, "storage_options": data.get("storage_options") or self.storage_options})
+
+    def with_policy(self, cache_policy: CachePolicy) -> ArtifactStore:
+        """The same store under another cache policy."""
+        return ArtifactStore(self.url, cache_policy, **self.storage_options)
 
 
 def input_fingerprint(item: ArtifactRef | str) -> str:
     return item.fingerprint if isinstance(item, ArtifactRef) else item
 
 
-def stage_key(stage: str, version: str, params: Any, inputs: Sequence[ArtifactRef | str]) -> str:
-    """The output key: stage name, version, canonical params and the inputs' fingerprints."""
+def stage_key(
+    stage: str, version: str, params: Any, inputs: Sequence[ArtifactRef | str], code: str | None = None
+) -> str:
+    """The output key: stage name, version, canonical params, the inputs' fingerprints and the fingerprint of the
+    code that builds it (`storage.code_fingerprint`); without `code`, the artifact's base key, which
+    `--reuse-across-code-changes` looks artifacts up by."""
     fingerprints = [input_fingerprint(i) for i in inputs]
     description = {"stage": stage, "version": version, "params": params, "inputs": fingerprints}
+    if code is not None:
+        description["code"] = code
     return hash_bytes(canonical_json(description).encode())
 
 
@@ -418,18 +574,31 @@ def run_stage(
     params: Any,
     inputs: Sequence[ArtifactRef | str],
     build: Callable[[ArtifactWriter], dict[str, Any]],
+    code: dict[str, Any] | None = None,
+    uses: Sequence[ArtifactRef] | None = None,
 ) -> ArtifactRef:
-    """The stage contract in one function: a cache hit returns at once, else build, then commit the manifest.
+    """The stage contract in one function: a cache hit returns at once, else verify the input artifacts, build,
+    then commit the manifest.
 
-    `inputs` are upstream artifacts or fingerprints of external sources; `build` does the work through the
-    writer (skipping shards already committed) and returns the manifest's extra fields (counts, ...).
+    `inputs` are upstream artifacts or fingerprints of external sources; `code` describes the code that builds
+    the artifact (`storage.code_fingerprint.describe_code`: its fingerprint enters the key); `uses` are the
+    artifacts whose files `build` reads (default: the artifacts among `inputs`), each checked against its
+    manifest first; `build` does the work through the writer (skipping shards already committed) and returns the
+    manifest's extra fields (counts, ...). The store's `cache_policy` may rebuild a committed artifact or reuse
+    one built by other code.
     """
     fingerprints = [input_fingerprint(i) for i in inputs]
-    key = stage_key(stage, version, params, inputs)
-    found = store.find(stage, key)
+    base_key = stage_key(stage, version, params, inputs)
+    key = base_key if code is None else stage_key(stage, version, params, inputs, code["fingerprint"])
+    found = store.lookup(stage, key, base_key)
     if found is not None:
         log.info("%s: cache hit %s", stage, found.url)
         return dataclasses.replace(found, cache_hit=True)
+    for used in [i for i in inputs if isinstance(i, ArtifactRef)] if uses is None else uses:
+        used.verify()
+    rebuild = store.cache_policy.rebuild
+    if rebuild:
+        store.discard(stage, key)
     started = time.time()
     writer = store.begin(stage, key)
     try:
@@ -439,6 +608,8 @@ def run_stage(
             "version": version,
             "params": json.loads(canonical_json(params)),
             "inputs": fingerprints,
+            "base_key": base_key,
+            **({} if code is None else {"code": code}),
             **extra,
             "seconds": round(seconds, 3),
         }
@@ -457,5 +628,5 @@ def run_stage(
     if ref.cache_hit:
         log.info("%s: %s was committed by another writer first", stage, ref.url)
     else:
-        log.info("%s: built %s in %.1f s", stage, ref.url, seconds)
-    return ref
+        log.info("%s: %s %s in %.1f s", stage, "rebuilt" if rebuild else "built", ref.url, seconds)
+    return dataclasses.replace(ref, rebuilt=rebuild and not ref.cache_hit)

@@ -5,15 +5,21 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
+import stat
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
+from pathlib import Path
 
 import pytest
 
-from storage.artifacts import AlreadyCommitted, ArtifactRef, ArtifactStore, run_stage, stage_key
+from storage import verify
+from storage.artifacts import AlreadyCommitted, ArtifactRef, ArtifactStore, CachePolicy, run_stage, stage_key
 from storage.fingerprint import canonical_json, fingerprint_params, hash_bytes, hash_file, source_fingerprint
+from storage.verify import ChangedArtifactError, with_checksum
 
 
 @dataclasses.dataclass
@@ -147,6 +153,143 @@ def test_s3_store_against_a_real_server(s3_endpoint, tmp_path, monkeypatch):
     assert source_fingerprint("s3://flow-bucket/src/*.jsonl", **options) != before
     assert isinstance(ref, ArtifactRef)
 
+    # On the object store, size and the ETag recorded at commit stand in for the hash: an object rewritten with
+    # other bytes of the same size is refused, and so is a changed local copy of one.
+    ref.verify()
+    record = ref.manifest()["files"]["data/00001.txt"]
+    assert record["etag"] and record["size"] == 8
+    local = ref.local_path("data/00001.txt")
+    with open(local, "r+b") as f:
+        f.write(b"S")
+    with pytest.raises(
+        ChangedArtifactError, match=f"^{local}: its content differs from its manifest's hash; "
+    ):
+        ref.local_path("data/00001.txt")
+    fs.pipe(f"{ref.url.removeprefix('s3://')}/data/00001.txt", b"shard 9\n")
+    with pytest.raises(ChangedArtifactError) as refused:
+        ref.verify()
+    assert str(refused.value) == (
+        f"flow-bucket/artifacts/toy/{ref.key}/data/00001.txt: its ETag differs from the one recorded at commit; "
+        f"the toy artifact {ref.url} changed after it was committed: rebuild it (--rebuild toy)"
+    )
+
+
+def _write_refused(path: str) -> bool:
+    """Whether opening `path` for writing fails with a permission error for a user other than root, whom file
+    modes do not stop (CI runs as root: there the check runs in a child process that became `nobody`)."""
+    if os.geteuid() != 0:
+        try:
+            open(path, "r+b").close()  # noqa: SIM115
+        except PermissionError:
+            return True
+        return False
+    pid = os.fork()
+    if pid == 0:  # the child: give up root, try, report by exit status
+        code = 1
+        try:
+            os.setgid(65534)
+            os.setuid(65534)
+            open(path, "r+b").close()  # noqa: SIM115
+        except PermissionError:
+            code = 13
+        finally:
+            os._exit(code)
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 13
+
+
+def test_committed_files_are_read_only_and_verified_once_per_process(monkeypatch):
+    root = tempfile.mkdtemp(
+        prefix="read-only-store-"
+    )  # not under pytest's root-only folder: others may enter
+    try:
+        os.chmod(root, 0o755)
+        store = ArtifactStore(root)
+        ref = run_stage(store, "toy", "1", Params(), [], _build_counting([]))
+        folder = os.path.join(root, "toy", ref.key)
+        files = [os.path.join(d, name) for d, _, names in os.walk(folder) for name in names]
+        assert len(files) == 7  # 3 data files, 3 shard markers, the manifest
+        assert {stat.S_IMODE(os.stat(path).st_mode) for path in files} == {0o444}
+        assert _write_refused(os.path.join(folder, "data", "00001.txt"))
+
+        # Every file is checked once; a run pays again only for a file that changed since.
+        hashed: list[str] = []
+        real = verify.hash_file
+        monkeypatch.setattr(verify, "hash_file", lambda path, fs: hashed.append(path) or real(path, fs))
+        ref.verify()
+        ref.verify()
+        assert sorted(os.path.basename(p) for p in hashed) == ["00000.txt", "00001.txt", "00002.txt"]
+        changed = os.path.join(folder, "data", "00001.txt")
+        os.chmod(changed, 0o644)
+        with open(changed, "r+b") as f:
+            f.write(b"S")
+        with pytest.raises(ChangedArtifactError) as error:
+            ref.verify()
+        assert str(error.value) == (
+            f"{changed}: its content differs from its manifest's hash; the toy artifact {ref.url} changed after "
+            "it was committed: rebuild it (--rebuild toy)"
+        )
+        with open(changed, "ab") as f:
+            f.write(b"more")
+        with pytest.raises(ChangedArtifactError, match=r"00001.txt: 12 bytes where its manifest says 8; "):
+            ref.verify()
+
+        # A stage using the artifact refuses before it builds anything; --rebuild (CachePolicy) recovers it with
+        # the same bytes, replacing the read-only files.
+        calls: list[str] = []
+        with pytest.raises(ChangedArtifactError, match="rebuild it \\(--rebuild toy\\)"):
+            run_stage(store, "user", "1", Params(), [ref], _build_counting(calls))
+        assert calls == [] and store.find("user", stage_key("user", "1", Params(), [ref])) is None
+        rebuilt = run_stage(
+            store.with_policy(CachePolicy(rebuild=True)), "toy", "1", Params(), [], _build_counting([])
+        )
+        assert rebuilt.key == ref.key and rebuilt.rebuilt and not rebuilt.cache_hit
+        assert Path(changed).read_bytes() == b"shard 1\n"
+        rebuilt.verify()
+        assert run_stage(store, "user", "1", Params(), [ref], _build_counting(calls)).key
+        assert not os.path.exists(os.path.join(root, ".scratch", "discarded", f"{ref.key}"))
+    finally:
+        shutil.rmtree(root)  # read-only files in writable folders: removed like any others
+    assert not os.path.exists(root)
+
+
+def test_a_damaged_manifest_is_refused_naming_it(tmp_path):
+    store = ArtifactStore(str(tmp_path / "store"))
+    ref = run_stage(store, "toy", "1", Params(), [], _build_counting([]))
+    path = tmp_path / "store" / "toy" / ref.key / "manifest.json"
+    original = path.read_bytes()
+    path.chmod(0o644)
+    path.write_bytes(original.replace(b'"shards": 3', b'"shards": 4'))
+    with pytest.raises(ChangedArtifactError) as error:
+        ref.manifest()
+    assert str(error.value) == (
+        f"{ref.url}/manifest.json: its fields do not match its checksum; the toy artifact {ref.url} changed after "
+        "it was committed: rebuild it (--rebuild toy)"
+    )
+    path.write_bytes(original[:-40])
+    with pytest.raises(ChangedArtifactError, match=r"manifest.json: not valid JSON \(Expecting"):
+        ref.manifest()
+
+
+def test_reuse_across_code_changes_finds_the_artifact_built_by_earlier_code(tmp_path):
+    """Keys cover the code; `reuse_across_code_changes` finds what other code built for the same params and
+    inputs (the last one committed), and without it a code change builds anew."""
+    store = ArtifactStore(str(tmp_path / "store"))
+    reuse = store.with_policy(CachePolicy(reuse_across_code_changes=True))
+
+    def run(on: ArtifactStore, code: str) -> ArtifactRef:
+        return run_stage(on, "toy", "1", Params(), [], _build_counting([]), code={"fingerprint": code})
+
+    yesterday = run(store, "a")
+    assert yesterday.key == stage_key("toy", "1", Params(), [], "a") != stage_key("toy", "1", Params(), [])
+    assert yesterday.manifest()["base_key"] == stage_key("toy", "1", Params(), [])
+    kept = run(reuse, "b")
+    assert kept.cache_hit and kept.key == yesterday.key
+    today = run(store, "b")
+    assert not today.cache_hit and today.key != yesterday.key
+    assert run(reuse, "c").key == today.key  # the last one committed for these params and inputs
+    assert run(reuse, "b").key == today.key  # the current code's own artifact first
+    assert run(reuse, "a").key == yesterday.key
+
 
 def test_manifest_names_that_leave_the_artifact_are_rejected(tmp_path, monkeypatch):
     from stages.pretrain import run_directory
@@ -154,9 +297,10 @@ def test_manifest_names_that_leave_the_artifact_are_rejected(tmp_path, monkeypat
     monkeypatch.setenv("MEGATRON_FLOW_CACHE", str(tmp_path / "cache"))
     store = ArtifactStore(f"memory://store-{uuid.uuid4().hex}")
     ref = run_stage(store, "pretrain", "1", Params(), [], _build_counting([]))
-    manifest = ref.manifest()
+    manifest = {k: v for k, v in ref.manifest().items() if k != "checksum"}
     for evil in ("../../escaped.txt", "/abs/escaped.txt", "data/../../../escaped.txt"):
-        forged = {**manifest, "files": {**manifest["files"], evil: {"size": 8, "hash": "0"}}}
+        # forged with a checksum that matches: the names are refused on their own
+        forged = with_checksum({**manifest, "files": {**manifest["files"], evil: {"size": 8, "hash": "0"}}})
         store.fs.pipe_file(f"{store.root}/pretrain/{ref.key}/manifest.json", json.dumps(forged).encode())
         with pytest.raises(ValueError, match="leaves the artifact"):
             run_directory(ref)

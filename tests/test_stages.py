@@ -96,7 +96,7 @@ def test_key_comes_from_the_stage_hooks(tmp_path):
     params = download.DownloadParams(source=str(path))
     expected = stage_key("download", "1", dataclasses.replace(params, storage_options={}), [
         download.source_description(params)
-    ])  # fmt: skip
+    ], download.STAGE.code(params)["fingerprint"])  # fmt: skip
     with_credentials = dataclasses.replace(params, storage_options={"key": "secret"})
     assert download.key(params, []) == download.key(with_credentials, []) == expected
     ref = download.run(params, [], ArtifactStore(str(tmp_path / "store")))
