@@ -3,7 +3,8 @@
 A field `min_words` of the config's `clean` section is `--clean.min-words`; top-level fields are plain
 (`--store`). Values parse by the field's type; `None` clears an optional field (switches a filter off). A list
 of strings takes one or more words, each a JSON list or comma-separated values: `--clean.languages en,de`,
-`--clean.url-blocklist a.txt b.txt` and `--tokenize.json-keys '["text", "title"]'` all work.
+`--clean.url-blocklist a.txt b.txt` and `--tokenize.json-keys '["text", "title"]'` all work (top-level fields too:
+`--rebuild clean,tokenize`). A bool flag given alone means true (`--reuse-across-code-changes`).
 """
 
 from __future__ import annotations
@@ -65,6 +66,16 @@ class _StringList(argparse.Action):
         setattr(namespace, self.dest, items)
 
 
+def _value_kind(annotation: Any) -> dict[str, Any]:
+    """How argparse reads a field's value: a list of strings in one or more words, a bool that may stand alone
+    (true), or one value parsed by its type."""
+    if _is_string_list(annotation):
+        return {"nargs": "+", "action": _StringList}
+    if annotation is bool:
+        return {"nargs": "?", "const": True, "type": _parse_bool}
+    return {"type": _parser_for(annotation)}
+
+
 def _parse_bool(text: str) -> bool:
     if text.lower() in ("1", "true", "yes", "on"):
         return True
@@ -102,25 +113,20 @@ def build_parser(config_cls: type[BaseModel], description: str) -> argparse.Argu
         if _is_section(annotation):
             group = parser.add_argument_group(name)
             for sub, sub_ann, sub_default in _fields(annotation):
-                kind = (
-                    {"nargs": "+", "action": _StringList}
-                    if _is_string_list(sub_ann)
-                    else {"type": _parser_for(sub_ann)}
-                )
                 group.add_argument(
                     _flag(name, sub),
                     dest=f"{name}.{sub}",
                     default=argparse.SUPPRESS,
                     help=f"(default: {sub_default!r})",
-                    **kind,
+                    **_value_kind(sub_ann),
                 )
         else:
             parser.add_argument(
                 _flag("", name),
                 dest=name,
-                type=_parser_for(annotation),
                 default=argparse.SUPPRESS,
                 help=f"(default: {default!r})",
+                **_value_kind(annotation),
             )
     return parser
 

@@ -17,6 +17,8 @@ from typing import Any
 from prefect import flow, get_run_logger
 from pydantic import BaseModel, ConfigDict
 
+from flows.corpus_plan import CorpusConfig
+from flows.failures import command_line
 from flows.pretrain import PretrainFlowConfig, add_pretrain_flags, pretrain_config, pretrain_flow, split_argv
 from flows.publish import publish_stages
 from flows.server import prefect_api
@@ -33,9 +35,9 @@ class ConvertFlowConfig(BaseModel):
     convert: ConvertParams = ConvertParams()
 
 
-def convert_run(refs: dict[str, Any], params: ConvertParams, store: str) -> dict[str, Any]:
+def convert_run(refs: dict[str, Any], params: ConvertParams, corpus: CorpusConfig) -> dict[str, Any]:
     """`refs` with the convert stage's artifact of their trained run (`refs["pretrain"]`) added."""
-    converted = stage_ref("convert", dataclasses.asdict(params), [refs["pretrain"]], store)
+    converted = stage_ref("convert", dataclasses.asdict(params), [refs["pretrain"]], corpus)
     get_run_logger().info("%s model: %s", params.saver, converted["url"])
     return {**refs, "convert": converted}
 
@@ -43,9 +45,8 @@ def convert_run(refs: dict[str, Any], params: ConvertParams, store: str) -> dict
 @flow(name="convert")
 def convert_flow(config: ConvertFlowConfig = ConvertFlowConfig()) -> dict[str, Any]:
     """Corpus and pretrain (cached) -> convert; returns every stage's artifact reference."""
-    store = config.pretrain.corpus.store
-    refs = convert_run(pretrain_flow(config.pretrain), config.convert, store)
-    publish_stages("convert", refs, store)
+    refs = convert_run(pretrain_flow(config.pretrain), config.convert, config.pretrain.corpus)
+    publish_stages("convert", refs, config.pretrain.corpus.store)
     return refs
 
 
@@ -60,6 +61,7 @@ def parse(argv: list[str] | None) -> ConvertFlowConfig:
     )
 
 
+@command_line
 def main(argv: list[str] | None = None) -> int:
     config = parse(argv)
     corpus = config.pretrain.corpus

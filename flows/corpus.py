@@ -24,7 +24,7 @@ from flows.corpus_plan import CorpusConfig, corpus_stages, main
 from flows.events import announce_tokenized
 from flows.publish import publish_stages
 from flows.summary import summarize, summary_table
-from flows.tasks import make_task_runner, stage_ref
+from flows.tasks import make_task_runner, stage_runner
 
 __all__ = ["CorpusConfig", "corpus_flow", "corpus_stages", "main", "run_corpus"]
 
@@ -32,7 +32,7 @@ __all__ = ["CorpusConfig", "corpus_flow", "corpus_stages", "main", "run_corpus"]
 @flow(name="corpus")
 def corpus_flow(config: CorpusConfig = CorpusConfig()) -> dict[str, Any]:
     """Raw text to Megatron `.bin`/`.idx` token data; returns each stage's artifact reference."""
-    refs = corpus_stages(config, lambda stage, params, inputs: stage_ref(stage, params, inputs, config.store))
+    refs = corpus_stages(config, stage_runner(config))
     get_run_logger().info("corpus summary\n%s", summary_table(summarize(refs, config.store)))
     publish_stages("corpus", refs, config.store)
     announce_tokenized(refs["tokenize"])

@@ -9,11 +9,13 @@ import json
 import sys
 
 from flows.eval import parse, run_eval
+from flows.failures import command_line
 from flows.server import prefect_api
 from flows.summary import summarize, summary_table
 from storage.artifacts import ArtifactStore
 
 
+@command_line
 def main(argv: list[str] | None = None) -> int:
     config = parse(argv)
     with prefect_api():

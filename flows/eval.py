@@ -14,6 +14,8 @@ from typing import Any
 from prefect import flow, get_run_logger
 from pydantic import BaseModel, ConfigDict
 
+from flows.corpus_plan import CorpusConfig
+from flows.failures import command_line
 from flows.pretrain import PretrainFlowConfig, add_pretrain_flags, pretrain_config, pretrain_flow, split_argv
 from flows.publish import publish_report, publish_stages
 from flows.server import prefect_api
@@ -28,20 +30,22 @@ class EvalFlowConfig(BaseModel):
     evaluate: EvaluateParams = EvaluateParams()
 
 
-def evaluate_run(flow_name: str, refs: dict[str, Any], params: EvaluateParams, store: str) -> dict[str, Any]:
+def evaluate_run(
+    flow_name: str, refs: dict[str, Any], params: EvaluateParams, corpus: CorpusConfig
+) -> dict[str, Any]:
     """The evaluate stage on `refs`' trained run; then the flow's summary, artifact links and report in the UI."""
     inputs = [refs["pretrain"], refs["tokenize"]]
-    refs = {**refs, "evaluate": stage_ref("evaluate", dataclasses.asdict(params), inputs, store)}
+    refs = {**refs, "evaluate": stage_ref("evaluate", dataclasses.asdict(params), inputs, corpus)}
     get_run_logger().info("report: %s/report.md", refs["evaluate"]["url"])
-    publish_stages(flow_name, refs, store)
-    publish_report(refs["evaluate"], store)
+    publish_stages(flow_name, refs, corpus.store)
+    publish_report(refs["evaluate"], corpus.store)
     return refs
 
 
 @flow(name="eval")
 def eval_flow(config: EvalFlowConfig = EvalFlowConfig()) -> dict[str, Any]:
     """Everything from raw text to the evaluation report; returns every stage's artifact reference."""
-    return evaluate_run("eval", pretrain_flow(config.pretrain), config.evaluate, config.pretrain.corpus.store)
+    return evaluate_run("eval", pretrain_flow(config.pretrain), config.evaluate, config.pretrain.corpus)
 
 
 def parse(argv: list[str] | None) -> EvalFlowConfig:
@@ -63,6 +67,7 @@ def run_eval(config: EvalFlowConfig) -> dict[str, Any]:
     return eval_flow.with_options(task_runner=runner)(config)
 
 
+@command_line
 def main(argv: list[str] | None = None) -> int:
     with prefect_api():
         refs = run_eval(parse(argv))

@@ -44,7 +44,7 @@ def pipeline_flow(
                 "the corpus-refresh deployment's settings in prefect.yaml"
             )
     refs = convert_flow(ConvertFlowConfig(pretrain=config.pretrain, convert=config.convert))
-    refs = evaluate_run("pipeline", refs, config.evaluate, config.pretrain.corpus.store)
+    refs = evaluate_run("pipeline", refs, config.evaluate, config.pretrain.corpus)
     if config.retro is not None:
         retro = config.retro.model_copy(update={"corpus": config.pretrain.corpus})
         refs = {**retro_flow(retro), **refs}

@@ -25,6 +25,8 @@ from prefect import flow, get_run_logger
 from pydantic import BaseModel, ConfigDict
 
 from flows.corpus import CorpusConfig, corpus_flow
+from flows.corpus_plan import rebuild_stages
+from flows.failures import command_line
 from flows.publish import publish_stages
 from flows.server import prefect_api
 from flows.tasks import make_task_runner, stage_ref
@@ -102,7 +104,7 @@ def pretrain_flow(config: PretrainFlowConfig = PretrainFlowConfig()) -> dict[str
         config.launch,
     )
     inputs = [refs["tokenize"], *([refs["train_tokenizer"]] if "train_tokenizer" in refs else [])]
-    refs["pretrain"] = stage_ref("pretrain", dataclasses.asdict(params), inputs, config.corpus.store)
+    refs["pretrain"] = stage_ref("pretrain", dataclasses.asdict(params), inputs, config.corpus)
     get_run_logger().info("trained run: %s", refs["pretrain"]["url"])
     publish_stages("pretrain", refs, config.corpus.store)
     return refs
@@ -130,14 +132,35 @@ def add_pretrain_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--launcher", choices=("torchrun", "slurm"), default="torchrun", help="slurm: submit an sbatch job"
     )
+    parser.add_argument(
+        "--rebuild",
+        type=_rebuild_flag,
+        default=(),
+        metavar="STAGE[,STAGE]",
+        help="build these stages again although committed, and every stage after them",
+    )
+    parser.add_argument(
+        "--reuse-across-code-changes",
+        action="store_true",
+        help="take the artifacts built by earlier code for the same settings instead of rebuilding",
+    )
     parser.epilog = (
         "Megatron flags after `--` override the small GPT defaults (flows/pretrain.py: SMALL_GPT_ARGS)."
     )
 
 
+def _rebuild_flag(value: str) -> tuple[str, ...]:
+    try:
+        return rebuild_stages(value)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
 def pretrain_config(args: argparse.Namespace, megatron: list[str]) -> PretrainFlowConfig:
     return PretrainFlowConfig(
-        corpus=CorpusConfig(store=args.store),
+        corpus=CorpusConfig(
+            store=args.store, rebuild=args.rebuild, reuse_across_code_changes=args.reuse_across_code_changes
+        ),
         model=getattr(args, "model", "gpt"),
         megatron_args=(*SMALL_GPT_ARGS, *megatron),
         nproc_per_node=args.nproc_per_node,
@@ -163,6 +186,7 @@ def parse(argv: list[str] | None) -> PretrainFlowConfig:
     return pretrain_config(parser.parse_args(own), megatron)
 
 
+@command_line
 def main(argv: list[str] | None = None) -> int:
     config = parse(argv)
     runner = make_task_runner(config.corpus.task_runner, config.corpus.workers, config.corpus.cluster_address)

@@ -24,11 +24,12 @@ from prefect import flow, get_run_logger
 from pydantic import BaseModel, ConfigDict
 
 from flows.cli import parse_config
-from flows.corpus_plan import CorpusConfig, RunStage, committed_stages, corpus_stages
+from flows.corpus_plan import CorpusConfig, RunStage, committed_stages, corpus_stages, unused_rebuilds
+from flows.failures import command_line
 from flows.publish import publish_report, publish_stages
 from flows.server import prefect_api
 from flows.summary import summarize, summary_table
-from flows.tasks import make_task_runner, stage_ref
+from flows.tasks import make_task_runner, stage_runner
 from stages.retro_evaluate import RetroEvaluateParams
 from stages.retro_params import (
     DbParams,
@@ -178,7 +179,7 @@ def project_dir(refs: dict[str, dict[str, Any]], store_url: str) -> str:
 
 def committed_retro(config: RetroFlowConfig) -> dict[str, dict[str, Any]] | None:
     """Every stage's committed artifact, or None when some stage has work to do (decided from the store)."""
-    return committed_stages(config.corpus.store, lambda run: retro_stages(config, run))
+    return committed_stages(config.corpus, lambda run: retro_stages(config, run))
 
 
 @flow(name="retro")
@@ -186,11 +187,7 @@ def retro_flow(config: RetroFlowConfig = RetroFlowConfig()) -> dict[str, Any]:
     """Raw text to a Retro project directory, both runs and their report; returns every stage's artifact
     reference."""
     store = config.corpus.store
-
-    def run(stage: str, params: dict[str, Any], inputs: list) -> dict[str, Any]:
-        return stage_ref(stage, params, inputs, store)
-
-    refs = retro_stages(config, run)
+    refs = retro_stages(config, stage_runner(config.corpus))
     get_run_logger().info(
         "retro summary\n%s\nproject: %s", summary_table(summarize(refs, store)), project_dir(refs, store)
     )
@@ -211,15 +208,19 @@ def run_retro(config: RetroFlowConfig) -> dict[str, Any]:
     return retro_flow.with_options(task_runner=runner)(config)
 
 
+@command_line
 def main(argv: list[str] | None = None) -> int:
     config = parse_config(RetroFlowConfig, argv, description=__doc__.split("\n")[0])
     refs = committed_retro(config)
     if refs is None:  # work to do: only now start (or connect to) a Prefect server
+        ArtifactStore(config.corpus.store).check_writable()
         with prefect_api():
             refs = run_retro(config)
     print(summary_table(summarize(refs, config.corpus.store)))
     print(f"retro project: {project_dir(refs, config.corpus.store)}")
     print("\n".join(result_lines(refs, config.corpus.store)))
+    for warning in unused_rebuilds(config.corpus, refs, "retro"):
+        print(warning, file=sys.stderr)
     return 0
 
 

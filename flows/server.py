@@ -29,12 +29,19 @@ from collections.abc import Iterator
 
 import httpx
 
+from flows.failures import console_without_tracebacks
 from storage.artifacts import try_lock
 
 LOCK_FILE = "megatron-flow-server.lock"
 STARTUP_TIMEOUT_SECONDS = 180.0  # a fresh database's migrations take a minute on a busy 2-core machine
-# What Prefect's own temporary server sets: no UI, ephemeral mode.
-_SERVER_ENV = {"PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1"}
+# What Prefect's own temporary server sets (no UI, ephemeral mode), and no telemetry: the product runs without
+# internet, and the telemetry service's first write races the flow's on the sqlite file ("database is locked").
+_SERVER_ENV = {
+    "PREFECT_UI_ENABLED": "0",
+    "PREFECT__SERVER_EPHEMERAL": "1",
+    "PREFECT__SERVER_FINAL": "1",
+    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+}
 
 
 def exit_with_parent(
@@ -86,12 +93,14 @@ def _wait_until_healthy(proc: subprocess.Popen, url: str, timeout: float) -> Non
 
 @contextlib.contextmanager
 def prefect_api(startup_timeout: float = STARTUP_TIMEOUT_SECONDS) -> Iterator[str]:
-    """Yield the API URL flows in this process use: PREFECT_API_URL if set, else a temporary server's."""
+    """Yield the API URL flows in this process use: PREFECT_API_URL if set, else a temporary server's. While it
+    lasts, Prefect's console log leaves tracebacks out (`flows.failures`: a failed flow ends in one line)."""
     from prefect.settings import PREFECT_API_URL, PREFECT_HOME, get_current_settings, temporary_settings
 
     given = PREFECT_API_URL.value()
     if given:
-        yield given
+        with console_without_tracebacks():
+            yield given
         return
     home = str(PREFECT_HOME.value())
     os.makedirs(home, exist_ok=True)
@@ -99,6 +108,7 @@ def prefect_api(startup_timeout: float = STARTUP_TIMEOUT_SECONDS) -> Iterator[st
     shared_sqlite = database is None or "sqlite" in database.get_secret_value()
     lock = try_lock(os.path.join(home, LOCK_FILE)) if shared_sqlite else None
     with contextlib.ExitStack() as stack:
+        stack.enter_context(console_without_tracebacks())
         if lock is not None:
             stack.callback(lock.close)
         env = {**os.environ, **_SERVER_ENV}

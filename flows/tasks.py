@@ -21,10 +21,11 @@ from prefect.context import TaskRunContext
 from prefect.futures import as_completed
 from prefect.task_runners import ProcessPoolTaskRunner, TaskRunner, ThreadPoolTaskRunner
 
-from flows.corpus_plan import TaskRunnerKind, runner_kind
+from flows.corpus_plan import CorpusConfig, RunStage, TaskRunnerKind, runner_kind
+from flows.failures import StageFailed
 from flows.server import exit_with_parent
 from stages.registry import committed_ref, input_refs, stage_named
-from storage.artifacts import ArtifactStore
+from storage.artifacts import ArtifactStore, CachePolicy
 from storage.fingerprint import hash_bytes
 
 STAGE_LOGGER = "megatron_flow.stage"
@@ -132,13 +133,29 @@ def stage_logs_to_prefect() -> Iterator[None]:
         stage_logger.level, stage_logger.propagate = previous
 
 
+def _task_store(
+    store_url: str, storage_options: dict[str, Any] | None, rebuild: bool, reuse_across_code_changes: bool
+) -> ArtifactStore:
+    """The store a stage task runs against, under the task's cache policy."""
+    return ArtifactStore(
+        store_url, CachePolicy(rebuild, reuse_across_code_changes), **(storage_options or {})
+    )
+
+
 def _stage_cache_key(context: TaskRunContext, parameters: dict[str, Any]) -> str:
     """Prefect's cache key: the stage's own fingerprint in this store, known before the stage runs, so the first
-    run's result is recorded under the key a rerun looks up and the rerun is Cached. The store is part of it: the
-    same stage in another store is another artifact (another URL). While the artifact is not committed (never
-    built, or deleted from the store), a Prefect record under that key is stale: it is expired here, so the task
-    runs and rebuilds instead of returning a reference to nothing."""
-    store = ArtifactStore(parameters["store_url"], **(parameters.get("storage_options") or {}))
+    run's result is recorded under the key a rerun looks up and the rerun is Cached (with
+    `reuse_across_code_changes`, the key of the artifact found for the same params and inputs). The store is part
+    of it: the same stage in another store is another artifact (another URL). While the artifact is not committed
+    (never built, or deleted from the store), a Prefect record under that key is stale: it is expired here, so
+    the task runs and rebuilds instead of returning a reference to nothing. A rebuild runs with Prefect's
+    `refresh_cache` (`stage_ref`)."""
+    store = _task_store(
+        parameters["store_url"],
+        parameters.get("storage_options"),
+        False,
+        parameters.get("reuse_across_code_changes", False),
+    )
     key, found = committed_ref(parameters["stage"], parameters["params"], parameters["inputs"], store)
     cache_key = f"{parameters['stage']}-{key}-{hash_bytes(store.url.encode())[:16]}"
     if found is None and context.result_store.exists(cache_key):
@@ -162,10 +179,14 @@ def run_stage_task(
     inputs: list[dict | str],
     store_url: str,
     storage_options: dict[str, Any] | None = None,
+    rebuild: bool = False,
+    reuse_across_code_changes: bool = False,
 ) -> dict[str, Any]:
-    """Run one stage; returns its ArtifactRef as a plain dict (small, JSON-serialisable)."""
+    """Run one stage; returns its ArtifactRef as a plain dict (small, JSON-serialisable). `rebuild`: discard the
+    committed artifact and build it again; `reuse_across_code_changes`: an artifact built by other code for the
+    same params and inputs counts as committed."""
     runner = stage_named(stage)
-    store = ArtifactStore(store_url, **(storage_options or {}))
+    store = _task_store(store_url, storage_options, rebuild, reuse_across_code_changes)
     typed, refs = runner.params_from_dict(params), input_refs(store, inputs)
     with stage_logs_to_prefect():
         if runner.maps_shards:
@@ -175,9 +196,31 @@ def run_stage_task(
     return ref.to_dict()
 
 
-def stage_ref(stage: str, params: dict[str, Any], inputs: list[dict | str], store_url: str) -> dict[str, Any]:
-    """`run_stage_task`'s artifact reference, with `cache_hit` true when nothing was built: the stage found its
-    artifact, or Prefect returned the recorded result (Cached state), which holds the first run's `cache_hit`."""
-    state = run_stage_task(stage, params, inputs, store_url, return_state=True)
-    ref = state.result()
+def stage_ref(
+    stage: str, params: dict[str, Any], inputs: list[dict | str], corpus: CorpusConfig
+) -> dict[str, Any]:
+    """`run_stage_task`'s artifact reference in the corpus config's store, with `cache_hit` true when nothing was
+    built: the stage found its artifact, or Prefect returned the recorded result (Cached state), which holds the
+    first run's `cache_hit`. A stage `--rebuild` names, or whose input was rebuilt, is built again (Prefect's
+    record refreshed). A failed stage raises `StageFailed` (its name and error in one line)."""
+    rebuild = corpus.forces(stage, inputs)
+    task_ = run_stage_task.with_options(refresh_cache=rebuild) if rebuild else run_stage_task
+    state = task_(
+        stage,
+        params,
+        inputs,
+        corpus.store,
+        rebuild=rebuild,
+        reuse_across_code_changes=corpus.reuse_across_code_changes,
+        return_state=True,
+    )
+    try:
+        ref = state.result()
+    except Exception as error:
+        raise StageFailed(stage, error) from error
     return {**ref, "cache_hit": ref["cache_hit"] or state.name == "Cached"}
+
+
+def stage_runner(corpus: CorpusConfig) -> RunStage:
+    """`run(stage, params, inputs)` for a flow's DAG: each stage a Prefect task in the corpus config's store."""
+    return lambda stage, params, inputs: stage_ref(stage, params, inputs, corpus)
