@@ -18,10 +18,12 @@ from flows.corpus import CorpusConfig, corpus_flow, main
 from stages.clean import CleanParams
 from stages.download import DownloadParams
 from stages.tokenize import TokenizeParams
+from stages.tokenize import main as tokenize_main
 from storage.artifacts import ArtifactStore
 from storage.indexed_dataset import IndexedDataset
 from tests.helpers.corpus_flow import clean_chapters, corpus_config
 from tests.helpers.prefect_runs import artifacts, task_states
+from tests.helpers.read_only import read_only
 
 ROOT = Path(__file__).resolve().parents[1]
 N_BASE, EXACT, NEAR = 30, [0, 5, 9], [2, 12, 20]
@@ -64,7 +66,7 @@ def _token_files(refs: dict) -> dict[str, bytes]:
     return {Path(p).name: Path(p).read_bytes() for p in sorted(glob.glob(f"{url}/tokens_*"))}
 
 
-def test_flow_counts_caching_and_partial_rerun(prefect_api_url, corpus, tmp_path, monkeypatch):
+def test_flow_counts_caching_and_partial_rerun(prefect_api_url, corpus, tmp_path, monkeypatch, capsys):
     emitted: list[dict] = []  # the Prefect events the flow emits (new token data triggers the pipeline)
     monkeypatch.setattr("flows.events.emit_event", lambda **event: emitted.append(event))
     store = tmp_path / "store"
@@ -137,6 +139,33 @@ def test_flow_counts_caching_and_partial_rerun(prefect_api_url, corpus, tmp_path
         changed["tokenize"]["key"],
     ]
 
+    # A committed file changed behind the store's back (dedup's first shard): the next stage that reads it
+    # (tokenize, asked for other settings) refuses, naming the file and the stage to rebuild, in one line...
+    argv = [
+        "--store",
+        str(store),
+        *_cli_source_args(corpus),
+        "--clean.min-words",
+        "20",
+        "--task-runner",
+        "threads",
+    ]
+    dedup = ArtifactStore(str(store)).ref(changed["dedup"])
+    shard = Path(dedup.local_path("shards/00000.parquet"))
+    original, tokens = shard.read_bytes(), _token_files(changed)
+    shard.chmod(0o644)
+    shard.write_bytes(original[:100] + bytes([original[100] ^ 1]) + original[101:])
+    capsys.readouterr()
+    assert main([*argv, "--tokenize.append-eod", "false"]) == 1
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"error: the tokenize stage failed: {shard}: its content differs from its manifest's hash; the dedup "
+        f"artifact {dedup.url} changed after it was committed: rebuild it (--rebuild dedup)"
+    )
+    # ... and --rebuild dedup recovers it, with the same bytes, rebuilding the stages after it too.
+    assert main([*argv, "--rebuild", "dedup"]) == 0
+    assert "cache hits: 2/5 stages" in capsys.readouterr().out
+    assert shard.read_bytes() == original and _token_files(changed) == tokens
+
 
 def test_malformed_record_without_skip_names_file_and_line(prefect_api_url, corpus, tmp_path):
     config = corpus_config(
@@ -177,13 +206,38 @@ def test_cli_runs_on_process_pool_and_matches_flow(prefect_api_url, corpus, tmp_
     # Nothing left to do: decided from the store, without starting or contacting a Prefect server.
     monkeypatch.setattr("flows.server.prefect_api", _no_server)
     monkeypatch.setattr("flows.corpus.run_corpus", _no_server)
-    assert main(argv) == 0
+    with read_only(tmp_path / "b"):  # a store that cannot be written still serves what it holds
+        assert main(argv) == 0
     out = capsys.readouterr().out
     assert "cache hits: 5/5 stages" in out and f"tokens: {refs['tokenize'].url}" in out
     # ... and without importing Prefect (most of a second command line's time, `make corpus`).
-    code = f"import sys; from flows.corpus_plan import main; main({argv!r}); print('prefect' in sys.modules)"
+    # Nor torch: the stages' keys cover their code, found by parsing it (storage.code_fingerprint).
+    code = (
+        f"import sys; from flows.corpus_plan import main; main({argv!r}); "
+        "print('prefect' in sys.modules, 'torch' in sys.modules)"
+    )
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
-    assert "cache hits: 5/5 stages" in done.stdout and done.stdout.split()[-1] == "False"
+    assert "cache hits: 5/5 stages" in done.stdout and done.stdout.split()[-2:] == ["False", "False"]
+
+
+def test_a_read_only_store_ends_in_one_line_naming_it(corpus, tmp_path, capsys):
+    """`make corpus` (and `python -m stages.tokenize`) with a --store that cannot be written: one line, before any
+    work and without a Prefect server, naming the store and what to do."""
+    store = tmp_path / "store"
+    store.mkdir()
+    tokenize_argv = ["--input", str(corpus), "--output-prefix", str(tmp_path / "out"), "--store", str(store),
+                     "--tokenizer-type", "NullTokenizer", "--vocab-size", "100", "--skip-bad-records"]  # fmt: skip
+    with read_only(store) as reason:
+        assert main(["--store", str(store), *_cli_source_args(corpus)]) == 1
+        assert capsys.readouterr().err.splitlines() == [
+            f"error: --store {store} cannot be written ({reason}: {store}/.write-check-{os.getpid()}); give a "
+            "writable folder or URL with --store, or make it writable"
+        ]
+        assert tokenize_main(tokenize_argv) == 1
+        assert capsys.readouterr().err.splitlines()[-1] == (
+            f"error: --store {store} cannot be written ({reason}: {store}/.scratch); give a writable folder or "
+            "URL with --store, or make it writable"
+        )
 
 
 def _no_server(*args, **kwargs):

@@ -11,6 +11,7 @@ import pytest
 
 import megatron_train
 from flows.corpus import CorpusConfig
+from flows.failures import StageFailed
 from flows.pretrain import PretrainFlowConfig, corpus_for_model, parse, pretrain_flow
 from stages.download import EMBEDDED_CORPUS, DownloadParams
 from stages.pretrain import PRETRAIN_MODULES, params_from_argv, run_directory, torchrun_command
@@ -95,3 +96,35 @@ def test_pretrain_flow_end_to_end_then_cached(prefect_api_url, tmp_path, model):
     assert metadata["model_type"] == model
     again = pretrain_flow(config)
     assert again["pretrain"]["url"] == refs["pretrain"]["url"] and again["pretrain"]["cache_hit"]
+    if model == "bert":
+        _changed_token_data_is_refused_then_rebuilt(config, refs, Path(run))
+
+
+def _changed_token_data_is_refused_then_rebuilt(config: PretrainFlowConfig, refs: dict, run: Path) -> None:
+    """The token data handed to torchrun changed after its commit: a (re)training refuses it before launching,
+    naming the file and the stage to rebuild; --rebuild tokenize gives the same tokens and the same model."""
+    tokenized = ArtifactStore(config.corpus.store).ref(refs["tokenize"])
+    data = Path(tokenized.local_path(tokenized.manifest()["outputs"]["text"] + ".bin"))
+    original, weights = (
+        data.read_bytes(),
+        (run / "iter_0000006" / "mp_rank_00" / "model.safetensors").read_bytes(),
+    )
+    changed = bytearray(original)
+    changed[len(changed) // 2] ^= 0x01
+    data.chmod(0o644)
+    data.write_bytes(bytes(changed))
+
+    def rebuilding(*stages: str) -> PretrainFlowConfig:
+        return config.model_copy(update={"corpus": config.corpus.model_copy(update={"rebuild": stages})})
+
+    with pytest.raises(StageFailed) as refused:
+        pretrain_flow(rebuilding("pretrain"))
+    assert str(refused.value) == (
+        f"the pretrain stage failed: {data}: its content differs from its manifest's hash; the tokenize artifact "
+        f"{tokenized.url} changed after it was committed: rebuild it (--rebuild tokenize)"
+    )
+    assert run.is_dir()  # refused before the committed run was discarded
+    recovered = pretrain_flow(rebuilding("tokenize"))
+    assert recovered["tokenize"]["rebuilt"] and recovered["pretrain"]["rebuilt"]  # and what follows it
+    assert recovered["pretrain"]["key"] == refs["pretrain"]["key"] and data.read_bytes() == original
+    assert (run / "iter_0000006" / "mp_rank_00" / "model.safetensors").read_bytes() == weights

@@ -6,6 +6,8 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -31,6 +33,7 @@ from stages.retro_pretrain import RetroPretrainParams
 from tests.helpers.corpus_flow import clean_chapters, corpus_config
 from tests.helpers.prefect_runs import artifacts
 
+ROOT = Path(__file__).resolve().parents[1]
 RETRO_STAGES = [name for name in STAGE_MODULES if name.startswith("retro_")]
 TINY_DECODER = ("--num-layers", "6", "--hidden-size", "16", "--num-attention-heads", "2", "--micro-batch-size", "8",
                 "--lr", "1e-3", "--num-workers", "0")  # fmt: skip
@@ -127,3 +130,22 @@ def test_flow_writes_a_retro_project_and_a_rerun_is_all_cache_hits(
         update={"query": QueryParams(**{**config.query.__dict__, "num_neighbors_save": 3})}
     )
     assert committed_retro(changed) is None  # another query setting: the query stage has work to do
+
+
+def test_a_failed_stage_ends_the_command_line_in_one_line(prefect_api_url, tmp_path):
+    """`python -m flows.retro_flow` whose corpus has a malformed line: the flow fails in its download stage, and
+    the command line ends with one line naming the stage, the file, the line and what to do, no traceback
+    (Prefect's console log leaves them out; the flow run's log on the server keeps them)."""
+    source = tmp_path / "broken.jsonl"
+    source.write_text('{"id": "a", "text": "in the beginning"}\n{"id": "b", "text": broken\n')
+    done = subprocess.run(
+        [sys.executable, "-m", "flows.retro_flow", "--corpus.store", str(tmp_path / "store"),
+         "--corpus.download.source", str(source), "--corpus.task-runner", "thread"],
+        cwd=ROOT, env={**os.environ, "PREFECT_API_URL": prefect_api_url}, capture_output=True, text=True,
+        timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert done.stderr.splitlines()[-1] == (
+        f"error: the download stage failed: {source}:2: not valid JSON (Expecting value; column 21); to skip "
+        "such records and count them, pass --skip-bad-records (in the corpus flow: --download.skip-bad-records true)"
+    )

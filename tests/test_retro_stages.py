@@ -6,11 +6,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import random
 import signal
+import stat
 import subprocess
 import sys
 import textwrap
 import uuid
+from pathlib import Path
 
 import faiss
 import numpy as np
@@ -21,7 +24,7 @@ from retro.db import ChunkDatabase
 from retro.index import ADDED_INDEX
 from retro.project import RetroProject, db_dir, index_path
 from retro.query import load_neighbours
-from stages import retro_db, retro_embed, retro_index_add, retro_index_train, retro_query, tokenize
+from stages import download, retro_db, retro_embed, retro_index_add, retro_index_train, retro_query, tokenize
 from stages.retro_embed import embedding_blocks, load_embeddings
 from stages.retro_params import (
     DbParams,
@@ -32,7 +35,8 @@ from stages.retro_params import (
     local_dir,
 )
 from stages.tokenize_params import TokenizeParams
-from storage.artifacts import ArtifactStore
+from storage.artifacts import ArtifactStore, CachePolicy
+from storage.verify import ChangedArtifactError
 from tests.helpers.retro_corpus import topic_texts, write_tiny_embedder
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -242,3 +246,102 @@ def test_an_object_store_gives_the_same_neighbours(setup, tmp_path, monkeypatch)
         load_neighbours(os.path.join(project, "query", "train")),
         load_neighbours(os.path.join(local_dir(local), "query", "train")),
     )
+
+
+def _copy_of_store(setup: Setup, tmp_path) -> tuple[ArtifactStore, dict]:
+    """Every Retro artifact in a copy of the module's store (hard links kept: the project's index is the
+    index-add artifact's file), to damage without touching the other tests' store."""
+    refs = {"tokenize": setup.tokenize, **run_all(setup, setup.store)}
+    subprocess.run(["cp", "-a", setup.store.root, str(tmp_path / "store")], check=True)
+    store = ArtifactStore(str(tmp_path / "store"))
+    return store, {name: store.find(ref.stage, ref.key) for name, ref in refs.items()}
+
+
+def _overwrite(path: Path, data: bytes) -> None:
+    """What a user (or a bug) does to a committed, read-only file: make it writable, then write it."""
+    path.chmod(0o644)
+    path.write_bytes(data)
+
+
+def _project_files(ref) -> dict[str, bytes]:
+    return {name: Path(ref.local_path(name)).read_bytes() for name in ref.files()}
+
+
+def test_a_changed_retro_index_is_refused_and_rebuild_recovers_it(setup, tmp_path):
+    store, refs = _copy_of_store(setup, tmp_path)
+    rebuild = store.with_policy(CachePolicy(rebuild=True))
+    query = QueryParams(**setup.gpt, embedder=setup.embedder, **QUERY)
+    # The project records the store's folder (settings.json): its bytes in this copy are those of a rebuild here.
+    refs["query"] = retro_query.run(query, [refs["tokenize"], refs["db"], refs["add"]], rebuild)
+    added = Path(refs["add"].local_path(ADDED_INDEX))
+    linked = Path(refs["query"].local_path("index/added.faissindex"))
+    assert added.stat().st_ino == linked.stat().st_ino and stat.S_IMODE(added.stat().st_mode) == 0o444
+    index_bytes, project = added.read_bytes(), _project_files(refs["query"])
+    changed = bytearray(index_bytes)
+    changed[len(changed) // 2] ^= 0x5A
+    _overwrite(added, bytes(changed))
+
+    # The query stage (another setting: it must build) refuses before reading the index: no crash, no manifest.
+    other = QueryParams(**setup.gpt, embedder=setup.embedder, **{**QUERY, "num_neighbors_save": 2})
+    inputs = [refs["tokenize"], refs["db"], refs["add"]]
+    with pytest.raises(ChangedArtifactError) as refused:
+        retro_query.run(other, inputs, store)
+    assert str(refused.value) == (
+        f"{added}: its content differs from its manifest's hash; the retro_index_add artifact {refs['add'].url} "
+        "changed after it was committed: rebuild it (--rebuild retro_index_add)"
+    )
+    assert store.find("retro_query", retro_query.key(other, inputs)) is None
+    # The project's hard link changed with it: what reads the project (Retro pretraining) refuses as well.
+    with pytest.raises(ChangedArtifactError, match=f"^{linked}: its content differs"):
+        refs["query"].verify()
+
+    # --rebuild retro_index_add, and with it the stage after it: the same bytes as before the damage.
+    add = retro_index_add.run(IndexAddParams(workers=1), [refs["embed"], refs["train"]], rebuild)
+    project_ref = retro_query.run(query, [refs["tokenize"], refs["db"], add], rebuild)
+    assert (add.key, project_ref.key) == (refs["add"].key, refs["query"].key) and add.rebuilt
+    assert Path(add.local_path(ADDED_INDEX)).read_bytes() == index_bytes
+    assert _project_files(project_ref) == project
+    project_ref.verify()
+    assert not retro_query.run(other, inputs, store).cache_hit
+
+
+def test_random_byte_flips_in_every_kind_of_committed_file_are_refused(setup, tmp_path):
+    """Fuzz: each kind of file the stages commit (Parquet shards, token data, NumPy arrays, JSON, faiss indexes,
+    safetensors, vocabularies), a random byte changed: verification names it, every time; the manifest itself
+    is refused or reads the same (a blank changed into another blank)."""
+    store, refs = _copy_of_store(setup, tmp_path)
+    source = tmp_path / "docs.jsonl"
+    source.write_text("".join(json.dumps({"text": t}) + "\n" for t in topic_texts(20, seed=5)))
+    refs["download"] = download.run(download.DownloadParams(source=str(source), docs_per_shard=10), [], store)
+    kinds: dict[str, tuple] = {}
+    for ref in refs.values():
+        for name in ref.files():
+            kinds.setdefault(Path(name).suffix, (ref, name))
+    assert {".parquet", ".bin", ".idx", ".npy", ".json", ".faissindex", ".safetensors", ".txt"} <= set(kinds)
+    rng = random.Random(0)
+    for ref, name in kinds.values():
+        path = Path(ref.local_path(name))
+        original = path.read_bytes()
+        for _ in range(10):
+            data = bytearray(original)
+            data[rng.randrange(len(data))] ^= rng.randrange(1, 256)
+            _overwrite(path, bytes(data))
+            with pytest.raises(ChangedArtifactError) as refused:
+                ref.verify()
+            assert str(refused.value).startswith(f"{path}: its content differs from its manifest's hash; "), (
+                name
+            )
+        _overwrite(path, original)
+        ref.verify()
+    for ref in refs.values():
+        path = Path(ref.local_path("manifest.json"))
+        original, fields = path.read_bytes(), ref.manifest()
+        for _ in range(10):
+            data = bytearray(original)
+            data[rng.randrange(len(data))] ^= rng.randrange(1, 256)
+            _overwrite(path, bytes(data))
+            try:
+                assert ref.manifest() == fields
+            except ChangedArtifactError as refused:
+                assert str(refused).startswith(f"{ref.url}/manifest.json: ")
+        _overwrite(path, original)
