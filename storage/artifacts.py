@@ -63,6 +63,7 @@ from storage.fingerprint import canonical_json, hash_bytes, hash_file
 from storage.verify import (
     MANIFEST,
     READ_ONLY,
+    ChangedArtifactError,
     check_local_file,
     check_remote_file,
     etag_of,
@@ -220,20 +221,27 @@ class ArtifactRef:
         return sorted(name for name in self.manifest()["files"] if name.startswith(prefix))
 
     def local_path(self, name: str) -> str:
-        """A local path to one of the artifact's files: the file itself on a local store, else a cached copy."""
+        """A local path to one of the artifact's files: the file itself on a local store, else a cached copy,
+        checked against the manifest (a copy that changed on disk is downloaded again, once)."""
         fs = self.fs
         if _is_local(fs):
             return self._path(name)
         relative = checked_name(name, f"{self.url}/{MANIFEST}")
         cache = os.path.join(_cache_root(), self.stage, self.key, *relative.split("/"))
-        if not os.path.exists(cache):
-            with atomic_path(cache) as tmp:
-                fs.get_file(self._path(relative), tmp)
         record = self.manifest()["files"].get(relative)
-        if (
-            record is not None
-        ):  # the local copy is what the artifact committed (a cache on disk may change too)
-            check_local_file(cache, record, self.stage, self.url)
+        for attempt in range(2):
+            if not os.path.exists(cache):
+                with atomic_path(cache) as tmp:
+                    fs.get_file(self._path(relative), tmp)
+            if record is None:
+                break
+            try:
+                check_local_file(cache, record, self.stage, self.url)
+                break
+            except ChangedArtifactError:
+                if attempt:  # a fresh download differs too: the object itself changed
+                    raise
+                os.remove(cache)
         return cache
 
     def to_dict(self) -> dict[str, Any]:
@@ -525,12 +533,10 @@ class ArtifactStore:
 
     def _remove(self, path: str) -> None:
         if _is_local(self.fs):
-            trash = os.path.join(
-                self.root, SCRATCH_DIR, "discarded", f"{os.path.basename(path)}-{time.time_ns()}"
-            )
-            os.makedirs(os.path.dirname(trash), exist_ok=True)
-            os.rename(path, trash)
-            shutil.rmtree(trash)
+            discarded = os.path.join(self.root, SCRATCH_DIR, "discarded")
+            os.makedirs(discarded, exist_ok=True)
+            os.rename(path, os.path.join(discarded, f"{os.path.basename(path)}-{time.time_ns()}"))
+            shutil.rmtree(discarded, ignore_errors=True)  # with what an earlier, killed discard left
         else:
             if self.fs.exists(f"{path}/{MANIFEST}"):
                 self.fs.rm(f"{path}/{MANIFEST}")

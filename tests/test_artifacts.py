@@ -154,17 +154,14 @@ def test_s3_store_against_a_real_server(s3_endpoint, tmp_path, monkeypatch):
     assert isinstance(ref, ArtifactRef)
 
     # On the object store, size and the ETag recorded at commit stand in for the hash: an object rewritten with
-    # other bytes of the same size is refused, and so is a changed local copy of one.
+    # other bytes of the same size is refused. A local copy that changed on disk is downloaded again.
     ref.verify()
     record = ref.manifest()["files"]["data/00001.txt"]
     assert record["etag"] and record["size"] == 8
     local = ref.local_path("data/00001.txt")
     with open(local, "r+b") as f:
         f.write(b"S")
-    with pytest.raises(
-        ChangedArtifactError, match=f"^{local}: its content differs from its manifest's hash; "
-    ):
-        ref.local_path("data/00001.txt")
+    assert ref.local_path("data/00001.txt") == local and Path(local).read_bytes() == b"shard 1\n"
     fs.pipe(f"{ref.url.removeprefix('s3://')}/data/00001.txt", b"shard 9\n")
     with pytest.raises(ChangedArtifactError) as refused:
         ref.verify()
@@ -172,6 +169,11 @@ def test_s3_store_against_a_real_server(s3_endpoint, tmp_path, monkeypatch):
         f"flow-bucket/artifacts/toy/{ref.key}/data/00001.txt: its ETag differs from the one recorded at commit; "
         f"the toy artifact {ref.url} changed after it was committed: rebuild it (--rebuild toy)"
     )
+    os.remove(local)  # ... and then its fresh copy differs too: refused
+    with pytest.raises(
+        ChangedArtifactError, match=f"^{local}: its content differs from its manifest's hash; "
+    ):
+        ref.local_path("data/00001.txt")
 
 
 def _write_refused(path: str) -> bool:

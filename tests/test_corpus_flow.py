@@ -17,6 +17,7 @@ import pytest
 from flows.corpus import CorpusConfig, corpus_flow, main
 from stages.clean import CleanParams
 from stages.download import DownloadParams
+from stages.registry import STAGE_MODULES
 from stages.tokenize import TokenizeParams
 from stages.tokenize import main as tokenize_main
 from storage.artifacts import ArtifactStore
@@ -302,6 +303,7 @@ def test_cli_flags_cover_every_stage_parameter():
 
 def test_a_bad_section_value_is_a_usage_error_naming_the_flag(capsys):
     from flows.cli import parse_config
+    from flows.pretrain import parse as pretrain_parse
     from flows.retro_flow import RetroFlowConfig
 
     with pytest.raises(SystemExit) as raised:
@@ -315,6 +317,29 @@ def test_a_bad_section_value_is_a_usage_error_naming_the_flag(capsys):
         parse_config(RetroFlowConfig, ["--embedder.source", "/no/such/embedder"], "test")
     assert (
         "error: --embedder: /no/such/embedder: neither a Megatron-Flow checkpoint" in capsys.readouterr().err
+    )
+    # --rebuild takes stage names (commas or a JSON list), checked against the stages there are, on every flow.
+    config = parse_config(
+        CorpusConfig, ["--rebuild", "clean,tokenize", "--reuse-across-code-changes"], "test"
+    )
+    assert config.rebuild == ("clean", "tokenize") and config.reuse_across_code_changes
+    assert parse_config(RetroFlowConfig, ["--corpus.rebuild", '["retro_query"]'], "t").corpus.rebuild == (
+        "retro_query",
+    )
+    stages = ", ".join(STAGE_MODULES)
+    with pytest.raises(SystemExit):
+        parse_config(CorpusConfig, ["--rebuild", "clean,toknize"], "test")
+    assert (
+        capsys.readouterr()
+        .err.splitlines()[-1]
+        .endswith(f"error: --rebuild: unknown stage toknize; stages: {stages}")
+    )
+    with pytest.raises(SystemExit):
+        pretrain_parse(["--rebuild", "pretrian"])
+    assert (
+        capsys.readouterr()
+        .err.splitlines()[-1]
+        .endswith(f"error: argument --rebuild: unknown stage pretrian; stages: {stages}")
     )
 
 

@@ -4,7 +4,8 @@ start each). The pipeline completes end to end (corpus -> pretrain -> convert ->
 evaluate) with its summary table and evaluation report in Prefect; an unchanged refresh is all Cached and triggers
 nothing; a refresh of a changed source fires the pipeline's trigger, which trains on the announced data. Then the
 refresh gets a schedule seconds apart: the server's scheduler creates a run and the worker executes it. The
-server's log holds no error from its services (with SQLAlchemy 2.1 the scheduler failed on every loop).
+server's log holds no error from its services (with SQLAlchemy 2.1 the scheduler failed on every loop: "Can't
+evaluate bulk DML statement").
 
 One test, since the server, the worker and each flow run's process take most of its time (about 3 minutes on 2
 cores, twice that when the machine is heavily shared); the deployments' parameters are `prefect.yaml`'s with a
@@ -233,12 +234,13 @@ def test_deployments_on_a_real_server_and_worker_run_trigger_and_cache(prefect_s
         finally:
             worker.terminate()
             worker.wait(30)
+    # The services (the scheduler among them) run as docket tasks: an error of theirs is a line of either logger.
     errors = [
         line
         for line in (tmp_path / "server.log").read_text().splitlines()
-        if re.search(r"\| ERROR +\|", line)
+        if re.search(r"\| ERROR +\| (prefect\.server\.services|docket)", line)
     ]
-    assert not errors, "Prefect's server logged errors:\n" + "\n".join(errors[:20])
+    assert not errors, "Prefect's services logged errors:\n" + "\n".join(errors[:20])
 
 
 def _scenario(env: dict[str, str], tmp_path: Path, source: Path) -> None:

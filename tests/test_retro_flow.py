@@ -140,7 +140,7 @@ def test_a_failed_stage_ends_the_command_line_in_one_line(prefect_api_url, tmp_p
     source.write_text('{"id": "a", "text": "in the beginning"}\n{"id": "b", "text": broken\n')
     done = subprocess.run(
         [sys.executable, "-m", "flows.retro_flow", "--corpus.store", str(tmp_path / "store"),
-         "--corpus.download.source", str(source), "--corpus.task-runner", "thread"],
+         "--corpus.download", json.dumps({"source": str(source)}), "--corpus.task-runner", "thread"],
         cwd=ROOT, env={**os.environ, "PREFECT_API_URL": prefect_api_url}, capture_output=True, text=True,
         timeout=300,
     )  # fmt: skip
