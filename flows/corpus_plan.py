@@ -152,11 +152,10 @@ def committed_stages(
     def find(stage: str, params: dict[str, Any], inputs: list) -> dict[str, Any]:
         if corpus.forces(stage, inputs):
             raise _NotCommitted(stage)
+        # A missing source or a changed tokenizer file: the stage's error, in one line.
         try:
             found = committed_ref(stage, params, inputs, store)[1]
-        except (
-            Exception
-        ) as error:  # a missing source, a changed input artifact: the stage's error, in one line
+        except Exception as error:
             raise StageFailed(stage, error) from error
         if found is None:
             raise _NotCommitted(stage)

@@ -165,10 +165,10 @@ def _library_versions() -> dict[str, str]:
 class CachePolicy:
     """How a stage run treats what the store holds (docs/architecture.md, "Rebuilding and reusing artifacts")."""
 
-    rebuild: bool = False  # discard the committed artifact of the key, then build it again
-    reuse_across_code_changes: bool = (
-        False  # an artifact of the same params and inputs built by other code counts
-    )
+    # Discard the committed artifact of the key, then build it again.
+    rebuild: bool = False
+    # An artifact built by other code for the same params and inputs counts as committed.
+    reuse_across_code_changes: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -362,9 +362,8 @@ class ArtifactWriter:
         dest = f"{self.path}/{checked_name(name, self.url)}"
         if _is_local(self.fs):
             atomic_move(local_path, dest)
-            if (
-                os.stat(dest).st_nlink == 1
-            ):  # a hard link (into another artifact, a user's file) keeps its mode
+            # Read-only once committed; a hard link (to another artifact's file, a user's file) keeps its mode.
+            if os.stat(dest).st_nlink == 1:
                 os.chmod(dest, READ_ONLY)
         else:
             self.fs.put_file(local_path, dest)
