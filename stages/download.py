@@ -194,7 +194,7 @@ def _build(params: DownloadParams, writer: ArtifactWriter) -> dict:
 class DownloadStage(Stage):
     name = "download"
     version = "1"
-    libraries = ("pyarrow", "datasets")
+    libraries = ("pyarrow", "datasets", "warcio")
     Params = DownloadParams
 
     def key_params(self, params: DownloadParams) -> DownloadParams:
