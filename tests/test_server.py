@@ -13,6 +13,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+import torch
 from fastapi.testclient import TestClient
 
 from megatron_train.checkpointing import load_model_for_inference
@@ -401,3 +402,90 @@ def test_server_takes_a_tokenizer_of_the_checkpoints_vocabulary(tmp_path, monkey
     client = serve(monkeypatch, ["--load", load, "--vocab-size", "99"])  # 100 tokens: 97 to 104 fit
     status, body = put(client, {"prompts": ["5 6 7"], "tokens_to_generate": 2, "top_k": 1})
     assert status == 200 and len(body["tokens"][0]) == 5
+
+
+@pytest.fixture(scope="module")
+def nan_client(tokenizer):
+    """A server of a model whose weights hold NaN (a damaged or diverged checkpoint)."""
+    broken = build_tiny_gpt()
+    with torch.no_grad():
+        broken.decoder.final_layernorm.weight.fill_(float("nan"))
+    return TestClient(create_app(broken, tokenizer, LIMITS))
+
+
+NAN_MESSAGE = (
+    "the model produced non-finite logits (NaN or inf): its weights or activations are not finite, so no token "
+    "can be chosen; check the checkpoint (a damaged or diverged one), or serve it in float32 if it overflows in "
+    "half precision"
+)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"prompts": ["ab"], "tokens_to_generate": 3},  # sampling: torch.multinomial's "inf, nan" before
+        {
+            "prompts": ["ab"],
+            "tokens_to_generate": 3,
+            "top_k": 1,
+        },  # greedy: argmax picked a NaN's index before
+        {"prompts": ["ab"], "tokens_to_generate": 0, "logprobs": True},  # NaN logprobs JSON cannot carry
+        {"prompts": ["ab"], "tokens_to_generate": 3, "beam_width": 2},
+    ],
+)
+def test_non_finite_logits_answer_a_500_with_a_message_and_the_server_keeps_serving(
+    nan_client, client, body, caplog
+):
+    with caplog.at_level(logging.INFO, logger="megatron_train.inference.server"):
+        status, answer = put(nan_client, body)
+    assert (status, answer) == (500, {"message": NAN_MESSAGE})
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == [
+        f"PUT /api: {NAN_MESSAGE}"
+    ]
+    response = nan_client.post("/v1/completions", content=json.dumps({"prompt": "ab", "max_tokens": 2}))
+    assert response.status_code == 500
+    assert response.json()["error"] == {
+        "message": NAN_MESSAGE,
+        "type": "server_error",
+        "param": None,
+        "code": None,
+    }
+    assert put(nan_client, {"prompts": ["ab"], "tokens_to_generate": 1, "temperature": "x"})[0] == 400
+    assert put(client, {"prompts": ["ab"], "tokens_to_generate": 2, "top_k": 1})[0] == 200
+
+
+async def _half_a_body(app, method: str, path: str) -> list[dict]:
+    """Drive the app as uvicorn would for a client that sends part of its body and hangs up."""
+    messages = iter([{"type": "http.request", "body": b'{"prompts": ["a', "more_body": True},
+                     {"type": "http.disconnect"}])  # fmt: skip
+    sent = []
+
+    async def receive() -> dict:
+        return next(messages)
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method, "path": path,
+             "raw_path": path.encode(), "root_path": "", "scheme": "http", "query_string": b"",
+             "headers": [(b"content-type", b"application/json"), (b"content-length", b"400")],
+             "client": ("10.0.0.7", 5555), "server": ("127.0.0.1", 5000)}  # fmt: skip
+    await app(scope, receive, send)
+    return sent
+
+
+@pytest.mark.parametrize(("method", "path"), [("PUT", "/api"), ("POST", "/v1/completions"),
+                                              ("POST", "/v1/chat/completions")])  # fmt: skip
+def test_a_client_that_hangs_up_mid_body_is_one_log_line(model, tokenizer, method, path, caplog):
+    import asyncio
+
+    app = create_app(model, tokenizer, LIMITS)
+    with caplog.at_level(logging.DEBUG):
+        asyncio.run(
+            _half_a_body(app, method, path)
+        )  # raised ClientDisconnect into a 75-line traceback before
+    assert [(r.levelname, r.getMessage()) for r in caplog.records if r.levelno >= logging.WARNING] == [
+        ("WARNING", f"client 10.0.0.7 disconnected after sending 15 of 400 bytes of its {method} {path} request; "
+                    "nothing answered")
+    ]  # fmt: skip
+    assert not any(r.exc_info for r in caplog.records)

@@ -17,7 +17,14 @@ import torch
 import torch.nn.functional as F
 
 from megatron_train.inference.forward import broadcast_from_last_stage
-from megatron_train.inference.generation import allocate_kv_cache, check_fits, vocab_logits
+from megatron_train.inference.generation import (
+    NON_FINITE,
+    NonFiniteLogitsError,
+    allocate_kv_cache,
+    check_fits,
+    finite_rows,
+    vocab_logits,
+)
 from megatron_train.tokenizer.base import MegatronTokenizer
 
 
@@ -100,7 +107,9 @@ def beam_search(
                 tokenizer.vocab_size,
             )
             choice = None  # [beam ids to continue; their new tokens; 1 when the search is over]
-            if logits is not None:
+            if logits is not None and not bool(finite_rows(logits[:, -1]).all()):
+                choice = torch.full((2 * beam + 1,), NON_FINITE, dtype=torch.long, device=device)
+            elif logits is not None:
                 generated = context_length + 1 - prompt_length
                 candidates = F.log_softmax(logits[:, -1], dim=-1) + running_scores[:, None]
                 top_scores, top_indices = candidates.view(-1).topk(2 * beam)
@@ -116,6 +125,8 @@ def beam_search(
                 over = last_step or finished.cannot_improve(float(running_scores[0]), generated)
                 choice = torch.cat([beam_ids[keep], words[keep], torch.tensor([int(over)], device=device)])
             choice = broadcast_from_last_stage(choice, (2 * beam + 1,), torch.long)
+            if choice[-1] == NON_FINITE:
+                raise NonFiniteLogitsError()
             if choice[-1]:
                 break
             order = choice[:beam]

@@ -22,6 +22,27 @@ from megatron_train.parallel import state
 from megatron_train.tokenizer.base import MegatronTokenizer
 
 
+class NonFiniteLogitsError(RuntimeError):
+    """The model's logits hold NaN or +inf, or a row has no finite logit: a model-side failure (weights or
+    activations that are not finite), which the server answers with a 500 and this message."""
+
+    def __init__(self) -> None:
+        super().__init__(
+            "the model produced non-finite logits (NaN or inf): its weights or activations are not finite, so no "
+            "token can be chosen; check the checkpoint (a damaged or diverged one), or serve it in float32 if it "
+            "overflows in half precision"
+        )
+
+
+NON_FINITE = -1  # the token the last stage sends when it cannot sample: every rank then raises the error
+
+
+def finite_rows(logits: torch.Tensor) -> torch.Tensor:
+    """[b] True where a row of logits [b, v] can be sampled: no NaN, no +inf and at least one finite value
+    (-inf marks tokens that may not be chosen: the padding rows, a top-k filter)."""
+    return ~(torch.isnan(logits).any(-1) | torch.isposinf(logits).any(-1)) & torch.isfinite(logits).any(-1)
+
+
 @dataclass(frozen=True)
 class GenerationParams:
     """What to generate. Names follow Megatron's `generate_and_post_process` and its server's request."""
@@ -199,8 +220,12 @@ class TokenScores:
             self.top_values[:, start:end], self.top_ids[:, start:end] = top.values, top.indices
 
     def share(self) -> None:
+        """The last stage's scores on every rank; a score that is not finite (the model's logits were not) is
+        NonFiniteLogitsError on every rank."""
         for tensor in (self.logprobs, self.top_values, self.top_ids):
             broadcast_from_last_stage(tensor, tensor.shape, tensor.dtype)
+        if not bool(torch.isfinite(self.logprobs).all()):
+            raise NonFiniteLogitsError()
 
     def rows(
         self, lengths: Sequence[int]
@@ -272,8 +297,13 @@ def generate_tokens(
             if colon is not None and newline is not None:
                 last_logits = last_logits.clone()
                 last_logits[tokens[:, context_length - 1] == colon, newline] = float("-inf")
-            new_tokens = sample(last_logits, params.top_k, params.top_p, params.temperature, generator)
+            if bool(finite_rows(last_logits).all()):
+                new_tokens = sample(last_logits, params.top_k, params.top_p, params.temperature, generator)
+            else:
+                new_tokens = torch.full((batch_size,), NON_FINITE, dtype=tokens.dtype, device=tokens.device)
         new_tokens = broadcast_from_last_stage(new_tokens, (batch_size,), tokens.dtype)
+        if bool((new_tokens == NON_FINITE).any()):
+            raise NonFiniteLogitsError()
 
         started = lengths <= context_length
         tokens[:, context_length] = torch.where(started, new_tokens, tokens[:, context_length])

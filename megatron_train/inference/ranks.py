@@ -17,7 +17,12 @@ import torch
 import torch.distributed as dist
 
 from megatron_train.inference.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
-from megatron_train.inference.generation import GenerationOutput, GenerationParams, generate
+from megatron_train.inference.generation import (
+    GenerationOutput,
+    GenerationParams,
+    NonFiniteLogitsError,
+    generate,
+)
 from megatron_train.tokenizer.base import MegatronTokenizer
 
 logger = logging.getLogger(__name__)
@@ -84,5 +89,5 @@ def follow(model: torch.nn.Module, tokenizer: MegatronTokenizer) -> None:
             continue
         try:
             run_work(model, tokenizer, work)
-        except ValueError as error:  # rank 0 met the same error at the same step and answers it
+        except (ValueError, NonFiniteLogitsError) as error:  # rank 0 met the same error at the same step
             logger.warning("rank %d: %s", dist.get_rank(), error)

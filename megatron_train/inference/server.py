@@ -24,13 +24,15 @@ from typing import Any
 import torch
 from fastapi import FastAPI, Request
 from fastapi.concurrency import run_in_threadpool
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
+from starlette.requests import ClientDisconnect
 
 from megatron_train.inference.batcher import Batcher, BatchLimits
 from megatron_train.inference.beam_search import BeamSearchOutput, BeamSearchParams
 from megatron_train.inference.generation import (
     GenerationOutput,
     GenerationParams,
+    NonFiniteLogitsError,
     max_sequence_length,
     supports_kv_cache,
 )
@@ -61,6 +63,10 @@ _PREVIEW.maxlevel, _PREVIEW.maxstring, _PREVIEW.maxother, _PREVIEW.maxlong = 3, 
 
 class RequestError(ValueError):
     """A request the server refuses: answered with 400 and this message."""
+
+
+class ClientGone(Exception):
+    """The client disconnected before its request body was complete: logged in one line, nothing answered."""
 
 
 def _is_int(value: Any) -> bool:
@@ -478,10 +484,17 @@ async def read_json_body(request: Request, limit: int) -> dict:
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise RequestError(f"request body is {declared} bytes; the limit is {limit} (--max-request-bytes)")
     body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise RequestError(f"request body is over {limit} bytes (--max-request-bytes)")
+    try:
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limit:
+                raise RequestError(f"request body is over {limit} bytes (--max-request-bytes)")
+    except ClientDisconnect:
+        expected = declared if declared is not None and declared.isdigit() and len(declared) < 20 else "?"
+        raise ClientGone(
+            f"client {_client(request)} disconnected after sending {len(body)} of {expected} bytes of its "
+            f"{request.method} {request.url.path} request; nothing answered"
+        ) from None
     try:
         data = json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
@@ -491,6 +504,12 @@ async def read_json_body(request: Request, limit: int) -> dict:
     if not isinstance(data, dict):
         raise RequestError("request body must be a JSON object")
     return data
+
+
+def client_gone(gone: ClientGone) -> Response:
+    """One bounded log line for a client that left mid-request (no traceback: a client can do it at will)."""
+    logger.warning("%s", gone)
+    return Response(status_code=400)
 
 
 def create_app(
@@ -532,6 +551,11 @@ def create_app(
             output = await service.generate(prompts, params)
         except ValueError as error:
             return JSONResponse({"message": str(error)}, status_code=400)
+        except ClientGone as gone:
+            return client_gone(gone)
+        except NonFiniteLogitsError as error:
+            logger.error("PUT /api: %s", error)
+            return JSONResponse({"message": str(error)}, status_code=500)
         if isinstance(output, BeamSearchOutput):
             return {"text": output.texts, "segments": output.segments, "scores": output.scores}
         return {
@@ -541,9 +565,14 @@ def create_app(
             "tokens": output.tokens,
         }
 
-    def openai_error(error: ValueError) -> JSONResponse:
-        error_body = {"message": str(error), "type": "invalid_request_error", "param": None, "code": None}
-        return JSONResponse({"error": error_body}, status_code=400)
+    def openai_error(error: ValueError | NonFiniteLogitsError) -> JSONResponse:
+        """OpenAI's error object: a 400 for the request's fault, a 500 for the model's (logged once)."""
+        model_side = isinstance(error, NonFiniteLogitsError)
+        if model_side:
+            logger.error("%s", error)
+        kind = "server_error" if model_side else "invalid_request_error"
+        error_body = {"message": str(error), "type": kind, "param": None, "code": None}
+        return JSONResponse({"error": error_body}, status_code=500 if model_side else 400)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -552,8 +581,10 @@ def create_app(
             prompts, params, echo = parse_completion_request(body, limits)
             logger.info("completion request from %s: %s", _client(request), request_summary(prompts, params))
             output = await service.generate(prompts, params)
-        except ValueError as error:
+        except (ValueError, NonFiniteLogitsError) as error:
             return openai_error(error)
+        except ClientGone as gone:
+            return client_gone(gone)
         return {
             "id": f"cmpl-{uuid.uuid4().hex}",
             "object": "text_completion",
@@ -570,8 +601,10 @@ def create_app(
             prompt, params = parse_chat_request(body, limits, tokenizer, sft_prompt_format)
             logger.info("chat request from %s: %s", _client(request), request_summary([prompt], params))
             output = await service.generate([prompt], params)
-        except ValueError as error:
+        except (ValueError, NonFiniteLogitsError) as error:
             return openai_error(error)
+        except ClientGone as gone:
+            return client_gone(gone)
         choice = {
             "index": 0,
             "message": {"role": "assistant", "content": output.completions[0]},
