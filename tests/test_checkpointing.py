@@ -6,6 +6,7 @@ save leaves only files `storage.atomic.is_temporary` recognises."""
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import multiprocessing
@@ -123,14 +124,50 @@ def test_marker_is_written_only_after_a_complete_folder(tmp_path, monkeypatch) -
     _save(config, parts, iteration=1)
 
     def crash_on_metadata(iteration_dir: str, metadata: dict) -> None:
-        raise OSError("disk full")
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), f"{iteration_dir}/metadata.json")
 
     monkeypatch.setattr(ckpt_save, "write_metadata", crash_on_metadata)
-    with pytest.raises(OSError):
+    with pytest.raises(ckpt.CheckpointError) as refused:
         _save(config, parts, iteration=2)
     monkeypatch.undo()
+    assert str(refused.value) == (
+        f"cannot save iteration 2 to --save {tmp_path}: writing {tmp_path}/iter_0000002/metadata.json failed (No "
+        f"space left on device); the unfinished {tmp_path}/iter_0000002 was removed. Free space on that file "
+        "system, make it writable, or pass another --save"
+    )
+    assert not (tmp_path / "iter_0000002").exists()
     assert read_latest_iteration(str(tmp_path)) == 1
     assert load_checkpoint(*_build(config), config, VOCAB).iteration == 1
+
+
+def test_a_full_disk_while_saving_is_one_error_naming_the_file_and_leaves_no_partial_file(
+    tmp_path, monkeypatch
+) -> None:
+    """safetensors raised its own SafetensorError ("os error 28") before, through the training loop's traceback."""
+    from safetensors import SafetensorError
+
+    from megatron_train.checkpointing import files as ckpt_files
+
+    config = _config(str(tmp_path))
+    parts = _build(config)
+    _save(config, parts, iteration=1)
+
+    def disk_fills(tensors, path, metadata=None) -> None:
+        with open(path, "wb") as handle:  # the first bytes land, then the device is full
+            handle.write(b"\0" * 100)
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(ckpt_files, "save_file", disk_fills)
+    with pytest.raises(ckpt.CheckpointError) as refused:
+        _save(config, parts, iteration=2)
+    monkeypatch.undo()
+    assert str(refused.value) == (
+        f"cannot save iteration 2 to --save {tmp_path}: writing {tmp_path}/iter_0000002/mp_rank_00/"
+        "model.safetensors failed (No space left on device); the unfinished "
+        f"{tmp_path}/iter_0000002 was removed. Free space on that file system, make it writable, or pass another --save"
+    )
+    assert sorted(os.listdir(tmp_path)) == ["iter_0000001", "latest_checkpointed_iteration.txt"]
+    assert read_latest_iteration(str(tmp_path)) == 1
 
 
 def test_finetune_no_load_optim_no_load_rng(tmp_path) -> None:

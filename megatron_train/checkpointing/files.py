@@ -9,9 +9,11 @@ checkpoints). Checkpoints saved before hashes were recorded load unverified, wit
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
+import re
 from typing import Any
 
 import torch
@@ -66,12 +68,24 @@ def complete_iterations(root: str) -> list[int]:
     )
 
 
+def save_safetensors(tensors: dict[str, torch.Tensor], path: str, metadata: dict[str, str]) -> None:
+    """safetensors' save_file; a failed write (the library's SafetensorError, "os error 28") is the OSError it
+    stands for, naming `path`, so a saver reports a full disk or a read-only folder like any other write."""
+    try:
+        save_file(tensors, path, metadata=metadata)
+    except SafetensorError as error:
+        code = re.search(r"os error (\d+)", str(error))
+        if code is None:
+            raise OSError(errno.EIO, f"safetensors could not write the file ({error})", path) from error
+        raise OSError(int(code.group(1)), os.strerror(int(code.group(1))), path) from error
+
+
 def write_tensors(path: str, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> FileRecord:
     """A safetensors file, atomically (one fsync); returns its size and content hash, the hash taken from the
     tensors in memory instead of reading the file back."""
     tensors = {name: tensor.detach().contiguous().cpu() for name, tensor in tensors.items()}
     with atomic_path(path) as tmp:
-        save_file(tensors, tmp, metadata=metadata)
+        save_safetensors(tensors, tmp, metadata)
         size = os.path.getsize(tmp)
         return {"size": size, "hash": _safetensors_hash(tmp, size, tensors)}
 

@@ -47,6 +47,7 @@ from megatron_train.checkpointing.names import (
 from megatron_train.checkpointing.progress import TrainingProgress
 from megatron_train.checkpointing.rng import global_rank, save_rng_state
 from megatron_train.parallel import state
+from storage.atomic import final_name
 
 logger = logging.getLogger(__name__)
 
@@ -109,13 +110,22 @@ def _may_write(root: str, iteration_dir: str, progress: TrainingProgress) -> boo
     return True
 
 
-def _gather_file_records(local: dict[str, FileRecord]) -> dict[str, FileRecord]:
-    """Every rank's file records (a collective: it also waits until every rank has written its files)."""
+def _write_failure(error: OSError, iteration_dir: str) -> str:
+    """What a failed write says in the one-line error: the file and the system's reason."""
+    return f"writing {final_name(str(error.filename or iteration_dir))} failed ({error.strerror or error})"
+
+
+def _gather_file_records(
+    local: dict[str, FileRecord], failure: str | None
+) -> tuple[dict[str, FileRecord], str | None]:
+    """Every rank's file records and the first rank's write failure, if any rank had one (a collective: it also
+    waits until every rank has written its files, so no rank is left waiting for one that failed)."""
     if not dist.is_initialized():
-        return local
-    gathered: list[dict[str, FileRecord] | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, local)
-    return {name: record for part in gathered for name, record in (part or {}).items()}
+        return local, failure
+    gathered: list[tuple[dict[str, FileRecord], str | None] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (local, failure))
+    records = {name: record for part, _ in gathered for name, record in part.items()}
+    return records, next((failed for _, failed in gathered if failed is not None), None)
 
 
 def save_checkpoint(
@@ -145,30 +155,49 @@ def save_checkpoint(
         shutil.rmtree(iteration_dir)
     _barrier()
     files: dict[str, FileRecord] = {}
-    optimizer_state = None
-    if optimizer is not None and not config.checkpoint.no_save_optim:
-        # every DP rank asks: a distributed optimizer gathers its shards into per-param tensors here
-        optimizer_state = rename_optimizer_state(*optimizer.state_dict(), names)
-    if state.get_data_parallel_rank() == 0:
-        weights = {names[local]: tensor for local, tensor in module.state_dict().items() if local in names}
-        shard_dir = model_shard_dir(
-            iteration_dir,
-            state.get_tensor_model_parallel_rank(),
-            state.get_pipeline_model_parallel_rank(),
-            state.get_pipeline_model_parallel_world_size(),
+    failure = None
+    try:
+        optimizer_state = None
+        if optimizer is not None and not config.checkpoint.no_save_optim:
+            # every DP rank asks: a distributed optimizer gathers its shards into per-param tensors here
+            optimizer_state = rename_optimizer_state(*optimizer.state_dict(), names)
+        if state.get_data_parallel_rank() == 0:
+            weights = {
+                names[local]: tensor for local, tensor in module.state_dict().items() if local in names
+            }
+            shard_dir = model_shard_dir(
+                iteration_dir,
+                state.get_tensor_model_parallel_rank(),
+                state.get_pipeline_model_parallel_rank(),
+                state.get_pipeline_model_parallel_world_size(),
+            )
+            files.update(write_shard(shard_dir, weights, sharding_records(module, names), optimizer_state))
+        if not config.checkpoint.no_save_rng:
+            files.update(save_rng_state(iteration_dir))
+    except OSError as error:  # a full disk, a read-only or vanished --save: every rank learns it below
+        failure = _write_failure(error, iteration_dir)
+    files, failure = _gather_file_records(files, failure)
+    if global_rank() == 0 and failure is None:
+        try:
+            write_metadata_and_marker(
+                root,
+                iteration,
+                _metadata(
+                    iteration, opt_param_scheduler, progress, config, padded_vocab_size, model_type(model)
+                ),
+                files,
+            )
+        except OSError as error:
+            failure = _write_failure(error, iteration_dir)
+    _, failure = _gather_file_records({}, failure)  # rank 0's metadata write, seen by every rank
+    if failure is not None:
+        if global_rank() == 0:
+            shutil.rmtree(iteration_dir, ignore_errors=True)
+        _barrier()
+        raise CheckpointError(
+            f"cannot save iteration {iteration} to --save {root}: {failure}; the unfinished {iteration_dir} was "
+            "removed. Free space on that file system, make it writable, or pass another --save"
         )
-        files.update(write_shard(shard_dir, weights, sharding_records(module, names), optimizer_state))
-    if not config.checkpoint.no_save_rng:
-        files.update(save_rng_state(iteration_dir))
-    files = _gather_file_records(files)
-    if global_rank() == 0:
-        write_metadata_and_marker(
-            root,
-            iteration,
-            _metadata(iteration, opt_param_scheduler, progress, config, padded_vocab_size, model_type(model)),
-            files,
-        )
-    _barrier()
     logger.info("saved checkpoint at iteration %d to %s", iteration, iteration_dir)
     return iteration_dir
 
