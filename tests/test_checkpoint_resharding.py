@@ -351,7 +351,7 @@ def test_impossible_conversions_are_refused(layouts, tmp_path, capsys) -> None:
     with pytest.raises(ValueError, match="is --load-dir"):
         convert_checkpoint(gpt, gpt, 1, 1)
     convert_checkpoint(gpt, str(tmp_path / "done"), 1, 1)
-    with pytest.raises(ValueError, match="iter_0000004 already holds a complete checkpoint"):
+    with pytest.raises(ValueError, match=r"done already holds a run's checkpoints \(iter_0000004, latest_"):
         convert_checkpoint(gpt, str(tmp_path / "done"), 4, 1)
     with pytest.raises(SystemExit):
         main(["--load-dir", gpt, "--save-dir", str(tmp_path / "out"), "--target-tensor-parallel-size", "3"])

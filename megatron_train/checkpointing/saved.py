@@ -15,6 +15,7 @@ import torch
 from safetensors import SafetensorError
 
 from megatron_train.checkpointing.files import (
+    METADATA_FILENAME,
     CheckpointError,
     CheckpointFiles,
     model_shard_dir,
@@ -31,6 +32,9 @@ from megatron_train.checkpointing.layout import (
 )
 from megatron_train.checkpointing.names import param_of
 from megatron_train.checkpointing.rng import load_rng_state
+
+# metadata.json's layout: each an integer of at least 1, checked before a file is opened.
+LAYOUT_KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "padded_vocab_size")
 
 
 def saved_true_vocab_range(metadata: dict) -> tuple[int, int]:
@@ -52,19 +56,65 @@ class SavedCheckpoint:
         self.iteration_dir = iteration_dir
         self.metadata = read_metadata(iteration_dir)
         self.files = CheckpointFiles(iteration_dir, self.metadata)
+        where = os.path.join(iteration_dir, METADATA_FILENAME)
+        for key in LAYOUT_KEYS:
+            value = self.metadata.get(key)
+            if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+                raise CheckpointError(f"{where}: {key} is {value!r}, not an integer of at least 1")
         self.tp_size: int = self.metadata["tensor_model_parallel_size"]
         self.pp_size: int = self.metadata["pipeline_model_parallel_size"]
         self.padded_vocab_size: int = self.metadata["padded_vocab_size"]
+        folders = [name for name in os.listdir(iteration_dir) if name.startswith("mp_rank_")]
+        if len(folders) != self.tp_size * self.pp_size:
+            raise CheckpointError(
+                f"{where}: tensor_model_parallel_size {self.tp_size} x pipeline_model_parallel_size "
+                f"{self.pp_size}, but {iteration_dir} holds {len(folders)} rank folders"
+            )
         self._handles: dict[str, Any] = {}
         self._saved_optimizer: tuple[dict, set[str]] | None = None
         records: dict[str, dict[str, Any]] = {}
         for pp_rank in range(self.pp_size):
             path = self.path("model", 0, pp_rank)
-            records.update(json.loads((self._handle(path).metadata() or {}).get("sharding", "{}")))
+            records.update(self._checked_records(path, pp_rank))
         # checkpoint name -> record, in model order (an interleaved pipeline's stages hold layers out of order)
         self.params: dict[str, dict[str, Any]] = {
             name: records[name] for name in sorted(records, key=module_order)
         }
+
+    def _checked_records(self, path: str, pp_rank: int) -> dict[str, dict[str, Any]]:
+        """The sharding records a stage's first shard file carries, each checked against the tensor the file
+        holds under that name (its shape is the record's global shape cut for the saved TP size)."""
+        handle = self._handle(path)
+        try:
+            records = json.loads((handle.metadata() or {}).get("sharding", "{}"))
+        except json.JSONDecodeError as error:
+            raise CheckpointError(f"{path}: its sharding record is not JSON ({error})") from error
+        if not isinstance(records, dict):
+            raise CheckpointError(f"{path}: its sharding record is not an object")
+        held = set(handle.keys())
+        for name, record in records.items():
+            shape = record.get("global_shape") if isinstance(record, dict) else None
+            dim = record.get("partition_dim") if isinstance(record, dict) else None
+            ok = (
+                name in held
+                and isinstance(shape, list)
+                and all(isinstance(size, int) and size >= 0 for size in shape)
+                and isinstance(dim, int)
+                and -1 <= dim < len(shape)
+                and isinstance(record.get("partition_stride"), int)
+                and record.get("pp_rank") == pp_rank
+            )
+            if ok:
+                local = list(shape)
+                if dim >= 0:
+                    local[dim] //= self.tp_size
+                ok = list(handle.get_slice(name).get_shape()) == local
+            if not ok:
+                raise CheckpointError(
+                    f"{path}: the sharding record of {name!r} ({record!r:.120}) does not describe the tensor the "
+                    "file holds; the checkpoint is damaged"
+                )
+        return records
 
     def path(self, kind: str, tp_rank: int, pp_rank: int) -> str:
         """`kind` is "model" or "optimizer"."""

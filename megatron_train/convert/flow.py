@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import os
 
-from megatron_train.arguments import MegatronConfig, config_from_dict, config_to_dict
+from megatron_train.arguments import SECTIONS, MegatronConfig, config_from_dict, config_to_dict
 from megatron_train.checkpointing import (
     FORMAT_VERSION,
     METADATA_FILENAME,
+    CheckpointError,
     SavedCheckpoint,
     checkpoint_dir,
     model_shard_dir,
@@ -25,81 +26,110 @@ from megatron_train.checkpointing import (
 from megatron_train.checkpointing.layout import split_tp_shard, stage_tensor_names
 from megatron_train.checkpointing.names import saved_model_type
 from megatron_train.checkpointing.saved import saved_true_vocab_range
+from megatron_train.convert.checks import check_fields, check_layers, check_shapes
+from megatron_train.convert.target import output_folder
+from megatron_train.convert.tokenizer_files import copy_tokenizer, tokenizer_sources
 from megatron_train.convert.weights import (
     ModelWeights,
+    model_shapes,
     model_shardings,
     pad_vocab,
+    padded_size_of,
     padded_vocab_for_layout,
-    tokenizer_files_in,
     trim_vocab,
 )
+from megatron_train.models.config import TransformerConfig
 from megatron_train.models.transformer import get_layer_range
-from storage.atomic import atomic_copy
-
-TOKENIZER_FOLDER = "tokenizer"
+from megatron_train.training.config import TokenizerConfig
 
 
 def load(load_dir: str, iteration: int | None = None, true_vocab_size: int | None = None) -> ModelWeights:
-    """The weights of `load_dir`'s checkpoint (latest, or `iteration`), whatever (TP, PP) wrote it."""
+    """The weights of `load_dir`'s checkpoint (latest, or `iteration`), whatever (TP, PP) wrote it; the
+    saved args are checked against the saved tensors before any is read."""
     iteration_dir = require_iteration_dir(load_dir, iteration)
     saved = SavedCheckpoint(iteration_dir)
-    config = config_from_dict(saved.metadata["args"])
-    true_vocab_size = true_vocab_size or config.model.true_vocab_size
+    config = checked_saved_config(saved, iteration_dir)
+    low, high = saved_true_vocab_range(saved.metadata)
+    recorded = config.model.true_vocab_size
+    if recorded is not None and not low < recorded <= high:
+        raise CheckpointError(
+            f"{iteration_dir}/{METADATA_FILENAME}: args.model.true_vocab_size is {recorded}, but the checkpoint's "
+            f"padded vocabulary holds a tokenizer of {low + 1} to {high} tokens; the args are not its own"
+        )
+    true_vocab_size = true_vocab_size or recorded
     if true_vocab_size is None:
-        low, high = saved_true_vocab_range(saved.metadata)
         if high - low != 1:
             raise ValueError(
                 f"{iteration_dir} does not record its tokenizer's vocabulary size (between {low + 1} and "
                 f"{high}): pass --true-vocab-size"
             )
         true_vocab_size = high
+    if true_vocab_size > saved.padded_vocab_size:
+        raise ValueError(
+            f"{iteration_dir}: a vocabulary of {true_vocab_size} tokens exceeds the checkpoint's "
+            f"{saved.padded_vocab_size} rows; pass the size of the tokenizer it was trained with"
+        )
     config.model.true_vocab_size = true_vocab_size
     tensors = {name: saved.global_tensor(name) for name in saved.params}
     return ModelWeights(
         config,
         trim_vocab(tensors, true_vocab_size),
-        tokenizer_files(config),
+        tokenizer_sources(config.tokenizer, load_dir),
         saved.metadata["iteration"],
         saved.metadata.get("token_ids", {}),
         saved_model_type(saved.metadata),
     )
 
 
-def tokenizer_files(config: MegatronConfig) -> dict[str, str]:
-    """The files of the run's tokenizer under their Hugging Face names (GPT-2 BPE: vocab.json, merges.txt)."""
-    tokenizer = config.tokenizer
-    if tokenizer.tokenizer_type == "GPT2BPETokenizer" and tokenizer.vocab_file and tokenizer.merge_file:
-        return {"vocab.json": tokenizer.vocab_file, "merges.txt": tokenizer.merge_file}
-    if tokenizer.tokenizer_type == "HuggingFaceTokenizer" and tokenizer.tokenizer_model:
-        if os.path.isdir(tokenizer.tokenizer_model):
-            return tokenizer_files_in(tokenizer.tokenizer_model)
-        return {"tokenizer.json": tokenizer.tokenizer_model}
-    return {}
+def checked_saved_config(saved: SavedCheckpoint, where: str) -> MegatronConfig:
+    """The config metadata.json's args record, its model and tokenizer settings checked (types, sizes) and
+    compared with the saved tensors (layer count, then every shape against the model it describes) before the
+    model is built on the meta device or a tensor read."""
+    source = os.path.join(where, METADATA_FILENAME)
+    args = saved.metadata.get("args")
+    if not isinstance(args, dict) or not all(isinstance(args.get(name, {}), dict) for name in SECTIONS):
+        raise CheckpointError(f"{source}: args is not an object of config sections")
+    check_fields(args.get("model", {}), TransformerConfig, f"{source} (args.model)")
+    check_fields(args.get("tokenizer", {}), TokenizerConfig, f"{source} (args.tokenizer)")
+    try:
+        config = config_from_dict(args)
+    except (ValueError, TypeError) as error:  # the config's own rules (they name flags), a missing size
+        raise CheckpointError(f"{source} (args): {error}") from error
+    records = {name: tuple(record["global_shape"]) for name, record in saved.params.items()}
+    stack = (
+        "encoder.layers."
+        if any(name.startswith("encoder.layers.") for name in records)
+        else "decoder.layers."
+    )
+    check_layers(config.model.num_layers, records, stack, "args.model.num_layers", source, "its shard files")
+    model = config.model
+    expected = model_shapes(config, saved.padded_vocab_size, saved_model_type(saved.metadata), source)
+    sizes = f"num_layers {model.num_layers}, hidden_size {model.hidden_size}, ffn_hidden_size {model.ffn_hidden_size}"
+    check_shapes(records, expected, sizes, source, f"the shard files of {where}")
+    return config
 
 
-def save(weights: ModelWeights, save_dir: str, target_tp: int = 1, target_pp: int = 1) -> str:
-    """Write `weights` as a checkpoint split for (target_tp, target_pp); returns the iteration folder.
+def save(
+    weights: ModelWeights, save_dir: str, target_tp: int = 1, target_pp: int = 1, overwrite: bool = False
+) -> str:
+    """Write `weights` as a checkpoint split for (target_tp, target_pp), built beside `save_dir` and moved into
+    place whole (`convert.target`); returns the iteration folder.
 
-    Tokenizer files go to `<save_dir>/tokenizer/`, which the saved args name (HuggingFaceTokenizer)."""
+    Tokenizer files go to `<save_dir>/tokenizer/`, which the saved args name (`convert.tokenizer_files`)."""
     config = weights.config
     padded_vocab_size = padded_vocab_for_layout(weights, target_tp, target_pp)
-    out_dir = checkpoint_dir(save_dir, weights.iteration)
-    if os.path.exists(os.path.join(out_dir, METADATA_FILENAME)):
-        raise ValueError(
-            f"{out_dir} already holds a complete checkpoint: delete it or pick another --save-dir"
-        )
     config.parallel.tensor_model_parallel_size = target_tp
     config.parallel.pipeline_model_parallel_size = target_pp
     config.parallel.num_layers_per_virtual_pipeline_stage = None
-    if weights.tokenizer_files:
-        tokenizer_dir = os.path.abspath(os.path.join(save_dir, TOKENIZER_FOLDER))
-        os.makedirs(tokenizer_dir, exist_ok=True)
-        for name, source in weights.tokenizer_files.items():
-            atomic_copy(source, os.path.join(tokenizer_dir, name))
-        config.tokenizer.tokenizer_type, config.tokenizer.tokenizer_model = (
-            "HuggingFaceTokenizer",
-            tokenizer_dir,
-        )
+    with output_folder(save_dir, overwrite, padded_size_of(weights, padded_vocab_size)) as out:
+        config.tokenizer = copy_tokenizer(config.tokenizer, weights.tokenizer_files, out, save_dir)
+        _write(weights, out, target_tp, target_pp, padded_vocab_size)
+    return checkpoint_dir(save_dir, weights.iteration)
+
+
+def _write(weights: ModelWeights, root: str, target_tp: int, target_pp: int, padded_vocab_size: int) -> None:
+    """The shard files, then metadata.json and the latest marker, into the folder `root`."""
+    config, out_dir = weights.config, checkpoint_dir(root, weights.iteration)
     tensors = pad_vocab(weights.tensors, padded_vocab_size)
     shardings = model_shardings(config, padded_vocab_size, weights.model_type)
     files = {}
@@ -144,5 +174,4 @@ def save(weights: ModelWeights, save_dir: str, target_tp: int = 1, target_pp: in
         "token_ids": weights.token_ids,
         "model_type": weights.model_type,
     }
-    write_metadata_and_marker(save_dir, weights.iteration, metadata, files)
-    return out_dir
+    write_metadata_and_marker(root, weights.iteration, metadata, files)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import errno
 import io
 import logging
 import os
@@ -31,16 +32,21 @@ from megatron_train.checkpointing import TRACKER_FILENAME, CheckpointError, chec
 from megatron_train.checkpointing.layout import (
     OUTPUT_WEIGHT,
     WORD_EMBEDDING,
+    TensorSharding,
     merge_tp_shards,
     split_tp_shard,
     stage_tensor_names,
 )
-from megatron_train.convert.flow import tokenizer_files
+from megatron_train.convert.checks import check_fields, check_layers, check_positive_ints
+from megatron_train.convert.target import output_folder
+from megatron_train.convert.tokenizer_files import copy_tokenizer, tokenizer_sources
 from megatron_train.convert.weights import (
     ModelWeights,
     check_tensor_names,
+    model_shapes,
     model_shardings,
     pad_vocab,
+    padded_size_of,
     padded_vocab_for_layout,
     trim_vocab,
 )
@@ -118,6 +124,7 @@ REQUIRED_ARGS = (
     "tensor_model_parallel_size",
     "pipeline_model_parallel_size",
 )
+TIED_COPY = "output_layer.weight (the tied copy)"  # where the loader keeps a tied model's last-stage copy
 _LOCAL_LAYER = re.compile(r"^(decoder|encoder)\.layers\.(\d+)\.(.*)$")
 
 
@@ -184,9 +191,16 @@ def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return flat
 
 
-def _legacy_qkv(tensor: torch.Tensor, version: float, heads: int) -> torch.Tensor:
+def _legacy_qkv(tensor: torch.Tensor, version: float, heads: int, where: str) -> torch.Tensor:
     """Megatron's fix_query_key_value_ordering: versions 0 ([3, heads, d]) and 1 ([heads, d, 3]) of one TP
     shard's fused QKV -> [heads, 3, d], Megatron-Core's layout for one query group per head."""
+    if version in (0, 1) and (
+        not isinstance(tensor, torch.Tensor) or tensor.dim() == 0 or tensor.shape[0] % (3 * heads)
+    ):
+        raise CheckpointError(
+            f"{where}: a fused QKV tensor of shape {list(getattr(tensor, 'shape', []))} does not hold 3 x {heads} "
+            "heads (args num_attention_heads / tensor_model_parallel_size); the args and the weights disagree"
+        )
     rest = tensor.shape[1:]
     if version == 0:
         return tensor.view(3, heads, -1, *rest).transpose(0, 1).reshape(tensor.shape)
@@ -196,7 +210,7 @@ def _legacy_qkv(tensor: torch.Tensor, version: float, heads: int) -> torch.Tenso
 
 
 def _our_names(
-    state: dict[str, Any], version: float, local_heads: int, stack: str
+    state: dict[str, Any], version: float, local_heads: int, stack: str, where: str
 ) -> dict[str, torch.Tensor]:
     """One rank's model state under our names (layer numbers still local); TE extra state dropped. The older
     names are renamed only in an older model's state (one holding `language_model`)."""
@@ -205,12 +219,14 @@ def _our_names(
     for name, value in _flatten(state).items():
         if name.endswith("_extra_state") or value is None:
             continue
+        if not isinstance(value, torch.Tensor):
+            raise CheckpointError(f"{where}: {name} is a {type(value).__name__}, not a tensor")
         for pattern, replacement in renames:
             name = re.sub(pattern, replacement.format(stack=stack), name)
         for te_name, ours in TE_NAMES.items():
             name = name.replace(te_name, ours)
         if name.endswith(("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias")):
-            value = _legacy_qkv(value, version, local_heads)
+            value = _legacy_qkv(value, version, local_heads, where)
         tensors[name] = value
     return tensors
 
@@ -226,29 +242,71 @@ def checked_args(args: Any, where: str) -> argparse.Namespace:
     return args
 
 
-def config_from_args(args: argparse.Namespace, true_vocab_size: int | None, where: str) -> MegatronConfig:
-    """Our config from Megatron's args (the same names), the vocabulary from --true-vocab-size or the args."""
+# The args (besides the model's and tokenizer's settings) a loader reads: each an integer of at least 1.
+LAYOUT_ARGS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "padded_vocab_size")
+
+
+def check_model_args(args: Any, where: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The model's and the tokenizer's settings of Megatron's args, each checked (types, sizes, the layout's
+    divisions, a recorded true_vocab_size the padding can hold), naming `where` and the field."""
+    if not isinstance(args, argparse.Namespace):
+        raise CheckpointError(f"{where}: args is a {type(args).__name__}, not Megatron's argparse.Namespace")
     given = vars(args)
     if "layernorm_epsilon" in given and "norm_epsilon" not in given:
         given = {**given, "norm_epsilon": given["layernorm_epsilon"]}
 
     def section(cls: type) -> dict[str, Any]:
-        return {f.name: given[f.name] for f in dataclasses.fields(cls) if given.get(f.name) is not None}
+        values = {f.name: given[f.name] for f in dataclasses.fields(cls) if given.get(f.name) is not None}
+        check_fields(values, cls, f"{where} (args)")
+        return values
 
     model = section(TransformerConfig)
-    true_vocab_size = true_vocab_size or given.get("true_vocab_size")
+    tokenizer = section(TokenizerConfig)
+    check_positive_ints(given, LAYOUT_ARGS, f"{where} (args)")
+    for field in ("num_layers", "hidden_size", "num_attention_heads"):
+        if field not in model:
+            raise CheckpointError(f"{where} (args): no {field}; the model's shape is unknown")
+    tp = given["tensor_model_parallel_size"]
+    for field, parallel in (("num_attention_heads", "tensor_model_parallel_size"),
+                            ("num_layers", "pipeline_model_parallel_size")):  # fmt: skip
+        if model[field] % given[parallel]:
+            raise CheckpointError(
+                f"{where} (args): {field} {model[field]} is not divisible by {parallel} {given[parallel]}"
+            )
+    padded, multiple = given["padded_vocab_size"], tokenizer.get("make_vocab_size_divisible_by", 128) * tp
+    recorded = given.get("true_vocab_size")
+    if recorded is not None and not padded - multiple < recorded <= padded:
+        raise CheckpointError(
+            f"{where} (args): true_vocab_size is {recorded}, but padded_vocab_size {padded} holds a tokenizer of "
+            f"{max(padded - multiple + 1, 1)} to {padded} tokens; the args are not the checkpoint's own"
+        )
+    return model, tokenizer
+
+
+def config_from_args(args: Any, true_vocab_size: int | None, where: str) -> MegatronConfig:
+    """Our config from Megatron's args (the same names, checked by `check_model_args`), the vocabulary from
+    --true-vocab-size or the args."""
+    model, tokenizer = check_model_args(args, where)
+    given = vars(args)
+    recorded = given.get("true_vocab_size")
+    true_vocab_size = true_vocab_size or recorded
     if true_vocab_size is None:
         true_vocab_size = given["padded_vocab_size"]
         logger.warning(
             "%s does not record its tokenizer's vocabulary size: all %d padded rows are kept as tokens; pass "
             "--true-vocab-size (GPT-2's tokenizer: 50257) to cut the padding", where, true_vocab_size,
         )  # fmt: skip
+    if true_vocab_size > given["padded_vocab_size"]:
+        raise ValueError(
+            f"--true-vocab-size {true_vocab_size} exceeds the {given['padded_vocab_size']} vocabulary rows of "
+            f"{where} (args padded_vocab_size): pass the size of its tokenizer"
+        )
     model["true_vocab_size"] = true_vocab_size
-    return MegatronConfig(
-        model=TransformerConfig(**model),
-        data=DataConfig(),
-        tokenizer=TokenizerConfig(**section(TokenizerConfig)),
-    )
+    try:
+        model_config = TransformerConfig(**model)
+    except ValueError as error:
+        raise CheckpointError(f"{where} (args): {error}") from error
+    return MegatronConfig(model=model_config, data=DataConfig(), tokenizer=TokenizerConfig(**tokenizer))
 
 
 @dataclass
@@ -270,8 +328,16 @@ class LegacyCheckpoint:
         """A rank's model state dicts: one, or one per virtual stage (an interleaved pipeline's model0, ...)."""
         saved = self.files[(tp_rank, pp_rank)]
         if "model" in saved:
-            return [saved["model"]]
-        return [saved[f"model{i}"] for i in range(sum(1 for key in saved if re.fullmatch(r"model\d+", key)))]
+            chunks = [saved["model"]]
+        else:
+            chunks = [
+                saved[f"model{i}"] for i in range(sum(1 for key in saved if re.fullmatch(r"model\d+", key)))
+            ]
+        if not chunks or not all(isinstance(chunk, dict) for chunk in chunks):
+            raise CheckpointError(
+                f"{self.path(tp_rank, pp_rank)} holds no model state dict ('model' or 'model0', ...)"
+            )
+        return chunks
 
     def rank_tensors(self, tp_rank: int, pp_rank: int, model_type: str) -> list[tuple[str, torch.Tensor]]:
         """A rank's model tensors in the order its file holds them (its parameters' order), under our global
@@ -280,12 +346,15 @@ class LegacyCheckpoint:
         chunks = self.model_chunks(tp_rank, pp_rank)
         virtual_size = len(chunks) if len(chunks) > 1 else None
         heads = args.num_attention_heads // args.tensor_model_parallel_size
+        where = self.path(tp_rank, pp_rank)
         tensors = []
         for virtual_rank, chunk in enumerate(chunks):
             layers = get_layer_range(
                 args.num_layers, pp_rank, args.pipeline_model_parallel_size, virtual_rank, virtual_size
             )
-            for name, tensor in _our_names(chunk, self.version, heads, LAYER_STACKS[model_type]).items():
+            for name, tensor in _our_names(
+                chunk, self.version, heads, LAYER_STACKS[model_type], where
+            ).items():
                 local = _LOCAL_LAYER.match(name)
                 if local:
                     name = f"{local.group(1)}.layers.{layers.start + int(local.group(2))}.{local.group(3)}"
@@ -294,31 +363,59 @@ class LegacyCheckpoint:
 
     def weights(self, true_vocab_size: int | None = None, model_type: str = "gpt") -> ModelWeights:
         """The model (`gpt` or `bert`, Megatron's --model-type), its TP shards merged and its stages' layers
-        numbered globally; the vocabulary cut to `true_vocab_size` (see `config_from_args`)."""
-        args = self.args
-        config = config_from_args(args, true_vocab_size, self.iteration_dir)
-        tied = not config.model.untie_embeddings_and_output_weights
+        numbered globally; the vocabulary cut to `true_vocab_size` (see `config_from_args`). The args are checked
+        against the files (layers, every shard's shape, a tied copy) before the model is built on the meta device
+        or the shards merged."""
+        args, where = self.args, self.path(0, 0)
+        config = config_from_args(args, true_vocab_size, where)
+        model, tp = config.model, args.tensor_model_parallel_size
         shards: dict[str, list[torch.Tensor]] = {}
+        files: dict[str, str] = {}  # tensor name -> the file of its first shard, for messages
         for pp_rank in range(args.pipeline_model_parallel_size):
-            for tp_rank in range(args.tensor_model_parallel_size):
+            for tp_rank in range(tp):
                 for name, tensor in self.rank_tensors(tp_rank, pp_rank, model_type):
-                    if not (tied and name == OUTPUT_WEIGHT):  # the last stage's copy of the tied embedding
-                        shards.setdefault(name, []).append(tensor)
-        shardings = model_shardings(config, args.padded_vocab_size, model_type)
+                    if name == OUTPUT_WEIGHT and not model.untie_embeddings_and_output_weights:
+                        name = TIED_COPY  # the last stage's copy of the tied embedding, checked against it
+                    shards.setdefault(name, []).append(tensor)
+                    files.setdefault(name, self.path(tp_rank, pp_rank))
+        stack = f"{LAYER_STACKS[model_type]}.layers."
+        check_layers(model.num_layers, shards, stack, "args.num_layers", where, self.iteration_dir)
+        shardings = model_shardings(config, args.padded_vocab_size, model_type, where)
+        tied_copy = shards.pop(TIED_COPY, None)
         check_tensor_names(shards, list(shardings), self.iteration_dir)
+        expected = model_shapes(config, args.padded_vocab_size, model_type)
+        _check_shard_shapes(shards, files, expected, shardings, tp)
         tensors = {name: merge_tp_shards(parts, shardings[name]) for name, parts in shards.items()}
-        files = {name: path for name, path in tokenizer_files(config).items() if os.path.exists(path)}
+        if tied_copy is not None and not _same(merge_tp_shards(tied_copy, shardings[WORD_EMBEDDING]),
+                                               tensors[WORD_EMBEDDING]):  # fmt: skip
+            raise CheckpointError(
+                f"{where} (args): untie_embeddings_and_output_weights is False (a tied output layer), but the "
+                f"output_layer.weight of {files[TIED_COPY]} is not the embedding; the args are not the checkpoint's "
+                "own"
+            )
         return ModelWeights(
             config,
-            trim_vocab(tensors, config.model.true_vocab_size),
-            files,
+            trim_vocab(tensors, model.true_vocab_size),
+            tokenizer_sources(config.tokenizer, os.path.dirname(self.iteration_dir)),
             self.iteration,
             model_type=model_type,
         )
 
 
+def _check_rank_folders(iteration_dir: str, tp: int, pp: int, where: str) -> None:
+    """The args' (TP, PP) against the rank folders there, before a file is opened."""
+    folders = sorted(name for name in os.listdir(iteration_dir) if name.startswith("mp_rank_"))
+    if len(folders) != tp * pp:
+        raise CheckpointError(
+            f"{where} (args): tensor_model_parallel_size {tp} x pipeline_model_parallel_size {pp} = {tp * pp} "
+            f"ranks, but {iteration_dir} holds {len(folders)} rank folders ({', '.join(folders[:4])}"
+            f"{', ...' if len(folders) > 4 else ''})"
+        )
+
+
 def open_checkpoint(load_dir: str, iteration: int | None = None) -> LegacyCheckpoint:
-    """`load_dir`'s iteration (latest, or `iteration`) with every rank's file read."""
+    """`load_dir`'s iteration (latest, or `iteration`) with every rank's file read; the args are checked (types,
+    sizes, the rank folders they imply) before the other ranks' files are opened."""
     iteration_dir, number = find_iteration_dir(load_dir, iteration)
     without_pp = os.path.join(model_shard_dir(iteration_dir, 0, 0, 1), CHECKPOINT_FILE)
     first_path = (
@@ -327,23 +424,29 @@ def open_checkpoint(load_dir: str, iteration: int | None = None) -> LegacyCheckp
         else os.path.join(model_shard_dir(iteration_dir, 0, 0, 2), CHECKPOINT_FILE)
     )
     first = read_checkpoint_file(first_path)
-    if "args" not in first:
+    if not isinstance(first, dict) or "args" not in first:
         raise CheckpointError(
             f"{first_path} holds no args (saved with --no-save-args?): its model's shape is unknown; re-save it "
             "with Megatron-LM's args, or load it there and save again"
         )
     args = checked_args(first["args"], first_path)
+    check_model_args(args, first_path)
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    files = {
-        (tp_rank, pp_rank): first
-        if (tp_rank, pp_rank) == (0, 0)
-        else read_checkpoint_file(
-            os.path.join(model_shard_dir(iteration_dir, tp_rank, pp_rank, pp), CHECKPOINT_FILE)
-        )
-        for pp_rank in range(pp)
-        for tp_rank in range(tp)
-    }
-    return LegacyCheckpoint(iteration_dir, number, args, float(first.get("checkpoint_version", 0)), files)
+    _check_rank_folders(iteration_dir, tp, pp, first_path)
+    version = first.get("checkpoint_version", 0)
+    if not isinstance(version, int | float) or isinstance(version, bool):
+        raise CheckpointError(f"{first_path}: checkpoint_version is {version!r}, not a number")
+    files = {}
+    for pp_rank in range(pp):
+        for tp_rank in range(tp):
+            path = os.path.join(model_shard_dir(iteration_dir, tp_rank, pp_rank, pp), CHECKPOINT_FILE)
+            saved = first if (tp_rank, pp_rank) == (0, 0) else read_checkpoint_file(path)
+            if not isinstance(saved, dict):
+                raise CheckpointError(
+                    f"{path} holds a {type(saved).__name__}, not a Megatron checkpoint's dict"
+                )
+            files[(tp_rank, pp_rank)] = saved
+    return LegacyCheckpoint(iteration_dir, number, args, float(version), files)
 
 
 def load(
@@ -352,6 +455,31 @@ def load(
     """The model (`gpt` or `bert`, Megatron's --model-type) of a Megatron-LM checkpoint, its TP shards merged and
     its stages' layers numbered globally."""
     return open_checkpoint(load_dir, iteration).weights(true_vocab_size, model_type)
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and torch.equal(a, b)
+
+
+def _check_shard_shapes(
+    shards: dict[str, list[torch.Tensor]],
+    files: dict[str, str],
+    expected: dict[str, tuple[int, ...]],
+    shardings: dict[str, TensorSharding],
+    tp: int,
+) -> None:
+    """Each TP shard has its part of the shape the args imply, before the shards are merged."""
+    for name, parts in shards.items():
+        shape = list(expected[name])
+        if shardings[name].is_split:
+            shape[shardings[name].partition_dim] //= tp
+        for part in parts:
+            if list(part.shape) != shape:
+                raise CheckpointError(
+                    f"{files[name]}: {name} has shape {list(part.shape)}, but the args (hidden_size, "
+                    f"num_attention_heads, ffn_hidden_size, padded_vocab_size, ...) make each of its "
+                    f"{len(parts)} shard(s) {shape}; the args and the weights come from different models"
+                )
 
 
 def megatron_args(weights: ModelWeights, tp: int, pp: int, padded_vocab_size: int) -> argparse.Namespace:
@@ -375,15 +503,37 @@ def megatron_args(weights: ModelWeights, tp: int, pp: int, padded_vocab_size: in
     )
 
 
-def save(weights: ModelWeights, save_dir: str, target_tp: int = 1, target_pp: int = 1) -> str:
-    """Write `weights` as a Megatron-LM `torch` checkpoint for (target_tp, target_pp); returns the folder."""
+def save_torch(value: Any, path: str) -> None:
+    """torch.save to `path` atomically; a failed write (torch's RuntimeError names no cause) is an OSError
+    naming the file, which the saver's `output_folder` turns into its one-line error."""
+    with atomic_path(path) as tmp:
+        try:
+            torch.save(value, tmp)
+        except RuntimeError as error:  # torch's zip writer: "unexpected pos ...", "file write failed"
+            raise OSError(errno.EIO, "torch.save stopped writing it", path) from error
+
+
+def save(
+    weights: ModelWeights, save_dir: str, target_tp: int = 1, target_pp: int = 1, overwrite: bool = False
+) -> str:
+    """Write `weights` as a Megatron-LM `torch` checkpoint for (target_tp, target_pp), built beside `save_dir`
+    and moved into place whole (`convert.target`); returns the iteration folder."""
     config = weights.config
     padded = padded_vocab_for_layout(weights, target_tp, target_pp)
+    with output_folder(save_dir, overwrite, padded_size_of(weights, padded)) as out:
+        config.tokenizer = copy_tokenizer(config.tokenizer, weights.tokenizer_files, out, save_dir)
+        _write(weights, out, target_tp, target_pp, padded)
+    return checkpoint_dir(save_dir, weights.iteration)
+
+
+def _write(weights: ModelWeights, root: str, target_tp: int, target_pp: int, padded: int) -> None:
+    """Every rank's model_optim_rng.pt, then the latest marker, into the folder `root`."""
+    config = weights.config
     tensors = pad_vocab(weights.tensors, padded)
     shardings = model_shardings(config, padded, weights.model_type)
     tied = not config.model.untie_embeddings_and_output_weights
     args = megatron_args(weights, target_tp, target_pp, padded)
-    iteration_dir = checkpoint_dir(save_dir, weights.iteration)
+    iteration_dir = checkpoint_dir(root, weights.iteration)
     for pp_rank in range(target_pp):
         layers = get_layer_range(config.model.num_layers, pp_rank, target_pp)
         last = pp_rank == target_pp - 1
@@ -403,12 +553,9 @@ def save(weights: ModelWeights, save_dir: str, target_tp: int = 1, target_pp: in
                     tensors[WORD_EMBEDDING], shardings[WORD_EMBEDDING], target_tp, tp_rank
                 )
             path = os.path.join(model_shard_dir(iteration_dir, tp_rank, pp_rank, target_pp), CHECKPOINT_FILE)
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            with atomic_path(path) as tmp:
-                torch.save(
-                    {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": weights.iteration,
-                     "model": state, "num_floating_point_operations_so_far": 0},
-                    tmp,
-                )  # fmt: skip
-    atomic_write_text(os.path.join(save_dir, TRACKER_FILENAME), str(weights.iteration))
-    return iteration_dir
+            save_torch(
+                {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": weights.iteration,
+                 "model": state, "num_floating_point_operations_so_far": 0},
+                path,
+            )  # fmt: skip
+    atomic_write_text(os.path.join(root, TRACKER_FILENAME), str(weights.iteration))

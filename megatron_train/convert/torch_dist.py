@@ -20,8 +20,10 @@ DCP's metadata classes, so a crafted checkpoint runs nothing (docs/architecture.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
+import math
 import os
 import pickle
 import re
@@ -46,27 +48,37 @@ from torch.distributed.checkpoint.planner import (
     WriteItemType,
 )
 
+from megatron_train.arguments import MegatronConfig
 from megatron_train.checkpointing import TRACKER_FILENAME, CheckpointError, checkpoint_dir
 from megatron_train.checkpointing.layout import TensorSharding, stage_tensor_names
+from megatron_train.convert.checks import check_byte_budget, check_layers
 from megatron_train.convert.megatron import (
     CHECKPOINT_VERSION,
+    LAYER_STACKS,
     TE_NAMES,
+    check_model_args,
     checked_args,
     config_from_args,
     find_iteration_dir,
     megatron_args,
     read_allowed_pickle,
+    save_torch,
 )
+from megatron_train.convert.source import read_json_object
+from megatron_train.convert.target import output_folder
+from megatron_train.convert.tokenizer_files import copy_tokenizer, tokenizer_sources
 from megatron_train.convert.weights import (
     ModelWeights,
     check_tensor_names,
+    model_shapes,
     model_shardings,
     pad_vocab,
+    padded_size_of,
     padded_vocab_for_layout,
     trim_vocab,
 )
 from megatron_train.models.transformer import get_layer_range
-from storage.atomic import atomic_path, atomic_write_text
+from storage.atomic import atomic_write_text
 
 CONFIG_FILE = "metadata.json"
 BACKEND = {
@@ -77,6 +89,8 @@ BACKEND = {
 }
 COMMON_STATE_KEY = "common_state/shard_0_1"  # Megatron's ShardedObject("common_state", (1,), (0,)).unique_key
 COMMON_FILE = "common.pt"
+MAX_METADATA_JSON_BYTES = 1 << 20  # metadata.json names the backend: a few dozen bytes
+MAX_DCP_METADATA_BYTES = 1 << 30  # DCP's index: about a kilobyte per tensor chunk
 # Megatron-Core's local linear layers keep an empty `_extra_state` (TransformerEngine compatibility) that a
 # strict load expects; a GPT checkpoint leaves out the output layer's.
 LINEAR_MODULES = (
@@ -196,6 +210,12 @@ class _SafeReader(dcp.FileSystemReader):
                 f"{path} is missing: {self.path} is not a complete torch_dist checkpoint (an interrupted save?); "
                 "load another iteration (--ckpt-step N) or copy the folder again"
             )
+        size = os.path.getsize(path)
+        if size > MAX_DCP_METADATA_BYTES:
+            raise CheckpointError(
+                f"{path}: {size} bytes, over the {MAX_DCP_METADATA_BYTES} bytes a DCP index may have; it is not the index "
+                "of a checkpoint"
+            )
         with open(path, "rb") as handle:
             try:
                 metadata = _MetadataUnpickler(handle).load()
@@ -204,6 +224,20 @@ class _SafeReader(dcp.FileSystemReader):
                     f"{path} names {error}, which DCP metadata does not hold; unpickling it could run code, so "
                     "it is not loaded"
                 ) from error
+            except (
+                EOFError,
+                ValueError,
+                TypeError,
+                AttributeError,
+                IndexError,
+                KeyError,
+                RecursionError,
+            ) as error:
+                raise CheckpointError(
+                    f"{path} is not a DCP index ({error!r}); the save is damaged"
+                ) from error
+        if not isinstance(metadata, Metadata):
+            raise CheckpointError(f"{path} holds a {type(metadata).__name__}, not DCP's Metadata")
         self.storage_data = metadata.storage_data
         return metadata
 
@@ -255,20 +289,25 @@ class DistCheckpoint:
         return self.common["args"]
 
     def weights(self, true_vocab_size: int | None = None, model_type: str = "gpt") -> ModelWeights:
-        """The model (`gpt` or `bert`) at any saved layout, its vocabulary cut to `true_vocab_size`."""
+        """The model (`gpt` or `bert`) at any saved layout, its vocabulary cut to `true_vocab_size`. The args are
+        checked against DCP's index (`_check_index`) before a tensor is allocated."""
         config = config_from_args(self.args, true_vocab_size, self.iteration_dir)
-        tensors = self._read_tensors(
-            {key: key for key in self._tensor_keys() if key.startswith(MODEL_PREFIXES)}
-        )
+        keys = {key: key for key in self._tensor_keys() if key.startswith(MODEL_PREFIXES)}
+        items = self.metadata.state_dict_metadata
+        _check_index({key: items[key] for key in keys}, config, self.args.padded_vocab_size, model_type,
+                     self.iteration_dir)  # fmt: skip
+        tensors = self._read_tensors(keys)
+        check_layers(config.model.num_layers, tensors, f"{LAYER_STACKS[model_type]}.layers.", "args.num_layers",
+                     self.iteration_dir, f"{self.iteration_dir}/.metadata")  # fmt: skip
         check_tensor_names(
             tensors,
-            list(model_shardings(config, self.args.padded_vocab_size, model_type)),
+            list(model_shardings(config, self.args.padded_vocab_size, model_type, self.iteration_dir)),
             self.iteration_dir,
         )
         return ModelWeights(
             config,
             trim_vocab(tensors, config.model.true_vocab_size),
-            {},
+            tokenizer_sources(config.tokenizer, os.path.dirname(self.iteration_dir)),
             self.iteration,
             model_type=model_type,
         )
@@ -318,7 +357,8 @@ class DistCheckpoint:
 
 
 def open_checkpoint(load_dir: str, iteration: int | None = None) -> DistCheckpoint:
-    """`load_dir`'s iteration (latest, or `iteration`): its backend checked, its index and common state read."""
+    """`load_dir`'s iteration (latest, or `iteration`): its backend checked, its index and common state read, the
+    args checked (types, sizes) and the index's tensors checked to fit the bytes of the `.distcp` files."""
     iteration_dir, number = find_iteration_dir(load_dir, iteration)
     config_path = os.path.join(iteration_dir, CONFIG_FILE)
     if not os.path.exists(config_path):
@@ -326,18 +366,26 @@ def open_checkpoint(load_dir: str, iteration: int | None = None) -> DistCheckpoi
             f"{config_path} is missing: {iteration_dir} is not a distributed checkpoint (--loader megatron reads "
             "the legacy torch format)"
         )
-    with open(config_path) as handle:
-        backend = json.load(handle).get("sharded_backend")
+    backend = read_json_object(config_path, MAX_METADATA_JSON_BYTES).get("sharded_backend")
     if backend != "torch_dist":
         raise CheckpointError(f"{config_path}: sharded_backend {backend!r} is not torch_dist")
     reader = _SafeReader(iteration_dir)
     metadata = reader.read_metadata()
     common = _common_state(iteration_dir, reader, metadata)
-    if "args" not in common:
+    if not isinstance(common, dict) or "args" not in common:
         raise CheckpointError(
             f"{iteration_dir}: the common state holds no args; its model's shape is unknown"
         )
-    checked_args(common["args"], f"{iteration_dir} ({COMMON_FILE})")
+    check_model_args(checked_args(common["args"], f"{iteration_dir} ({COMMON_FILE})"), iteration_dir)
+    file_bytes = sum(
+        entry.stat().st_size for entry in os.scandir(iteration_dir) if entry.name.endswith(".distcp")
+    )
+    tensor_bytes = sum(
+        math.prod(item.size) * torch.empty(0, dtype=item.properties.dtype).element_size()
+        for item in metadata.state_dict_metadata.values()
+        if isinstance(item, TensorStorageMetadata)
+    )
+    check_byte_budget(tensor_bytes, file_bytes, f"{iteration_dir}/.metadata")
     return DistCheckpoint(iteration_dir, number, common, reader, metadata)
 
 
@@ -347,6 +395,40 @@ def load(
     """The model (`gpt` or `bert`) of a Megatron-Core torch_dist checkpoint (latest, or `iteration`), at any
     saved layout."""
     return open_checkpoint(load_dir, iteration).weights(true_vocab_size, model_type)
+
+
+def _check_index(
+    items: dict[str, TensorStorageMetadata],
+    config: MegatronConfig,
+    padded_vocab_size: int,
+    model_type: str,
+    iteration_dir: str,
+) -> None:
+    """DCP's index of the model's tensors against the args, before anything is allocated: each tensor's shape is
+    the one the args give a layer (or the embedding, the output layer) of, and every stacked tensor has
+    args.num_layers layers."""
+    where = f"{iteration_dir}/.metadata"
+    one_layer = dataclasses.replace(config, model=dataclasses.replace(config.model, num_layers=1))
+    expected = model_shapes(one_layer, padded_vocab_size, model_type, where)
+    for key, item in items.items():
+        size, stacked = tuple(item.size), _STACKED.match(key)
+        if stacked:
+            name = _our_name(f"{stacked.group(1)}.layers.0.{stacked.group(2)}")
+            if not size or size[0] != config.model.num_layers:
+                raise CheckpointError(
+                    f"{where}: {key} stacks {size[0] if size else 0} layers, but args.num_layers is "
+                    f"{config.model.num_layers}; the args and the weights come from different models"
+                )
+            size = size[1:]
+        else:
+            layer = _LAYER.match(key)
+            name = _our_name(f"{layer.group(1)}.layers.0.{layer.group(3)}" if layer else key)
+        if name in expected and size != expected[name]:
+            raise CheckpointError(
+                f"{where}: {key} has shape {list(item.size)}, but the args (hidden_size, num_attention_heads, "
+                f"ffn_hidden_size, padded_vocab_size, ...) make it {list(expected[name])}; the args and the "
+                "weights come from different models"
+            )
 
 
 def _tp_chunks(
@@ -397,13 +479,24 @@ def _rank_state(
     return chunks, objects
 
 
-def save(weights: ModelWeights, save_dir: str, target_tp: int = 1, target_pp: int = 1) -> str:
-    """Write `weights` as Megatron-Core would save them from (target_tp, target_pp) ranks; returns the folder."""
+def save(
+    weights: ModelWeights, save_dir: str, target_tp: int = 1, target_pp: int = 1, overwrite: bool = False
+) -> str:
+    """Write `weights` as Megatron-Core would save them from (target_tp, target_pp) ranks, built beside
+    `save_dir` and moved into place whole (`convert.target`); returns the iteration folder."""
     config = weights.config
     padded = padded_vocab_for_layout(weights, target_tp, target_pp)
-    iteration_dir = checkpoint_dir(save_dir, weights.iteration)
-    if os.path.exists(os.path.join(iteration_dir, CONFIG_FILE)):
-        raise ValueError(f"{iteration_dir} already holds a checkpoint: delete it or pick another --save-dir")
+    with output_folder(save_dir, overwrite, padded_size_of(weights, padded)) as out:
+        config.tokenizer = copy_tokenizer(config.tokenizer, weights.tokenizer_files, out, save_dir)
+        _write(weights, out, target_tp, target_pp, padded)
+    return checkpoint_dir(save_dir, weights.iteration)
+
+
+def _write(weights: ModelWeights, root: str, target_tp: int, target_pp: int, padded: int) -> None:
+    """Every rank's `.distcp` file and DCP's index, common.pt, metadata.json and the latest marker, into the
+    folder `root`."""
+    config = weights.config
+    iteration_dir = checkpoint_dir(root, weights.iteration)
     tensors = pad_vocab(weights.tensors, padded)
     shardings = model_shardings(config, padded, weights.model_type)
     args = megatron_args(weights, target_tp, target_pp, padded)
@@ -427,17 +520,18 @@ def save(weights: ModelWeights, save_dir: str, target_tp: int = 1, target_pp: in
     global_plans, metadata = planners[0].create_global_plan(plans)
     global_plans = writers[0].prepare_global_plan(global_plans)
     results = []
-    for planner, writer, plan in zip(planners, writers, global_plans, strict=True):
-        future = writer.write_data(planner.finish_plan(plan), planner)
-        results.append(future.value())
+    for rank, (planner, writer, plan) in enumerate(zip(planners, writers, global_plans, strict=True)):
+        try:
+            results.append(writer.write_data(planner.finish_plan(plan), planner).value())
+        except OSError as error:  # DCP's writer names no file
+            path = os.path.join(iteration_dir, f"__{rank}_0.distcp")
+            raise OSError(error.errno, error.strerror or str(error), path) from error
     writers[0].finish(metadata, results)
     # common.pt, which every Megatron-Core reads (newer ones also read a `common_state` object instead)
-    with atomic_path(os.path.join(iteration_dir, COMMON_FILE)) as tmp:
-        torch.save(
-            {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": weights.iteration,
-             "num_floating_point_operations_so_far": 0},
-            tmp,
-        )  # fmt: skip
+    save_torch(
+        {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": weights.iteration,
+         "num_floating_point_operations_so_far": 0},
+        os.path.join(iteration_dir, COMMON_FILE),
+    )  # fmt: skip
     atomic_write_text(os.path.join(iteration_dir, CONFIG_FILE), json.dumps(BACKEND))
-    atomic_write_text(os.path.join(save_dir, TRACKER_FILENAME), str(weights.iteration))
-    return iteration_dir
+    atomic_write_text(os.path.join(root, TRACKER_FILENAME), str(weights.iteration))

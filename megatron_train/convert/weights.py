@@ -9,7 +9,6 @@ tokenizer files travel with them.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 import torch
@@ -20,37 +19,17 @@ from megatron_train.checkpointing.layout import VOCAB_PARAMS, TensorSharding, ch
 from megatron_train.parallel import state
 from megatron_train.tokenizer import vocab_size_with_padding
 
-# A Hugging Face tokenizer's files, any of which a model folder may hold.
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "chat_template.jinja",
-    "tokenizer.model",
-    "vocab.json",
-    "merges.txt",
-    "added_tokens.json",
-)
-
-
 TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
-# model_shardings' results: building even a meta-device model takes a fraction of a second
-_SHARDINGS: dict[tuple[str, str, int], dict[str, TensorSharding]] = {}
-
-
-def tokenizer_files_in(folder: str) -> dict[str, str]:
-    """{file name: path} of the tokenizer files `folder` holds."""
-    return {
-        name: os.path.join(folder, name)
-        for name in TOKENIZER_FILES
-        if os.path.exists(os.path.join(folder, name))
-    }
+# _meta_params' results: building even a meta-device model takes a fraction of a second
+_META_PARAMS: dict[tuple[str, str, int], dict[str, tuple[TensorSharding, tuple[int, ...]]]] = {}
 
 
 @dataclass
 class ModelWeights:
     """A model between a loader and a saver. `config.model.true_vocab_size` is always set and the vocabulary
-    tensors have exactly that many rows. `tokenizer_files`: file name in the saved folder -> source path."""
+    tensors have exactly that many rows. The tokenizer is `config.tokenizer` (Megatron's flags) and
+    `tokenizer_files`, {file name in a saved folder: source path} of the files those flags name
+    (`convert.tokenizer_files`); empty when the source has none here."""
 
     config: MegatronConfig
     tensors: dict[str, torch.Tensor]
@@ -65,24 +44,49 @@ class ModelWeights:
         return self.config.model.true_vocab_size
 
 
-def model_shardings(
-    config: MegatronConfig, vocab_size: int, model_type: str = "gpt"
-) -> dict[str, TensorSharding]:
-    """How each param of the whole model (`gpt` or `bert`) splits across TP, read off a model built on the meta
-    device (no memory, no process groups): the same attributes a training run records in its checkpoint.
-    Remembered per (family, model config, vocabulary): a conversion's loader and saver build it once."""
+def _meta_params(
+    config: MegatronConfig, vocab_size: int, model_type: str, where: str
+) -> dict[str, tuple[TensorSharding, tuple[int, ...]]]:
+    """(TP sharding, shape) of each param of the whole model (`gpt` or `bert`), read off a model built on the meta
+    device (no memory, no process groups): the attributes a training run records in its checkpoint. Remembered
+    per (family, model config, vocabulary): a conversion's loader and saver build it once. A loader checks the
+    config's layer count against the weights first: the build takes time per layer. A model the config's
+    settings cannot build is an error naming `where` (the file the config came from)."""
     key = (model_type, repr(config.model), vocab_size)
-    if key not in _SHARDINGS:
-        with torch.device("meta"), state.single_process_view():  # the whole model, also on a rank of a layout
-            model = build_saved_model(model_type, config, vocab_size, "the converted model")
-        _SHARDINGS[key] = {
-            name: TensorSharding(
-                int(param.partition_dim) if getattr(param, "tensor_model_parallel", False) else -1,
-                int(getattr(param, "partition_stride", 1)),
+    if key not in _META_PARAMS:
+        try:
+            with torch.device("meta"), state.single_process_view():  # the whole model, also on a rank
+                model = build_saved_model(model_type, config, vocab_size, where)
+        except (ValueError, TypeError, OverflowError, RuntimeError) as error:  # sizes no tensor can have
+            raise ValueError(
+                f"{where}: its settings describe no model that can be built ({error})"
+            ) from error
+        _META_PARAMS[key] = {
+            name: (
+                TensorSharding(
+                    int(param.partition_dim) if getattr(param, "tensor_model_parallel", False) else -1,
+                    int(getattr(param, "partition_stride", 1)),
+                ),
+                tuple(param.shape),
             )
             for name, param in model.named_parameters()
         }
-    return dict(_SHARDINGS[key])
+    return _META_PARAMS[key]
+
+
+def model_shardings(
+    config: MegatronConfig, vocab_size: int, model_type: str = "gpt", where: str = "the converted model"
+) -> dict[str, TensorSharding]:
+    """How each param of the whole model splits across TP (see `_meta_params`)."""
+    params = _meta_params(config, vocab_size, model_type, where)
+    return {name: sharding for name, (sharding, _) in params.items()}
+
+
+def model_shapes(
+    config: MegatronConfig, vocab_size: int, model_type: str = "gpt", where: str = "the converted model"
+) -> dict[str, tuple[int, ...]]:
+    """Each param's shape in the whole model the config describes (see `_meta_params`)."""
+    return {name: shape for name, (_, shape) in _meta_params(config, vocab_size, model_type, where).items()}
 
 
 def check_tensor_names(tensors: dict[str, torch.Tensor], expected: list[str], source: str) -> None:
@@ -111,6 +115,16 @@ def padded_vocab_for_layout(weights: ModelWeights, target_tp: int, target_pp: in
     )
     check_layout(config.model, padded, target_tp, target_pp)
     return padded
+
+
+def padded_size_of(weights: ModelWeights, padded_vocab_size: int) -> int:
+    """The bytes of the weights once their vocabulary is padded to `padded_vocab_size` rows: about what a saver
+    writes, checked against the target's free space before it starts."""
+    total = 0
+    for name, tensor in weights.tensors.items():
+        rows = padded_vocab_size if name in VOCAB_PARAMS else (tensor.shape[0] if tensor.dim() else 1)
+        total += tensor[:1].numel() * rows * tensor.element_size() if tensor.dim() else tensor.element_size()
+    return total
 
 
 def pad_vocab(tensors: dict[str, torch.Tensor], padded_vocab_size: int) -> dict[str, torch.Tensor]:

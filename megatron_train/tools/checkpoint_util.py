@@ -31,10 +31,9 @@ import torch
 from tqdm import tqdm
 
 from megatron_train import convert
-from megatron_train.arguments import config_from_dict, config_to_argv, config_to_dict
+from megatron_train.arguments import MegatronConfig, config_to_argv, config_to_dict
 from megatron_train.checkpointing import (
     FORMAT_VERSION,
-    METADATA_FILENAME,
     CheckpointError,
     SavedCheckpoint,
     checkpoint_dir,
@@ -52,6 +51,8 @@ from megatron_train.checkpointing.layout import (
     stage_tensor_names,
 )
 from megatron_train.convert import flow, hf, megatron, torch_dist
+from megatron_train.convert.target import check_target, output_folder
+from megatron_train.convert.tokenizer_files import copy_tokenizer, tokenizer_sources
 from megatron_train.convert.weights import trim_vocab
 from megatron_train.models.transformer import get_layer_range
 from megatron_train.tokenizer import vocab_size_with_padding
@@ -59,6 +60,8 @@ from megatron_train.tokenizer import vocab_size_with_padding
 logger = logging.getLogger("megatron_train.tools.checkpoint_util")
 # Formats written split for a target (TP, PP); hf writes one unsplit model.
 SHARDED_SAVERS = {"flow": flow, "megatron": megatron, "torch_dist": torch_dist}
+# Megatron-LM's --ckpt-format of our savers of its formats (its choices: torch, torch_dist, torch_dcp, fsdp_dtensor).
+MEGATRON_CKPT_FORMATS = {"megatron": "torch", "torch_dist": "torch_dist"}
 
 
 def target_padded_vocab_size(
@@ -84,20 +87,24 @@ def convert_checkpoint(
     iteration: int | None = None,
     true_vocab_size: int | None = None,
     target_layers_per_virtual_stage: int | None = None,
+    overwrite: bool = False,
 ) -> str:
     """Write `load_dir`'s checkpoint (latest, or `iteration`) to `save_dir` under (target_tp, target_pp),
     each defaulting to the saved size, with files laid out for virtual stages of
     `target_layers_per_virtual_stage` layers (None: a plain pipeline). Returns the written iteration folder.
+    `save_dir` is built whole beside its final name (`convert.target`): a folder holding anything is refused
+    unless `overwrite`, which replaces it.
 
     Raises ValueError for a layout the model cannot be cut into, CheckpointError for a broken checkpoint.
     """
     if os.path.realpath(load_dir) == os.path.realpath(save_dir):
         raise ValueError(f"--save-dir {save_dir} is --load-dir: write the resharded checkpoint elsewhere")
+    check_target(save_dir, overwrite)
     iteration_dir = require_iteration_dir(load_dir, iteration)
     saved = SavedCheckpoint(iteration_dir)
     target_tp, target_pp = target_tp or saved.tp_size, target_pp or saved.pp_size
     metadata = saved.metadata
-    config = config_from_dict(metadata["args"])
+    config = flow.checked_saved_config(saved, iteration_dir)
     padded_vocab_size = target_padded_vocab_size(
         saved, config.tokenizer.make_vocab_size_divisible_by, target_tp, true_vocab_size
     )
@@ -107,12 +114,35 @@ def convert_checkpoint(
     config.parallel.num_layers_per_virtual_pipeline_stage = target_layers_per_virtual_stage
     virtual_size = config.parallel.virtual_pipeline_model_parallel_size(config.model.num_layers)
     with_optimizer = saved.has_optimizer_state()
+    start = time.perf_counter()
+    tokenizer_files = tokenizer_sources(config.tokenizer, load_dir)
+    with output_folder(save_dir, overwrite) as build:
+        config.tokenizer = copy_tokenizer(config.tokenizer, tokenizer_files, build, save_dir)
+        files = _reshard(saved, config, build, target_tp, target_pp, padded_vocab_size, virtual_size)
+        _write_resharded_metadata(saved, config, build, files, target_tp, target_pp, padded_vocab_size,
+                                  true_vocab_size, virtual_size)  # fmt: skip
     out_dir = checkpoint_dir(save_dir, metadata["iteration"])
-    if os.path.exists(os.path.join(out_dir, METADATA_FILENAME)):
-        raise ValueError(
-            f"{out_dir} already holds a complete checkpoint: delete it or pick another --save-dir"
-        )
-    start, files = time.perf_counter(), {}
+    seconds, written_bytes = time.perf_counter() - start, sum(record["size"] for record in files.values())
+    logger.info(
+        "resharded %s from (TP, PP) = (%d, %d) to (%d, %d) into %s: %.1f MB in %.1f s (%.1f MB/s)%s",
+        iteration_dir, saved.tp_size, saved.pp_size, target_tp, target_pp, out_dir, written_bytes / 1e6,
+        seconds, written_bytes / 1e6 / max(seconds, 1e-9), "" if with_optimizer else "; no optimizer state",
+    )  # fmt: skip
+    return out_dir
+
+
+def _reshard(
+    saved: SavedCheckpoint,
+    config: MegatronConfig,
+    root: str,
+    target_tp: int,
+    target_pp: int,
+    padded_vocab_size: int,
+    virtual_size: int | None,
+) -> dict:
+    """Every target rank's shard files in the folder `root`, one pipeline stage at a time; their records."""
+    with_optimizer, files = saved.has_optimizer_state(), {}
+    out_dir = checkpoint_dir(root, saved.metadata["iteration"])
     stages = tqdm(range(target_pp), desc="pipeline stages", unit="stage", disable=None)
     for pp_rank in stages:
         layers = [
@@ -142,9 +172,25 @@ def convert_checkpoint(
             )
             shard_dir = model_shard_dir(out_dir, tp_rank, pp_rank, target_pp)
             files.update(write_shard(shard_dir, weights[tp_rank], sharding, optimizer_state))
+    return files
+
+
+def _write_resharded_metadata(
+    saved: SavedCheckpoint,
+    config: MegatronConfig,
+    root: str,
+    files: dict,
+    target_tp: int,
+    target_pp: int,
+    padded_vocab_size: int,
+    true_vocab_size: int | None,
+    virtual_size: int | None,
+) -> None:
+    """metadata.json for the new layout, then the latest marker, in the folder `root`."""
+    metadata, iteration_dir = saved.metadata, saved.iteration_dir
     data_parallel_size = metadata["data_parallel_size"]
     write_metadata_and_marker(
-        save_dir,
+        root,
         metadata["iteration"],
         {
             **metadata,
@@ -171,13 +217,6 @@ def convert_checkpoint(
         },
         files,
     )
-    seconds, written_bytes = time.perf_counter() - start, sum(record["size"] for record in files.values())
-    logger.info(
-        "resharded %s from (TP, PP) = (%d, %d) to (%d, %d) into %s: %.1f MB in %.1f s (%.1f MB/s)%s",
-        iteration_dir, saved.tp_size, saved.pp_size, target_tp, target_pp, out_dir, written_bytes / 1e6,
-        seconds, written_bytes / 1e6 / max(seconds, 1e-9), "" if with_optimizer else "; no optimizer state",
-    )  # fmt: skip
-    return out_dir
 
 
 def _split_for_tp(
@@ -247,11 +286,14 @@ def convert_format(
     true_vocab_size: int | None = None,
     max_shard_size: int = 5 * 10**9,
     model_type: str = "GPT",
+    overwrite: bool = False,
 ) -> convert.ModelWeights:
     """Read `load_dir` with `loader`, write it to `save_dir` with `saver` (the flow saver under the target
-    (TP, PP), default 1 x 1); returns what was written (its config records the layout)."""
+    (TP, PP), default 1 x 1); returns what was written (its config records the layout). A `save_dir` that
+    holds anything is refused before the source is read, unless `overwrite` (`convert.target`)."""
     if os.path.realpath(load_dir) == os.path.realpath(save_dir):
         raise ValueError(f"--save-dir {save_dir} is --load-dir: write the converted checkpoint elsewhere")
+    check_target(save_dir, overwrite)
     if saver == "hf" and (target_tp or 1, target_pp or 1) != (1, 1):
         raise ValueError(
             "--saver hf writes one unsplit model: leave out --target-tensor/pipeline-parallel-size"
@@ -259,9 +301,9 @@ def convert_format(
     weights = load_weights(loader, load_dir, iteration, true_vocab_size, model_type)
     start = time.perf_counter()
     if saver in SHARDED_SAVERS:
-        SHARDED_SAVERS[saver].save(weights, save_dir, target_tp or 1, target_pp or 1)
+        SHARDED_SAVERS[saver].save(weights, save_dir, target_tp or 1, target_pp or 1, overwrite)
     else:
-        hf.save(weights, save_dir, max_shard_size)
+        hf.save(weights, save_dir, max_shard_size, overwrite)
     logger.info("converted %s (%s) to %s (%s) in %.1f s", load_dir, loader, save_dir, saver,
                 time.perf_counter() - start)  # fmt: skip
     return weights
@@ -277,9 +319,9 @@ def usage_lines(saver: str, save_dir: str, weights: convert.ModelWeights) -> lis
             f"load it with transformers: AutoModelForCausalLM.from_pretrained({save_dir!r}); "
             f"serve it with vLLM: vllm serve {save_dir}"
         ]
-    if saver in ("megatron", "torch_dist"):
+    if saver in MEGATRON_CKPT_FORMATS:
         return [
-            f"load it in Megatron-LM: --load {save_dir} --ckpt-format {saver} --use-checkpoint-args "
+            f"load it in Megatron-LM: --load {save_dir} --ckpt-format {MEGATRON_CKPT_FORMATS[saver]} --use-checkpoint-args "
             "--transformer-impl local --finetune (or --no-load-optim --no-load-rng)"
         ]
     flags = " ".join(config_to_argv(weights.config))
@@ -294,6 +336,25 @@ def usage_lines(saver: str, save_dir: str, weights: convert.ModelWeights) -> lis
         "prefix> without --sft)",
         f"serve: python -m megatron_train.tools.run_text_generation_server --load {save_dir}",
     ]
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer of at least 1 (a size, a count, a parallel size)."""
+    return _int_at_least(text, 1)
+
+
+def non_negative_int(text: str) -> int:
+    return _int_at_least(text, 0)
+
+
+def _int_at_least(text: str, minimum: int) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < minimum:
+        raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -323,30 +384,42 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--save-dir", required=True, help="Directory to write the converted checkpoint to.")
     parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="Replace --save-dir whole when it already holds files (another run's checkpoints, another model); "
+        "without it such a folder is refused.",
+    )
+    parser.add_argument(
         "--max-shard-size",
-        type=int,
+        type=positive_int,
         default=5 * 10**9,
         help="--saver hf: bytes per safetensors shard (more shards get model.safetensors.index.json).",
     )
     parser.add_argument(
-        "--iteration", type=int, default=None, help="Iteration to convert; default: the latest."
+        "--iteration", type=non_negative_int, default=None, help="Iteration to convert; default: the latest."
     )
     parser.add_argument(
-        "--target-tensor-parallel-size", type=int, default=None, help="Default: the checkpoint's TP size."
+        "--target-tensor-parallel-size",
+        type=positive_int,
+        default=None,
+        help="Default: the checkpoint's TP size.",
     )
     parser.add_argument(
-        "--target-pipeline-parallel-size", type=int, default=None, help="Default: the checkpoint's PP size."
+        "--target-pipeline-parallel-size",
+        type=positive_int,
+        default=None,
+        help="Default: the checkpoint's PP size.",
     )
     parser.add_argument(
         "--target-num-layers-per-virtual-pipeline-stage",
-        type=int,
+        type=positive_int,
         default=None,
         help="Lay each target rank's files out for virtual pipeline stages of this many layers; default: a plain "
         "pipeline. Any run loads either layout: the checkpoint format does not depend on virtual stages.",
     )
     parser.add_argument(
         "--true-vocab-size",
-        type=int,
+        type=positive_int,
         default=None,
         help="Tokenizer vocabulary before padding: re-pad it exactly for the target TP size (Megatron's flag).",
     )
@@ -374,6 +447,7 @@ def main(argv: list[str] | None = None) -> None:
                 args.true_vocab_size,
                 args.max_shard_size,
                 args.model_type,
+                args.overwrite,
             )
         except (ValueError, CheckpointError) as error:
             parser.error(str(error))
@@ -391,6 +465,7 @@ def main(argv: list[str] | None = None) -> None:
             args.iteration,
             args.true_vocab_size,
             args.target_num_layers_per_virtual_pipeline_stage,
+            args.overwrite,
         )
     except (ValueError, CheckpointError) as error:
         parser.error(str(error))
