@@ -277,6 +277,15 @@ class IndexedDataset:
     def __len__(self) -> int:
         return self.sequence_lengths.size
 
+    def all_tokens(self) -> np.ndarray:
+        """Every token of the `.bin` up to the end of its furthest sequence, as one read-only array backed by the
+        mmap (Megatron writes the sequences back to back): what a scan of the token ids reads."""
+        return np.frombuffer(self._data, dtype=self.dtype, count=self._bytes_needed() // self.dtype.itemsize)
+
+    def sequence_at(self, token: int) -> int:
+        """The sequence holding the `token`-th token of `all_tokens()`."""
+        return int(np.searchsorted(self.sequence_pointers, token * self.dtype.itemsize, side="right")) - 1
+
     def __getitem__(self, i: int) -> np.ndarray:
         return self.get(i)
 

@@ -10,6 +10,7 @@ Under torch.distributed, rank 0 builds (and caches) the indices first; the other
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -26,7 +27,7 @@ from megatron_train.data.bert_dataset import BERTDataset, BERTDatasetConfig
 from megatron_train.data.blended import BlendedDataset
 from megatron_train.data.config import Blend, DataConfig, parse_split, split_bounds, split_matrix
 from megatron_train.data.gpt_dataset import GPTDataset, GPTDatasetConfig, Split
-from megatron_train.data.indices import normalize_weights
+from megatron_train.data.indices import load_or_build_indices, normalize_weights
 from megatron_train.data.masked_dataset import MaskedDatasetConfig, MaskedWordPieceDataset
 from megatron_train.data.mock import MockGPTDataset
 from megatron_train.data.t5_dataset import T5Dataset, T5DatasetConfig
@@ -36,6 +37,7 @@ logger = logging.getLogger(__name__)
 
 MID_LEVEL_DATASET_SURPLUS = 0.005  # Megatron's margin: each blended dataset builds 0.5% more than its share
 MOCK_SPLIT = "1,1,1"  # Megatron splits its mock data evenly
+SCAN_TOKENS = 1 << 24  # tokens per step of the scan of a .bin's token ids
 
 T = TypeVar("T")
 Datasets = tuple[
@@ -56,7 +58,8 @@ def build_train_valid_test_datasets(
     vocab_size: int | None = None,
 ) -> Datasets:
     """(train, valid, test) datasets of `seq_length`-token samples; a split is None when it has no data
-    or 0 samples are asked of it (None samples: one epoch). `vocab_size` only bounds --mock-data tokens.
+    or 0 samples are asked of it (None samples: one epoch). `vocab_size` (the tokenizer's) bounds the token ids
+    of the data (checked as each dataset is opened) and of --mock-data.
     """
     config = GPTDatasetConfig(
         seq_length=seq_length,
@@ -71,7 +74,7 @@ def build_train_valid_test_datasets(
         return _build_mock(config, train_valid_test_num_samples, vocab_size)  # nothing cached: no ordering
     if not any(data_config.blends()):
         raise ValueError("no data: give --data-path (or --train-data-path ...), or --mock-data")
-    builder = _SplitBuilder(data_config, GPTDataset, config)
+    builder = _SplitBuilder(data_config, GPTDataset, config, vocab_size)
     return _rank_zero_first(lambda: builder.build(train_valid_test_num_samples))
 
 
@@ -87,7 +90,9 @@ def build_masked_train_valid_test_datasets(
     if not any(data_config.blends()):
         raise ValueError("no data: give --data-path (or --train-data-path ...) of --split-sentences data")
     config = replace(config, split=data_config.split)
-    builder = _SplitBuilder(data_config, MASKED_DATASET_KINDS[type(config)], config)
+    builder = _SplitBuilder(
+        data_config, MASKED_DATASET_KINDS[type(config)], config, config.tokenizer.vocab_size
+    )
     return _rank_zero_first(lambda: builder.build(train_valid_test_num_samples))
 
 
@@ -112,8 +117,10 @@ class _SplitBuilder:
         data_config: DataConfig,
         dataset_class: type[GPTDataset] | type[MaskedWordPieceDataset],
         config: GPTDatasetConfig | MaskedDatasetConfig,
+        vocab_size: int | None,
     ) -> None:
         self.data_config = data_config
+        self.vocab_size = vocab_size
         self.dataset_class = dataset_class
         self.blends = data_config.blends()
         if data_config.data_path:
@@ -167,6 +174,7 @@ class _SplitBuilder:
     ) -> GPTDataset | MaskedWordPieceDataset:
         if prefix not in self._sequences:
             self._sequences[prefix] = IndexedDataset(prefix)
+            check_token_ids(self._sequences[prefix], self.vocab_size, self._cache_dir(prefix))
         sequences = self._sequences[prefix]
         num_elements = self.dataset_class.num_elements(sequences)
         elements = "sequences" if self.dataset_class is GPTDataset else "documents"
@@ -192,6 +200,50 @@ class _SplitBuilder:
         fallback = os.path.join(tempfile.gettempdir(), "megatron_flow_index_cache")
         logger.warning("%s is not writable; caching dataset indices in %s", beside_data, fallback)
         return fallback
+
+
+def check_token_ids(sequences: IndexedDataset, vocab_size: int | None, cache_dir: str | None) -> None:
+    """Every token id of the data lies in the tokenizer's vocabulary, checked when the dataset is built (one scan
+    of the .bin, cached beside the dataset indices) instead of an IndexError in the embedding at the first step:
+    data tokenized with another tokenizer is an error naming the file, the document and the id."""
+    if vocab_size is None:
+        return
+    path = os.path.abspath(sequences.path_prefix) + ".bin"
+    stat = os.stat(path)
+    description = json.dumps(
+        {"class": "TokenIdRange", "path": path, "bytes": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+    )
+    tokens = sequences.all_tokens()
+
+    def scan() -> dict[str, np.ndarray]:
+        low, high = 0, -1
+        for start in range(0, tokens.size, SCAN_TOKENS):
+            chunk = tokens[start : start + SCAN_TOKENS]
+            low, high = min(low, int(chunk.min())), max(high, int(chunk.max()))
+        return {"token_id_range": np.array([low, high], dtype=np.int64)}
+
+    arrays = load_or_build_indices(cache_dir, description, "TokenIdRange", ("token_id_range",), scan)
+    low, high = (int(value) for value in arrays["token_id_range"])
+    if low >= 0 and high < vocab_size:
+        return
+    bad = _first_outside(tokens, vocab_size)
+    sequence = sequences.sequence_at(bad)
+    document = int(np.searchsorted(sequences.document_indices, sequence, side="right")) - 1
+    raise ValueError(
+        f"{path}: document {document} (sequence {sequence}) holds token id {int(tokens[bad])}, outside the "
+        f"tokenizer's {vocab_size} ids: the data was tokenized with another tokenizer; tokenize it again with this "
+        "one, or pass the tokenizer flags it was made with"
+    )
+
+
+def _first_outside(tokens: np.ndarray, vocab_size: int) -> int:
+    """The position of the first token id outside [0, vocab_size) (one is known to be there)."""
+    for start in range(0, tokens.size, SCAN_TOKENS):
+        chunk = tokens[start : start + SCAN_TOKENS]
+        outside = np.flatnonzero((chunk < 0) | (chunk >= vocab_size))
+        if outside.size:
+            return start + int(outside[0])
+    raise AssertionError("the scan found an id outside the vocabulary, this pass none")
 
 
 def _is_writable_dir(directory: str) -> bool:
