@@ -8,6 +8,7 @@ and what to do about it, or a count in the stage's manifest when the user asked 
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -23,6 +24,9 @@ PARQUET_SUFFIXES = (".parquet", ".pq")
 COMPRESSION_SUFFIXES = (".gz", ".zst", ".xz", ".bz2")
 PARQUET_BATCH_ROWS = 1024
 READ_BUFFER_BYTES = 1 << 20
+MAX_RECORD_BYTES = (
+    64 << 20
+)  # a record of the JSON Lines files tasks read (SFT conversations, QA): megabytes at most
 
 
 @dataclass(frozen=True)
@@ -129,10 +133,10 @@ def _check(obj, text_keys: Sequence[str], key_flag: str, sentence_lists: bool) -
     return None
 
 
-def read_json_records(url: str) -> Iterator[tuple[int, str, object]]:
-    """(line number, "file:line", parsed value) of every non-blank line of a JSON Lines file; a line that is not JSON is an
-    error naming the file and the line."""
-    for line, raw in read_lines(url):
+def read_json_records(url: str, max_line_bytes: int = MAX_RECORD_BYTES) -> Iterator[tuple[int, str, object]]:
+    """(line number, "file:line", parsed value) of every non-blank line of a JSON Lines file; a line that is not JSON,
+    or longer than `max_line_bytes` (refused before it is read whole), is an error naming the file and the line."""
+    for line, raw in read_lines(url, max_line_bytes=max_line_bytes):
         if not raw.strip():
             continue
         where = f"{url}:{line}"
@@ -142,8 +146,12 @@ def read_json_records(url: str) -> Iterator[tuple[int, str, object]]:
             raise ValueError(f"{where}: not valid JSON ({error.msg}; column {error.colno})") from None
 
 
-def read_lines(url: str, span: Span | None = None, **storage_options) -> Iterator[tuple[int, bytes]]:
-    """(line number, raw line without its newline) of a JSON Lines file, or of one span of it, read in blocks."""
+def read_lines(
+    url: str, span: Span | None = None, max_line_bytes: int | None = None, **storage_options
+) -> Iterator[tuple[int, bytes]]:
+    """(line number, raw line without its newline) of a JSON Lines file, or of one span of it, read in blocks; with
+    `max_line_bytes`, a longer line is an error naming the file and the line as soon as that much of it is read."""
+    limit = math.inf if max_line_bytes is None else max_line_bytes
     with fsspec.open(url, "rb", compression="infer", **storage_options) as f:
         line_no, stop, data = 1, None, b""
         if span is not None:
@@ -152,10 +160,22 @@ def read_lines(url: str, span: Span | None = None, **storage_options) -> Iterato
                 data = _skip_lines(f, span.start, url)
             else:
                 f.seek(span.start)
+        middle: list[
+            bytes
+        ] = []  # blocks inside one long line, joined once its end comes (not copied per block)
         while stop is None or line_no < stop:
             block = f.read(READ_BUFFER_BYTES)
+            if block and b"\n" not in block:
+                middle.append(block)
+                if len(data) + sum(map(len, middle)) > limit:
+                    raise _line_too_long(url, line_no, max_line_bytes)
+                continue
+            data, middle = data + b"".join(middle), []
             lines = (data + block).split(b"\n")
             data = lines.pop()
+            for number, line in enumerate([*lines, data], start=line_no):
+                if len(line) > limit:
+                    raise _line_too_long(url, number, max_line_bytes)
             if not block and data:  # end of file: what is left is the last line, which has no newline
                 lines.append(data)
                 data = b""
@@ -166,6 +186,13 @@ def read_lines(url: str, span: Span | None = None, **storage_options) -> Iterato
             for raw in lines if stop is None else lines[: stop - line_no]:
                 yield line_no, raw
                 line_no += 1
+
+
+def _line_too_long(url: str, line: int, limit: int | None) -> ValueError:
+    return ValueError(
+        f"{url}:{line}: a line of over {limit} bytes, more than a record of this file may hold; it is not JSON Lines "
+        "(one record per line), or a record is damaged"
+    )
 
 
 def _skip_lines(f, count: int, url: str) -> bytes:

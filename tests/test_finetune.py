@@ -185,6 +185,32 @@ def test_malformed_glue_files_are_named(tmp_path, content, message):
         read_mnli(str(path))
 
 
+def test_glue_files_that_are_not_utf8_text_or_lines_are_named(tmp_path, monkeypatch):
+    """A byte that is not UTF-8 raised a UnicodeDecodeError naming no file before; a line is bounded before it is
+    read whole."""
+    from megatron_train.tasks.finetune import glue
+
+    path = tmp_path / "dev.tsv"
+    path.write_bytes(b"index\tsentence1\tsentence2\tgold_label\n0\ta\xff\tb\tneutral\n")
+    with pytest.raises(TaskDataError) as refused:
+        read_mnli(str(path))
+    assert str(refused.value) == (
+        f"{path}: line 2: byte 3 is not UTF-8 (invalid start byte); re-encode the file as UTF-8"
+    )
+    monkeypatch.setattr(glue, "MAX_LINE_BYTES", 64)
+    path.write_text("index\tsentence1\tsentence2\tgold_label\n0\t" + "a" * 100 + "\tb\tneutral\n")
+    with pytest.raises(TaskDataError) as refused:
+        read_mnli(str(path))
+    assert str(refused.value) == f"{path}: line 2: over 64 bytes: not a line of a GLUE TSV file"
+    os.remove(path)
+    os.makedirs(path)
+    with pytest.raises(TaskDataError) as refused:
+        read_mnli(str(path))
+    assert str(refused.value) == (
+        f"{path}: file: a folder, not a GLUE TSV file; move it out of the task's data folder"
+    )
+
+
 def test_missing_files_are_named(tmp_path):
     with pytest.raises(TaskDataError, match=r"nope\.tsv: file: no such file"):
         read_qqp(str(tmp_path / "nope.tsv"))
@@ -219,6 +245,34 @@ def test_malformed_race_files_are_named(tmp_path, document, message):
     (tmp_path / "1.txt").write_text(document if isinstance(document, str) else json.dumps(document))
     with pytest.raises(TaskDataError, match=message):
         read_race(str(tmp_path))
+
+
+RACE_RECORD = {"article": "a", "options": [["a", "b", "c", "d"]], "answers": ["A"]}
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [  # each a TypeError, an IsADirectoryError or a UnicodeDecodeError naming no file before
+        (json.dumps({**RACE_RECORD, "questions": 5}), "record: field 'questions' must be a list of questions, got 5"),
+        (json.dumps({**RACE_RECORD, "questions": None}),
+         "record: field 'questions' must be a list of questions, got None"),
+        ('{"article": "caf\xe9"}'.encode("latin-1"),
+         "line 1: byte 16 is not UTF-8 (invalid continuation byte); re-encode the file as UTF-8"),
+        (None, "file: a folder, not a RACE file (one JSON article with its questions); move it out of the task's "
+               "data folder"),
+    ],
+)  # fmt: skip
+def test_race_files_of_the_wrong_shape_type_or_encoding_are_one_line(tmp_path, content, message):
+    path = tmp_path / "x.txt"
+    if content is None:
+        os.makedirs(path)
+    elif isinstance(content, bytes):
+        path.write_bytes(content)
+    else:
+        path.write_text(content)
+    with pytest.raises(TaskDataError) as refused:
+        read_race(str(tmp_path))
+    assert str(refused.value) == f"{path}: {message}"
 
 
 # --- finetuning runs ---

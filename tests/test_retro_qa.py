@@ -106,3 +106,20 @@ def test_task_main_runs_retro_qa_and_writes_the_numbers(tmp_path, monkeypatch, c
     assert metrics["num_examples"] == 1 and metrics["exact_match"] in (0.0, 1.0)
     assert "Exact Match: " in capsys.readouterr().out
     assert json.loads(results.read_text())["f1"] == metrics["f1"]
+
+
+def test_a_line_of_gigabytes_is_refused_before_it_is_read_whole(tmp_path):
+    """A JSON Lines record longer than storage.documents.MAX_RECORD_BYTES (64 MiB): the reader stops there with
+    the file and the line, instead of reading gigabytes into memory (a sparse file: no disk is spent)."""
+    from storage.documents import MAX_RECORD_BYTES
+
+    path = tmp_path / "qa.jsonl"
+    with open(path, "wb") as handle:
+        handle.write(json.dumps({"question": "q", "answers": ["a"]}).encode() + b"\n")
+        handle.truncate(handle.tell() + (1 << 30))  # a second line of a gigabyte, with no newline
+    with pytest.raises(ValueError) as refused:
+        read_qa(str(path))
+    assert str(refused.value) == (
+        f"{path}:2: a line of over {MAX_RECORD_BYTES} bytes, more than a record of this file may hold; it is not "
+        "JSON Lines (one record per line), or a record is damaged"
+    )

@@ -8,20 +8,20 @@ from __future__ import annotations
 
 import os
 
-from megatron_train.tasks.finetune.samples import PairRecord, TaskDataError, clean_text
+from megatron_train.tasks.finetune.samples import PairRecord, TaskDataError, clean_text, read_text_lines
 
 MNLI_LABELS = {"contradiction": 0, "entailment": 1, "neutral": 2}  # Megatron's ids
 QQP_LABELS = {"0": 0, "1": 1}
+MAX_LINE_BYTES = 1 << 20  # a sentence pair and its label: a few hundred bytes
 
 
 def read_tsv_rows(path: str, columns: tuple[str, ...]) -> tuple[list[str], list[tuple[int, list[str]]]]:
     """(header, [(line number, cells)]) of a GLUE TSV; a missing file or header column is named."""
-    if not os.path.isfile(path):
+    if not os.path.exists(path):
         raise TaskDataError(
             path, "file", "no such file; pass the GLUE task's .tsv files to --train-data/--valid-data"
         )
-    with open(path, encoding="utf-8") as handle:
-        lines = handle.read().splitlines()
+    lines = [line for _, line in read_text_lines(path, MAX_LINE_BYTES, "a GLUE TSV file")]
     if not lines:
         raise TaskDataError(path, "line 1", "empty file; expected a header row of tab-separated column names")
     header = [cell.strip() for cell in lines[0].split("\t")]

@@ -9,17 +9,18 @@ import glob
 import json
 import os
 
-from megatron_train.tasks.finetune.samples import ChoiceRecord, TaskDataError
+from megatron_train.tasks.finetune.samples import ChoiceRecord, TaskDataError, read_text_file
 
 NUM_CHOICES = 4
 FIELDS = ("article", "questions", "options", "answers")
+MAX_FILE_BYTES = 16 << 20  # one article and its questions: a few kilobytes
 
 
 def read_race_file(path: str, first_uid: int) -> list[ChoiceRecord]:
     """The questions of one RACE file, numbered from `first_uid`; a bad field is named with its question."""
+    text = read_text_file(path, MAX_FILE_BYTES, "a RACE file (one JSON article with its questions)")
     try:
-        with open(path, encoding="utf-8") as handle:
-            document = json.loads(handle.read())
+        document = json.loads(text)
     except json.JSONDecodeError as error:
         raise TaskDataError(path, f"line {error.lineno}", f"not JSON ({error.msg})") from None
     if not isinstance(document, dict):
@@ -30,6 +31,10 @@ def read_race_file(path: str, first_uid: int) -> list[ChoiceRecord]:
     article, questions, options, answers = (document[field] for field in FIELDS)
     if not isinstance(article, str) or not article.strip():
         raise TaskDataError(path, "record", "field 'article' must be non-empty text")
+    if not isinstance(questions, list):
+        raise TaskDataError(
+            path, "record", f"field 'questions' must be a list of questions, got {questions!r:.60}"
+        )
     for field in ("questions", "options", "answers"):
         if not isinstance(document[field], list) or len(document[field]) != len(questions):
             raise TaskDataError(

@@ -7,7 +7,9 @@ options and becomes four sequences stacked along a choice axis.
 
 from __future__ import annotations
 
+import os
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -22,6 +24,48 @@ class TaskDataError(ValueError):
 
     def __init__(self, source: str, where: str, problem: str) -> None:
         super().__init__(f"{source}: {where}: {problem}")
+
+
+def _regular_file(path: str, what: str) -> None:
+    if not os.path.isfile(path):
+        kind = "a folder" if os.path.isdir(path) else "not a regular file"
+        raise TaskDataError(path, "file", f"{kind}, not {what}; move it out of the task's data folder")
+
+
+def _utf8(path: str, data: bytes, first_line: int) -> str:
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        line = first_line + data[: error.start].count(b"\n")
+        raise TaskDataError(
+            path,
+            f"line {line}",
+            f"byte {error.start} is not UTF-8 ({error.reason}); re-encode the file as UTF-8",
+        ) from None
+
+
+def read_text_file(path: str, limit: int, what: str) -> str:
+    """A task file's text, whole: a regular file of at most `limit` bytes, in UTF-8; any other is an error
+    naming the file (and the line of a byte that is not UTF-8)."""
+    _regular_file(path, what)
+    size = os.path.getsize(path)
+    if size > limit:
+        raise TaskDataError(path, "file", f"{size} bytes, over the {limit} bytes of {what}; it is not one")
+    with open(path, "rb") as handle:
+        return _utf8(path, handle.read(), 1)
+
+
+def read_text_lines(path: str, max_line_bytes: int, what: str) -> Iterator[tuple[int, str]]:
+    """(line number, line without its newline) of a task file read line by line, each line at most
+    `max_line_bytes` and in UTF-8; any other is an error naming the file and the line."""
+    _regular_file(path, what)
+    with open(path, "rb") as handle:
+        for number, raw in enumerate(iter(lambda: handle.readline(max_line_bytes + 1), b""), start=1):
+            if len(raw) > max_line_bytes:
+                raise TaskDataError(
+                    path, f"line {number}", f"over {max_line_bytes} bytes: not a line of {what}"
+                )
+            yield number, _utf8(path, raw, number).rstrip("\r\n")
 
 
 @dataclass(frozen=True)
