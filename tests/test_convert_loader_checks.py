@@ -247,3 +247,25 @@ def test_fuzzed_configs_end_in_a_named_error_or_the_sources_tensors(tmp_path):
     assert done.returncode == 0, done.stderr[-4000:]
     summary = json.loads(done.stdout.strip().splitlines()[-1])
     assert summary["cases"] == 300 and summary["refused"] > 150 and summary["loaded"] > 20, summary
+
+
+def test_damaged_files_are_one_error_naming_them(sources, tmp_path):
+    """Bytes that are not what the file's name says: a CheckpointError naming the file, not torch's ValueError,
+    RuntimeError or OSError (which named no file) or an AttributeError."""
+    cases = [
+        ("megatron", "iter_0000001/mp_rank_00/model_optim_rng.pt", b"\x00" * 3000,
+         "{path} is not a complete torch.save file (truncated or damaged: Expected input to be a checkpoint returned "
+         "by torch.save): copy it again from where Megatron-LM saved it, or load another iteration"),
+        ("torch_dist", "iter_0000001/common.pt", b"PK\x03\x04 not a zip",
+         "{path} is not a complete torch.save file (truncated or damaged: PytorchStreamReader failed reading zip "
+         "archive: not a ZIP archive): copy it again from where Megatron-LM saved it, or load another iteration"),
+        ("torch_dist", "iter_0000001/.metadata", b"\xa1garbage",
+         "{path} is not a DCP index (UnpicklingError(\"invalid load key, '\\\\xa1'.\")); the save is damaged"),
+        ("flow", "iter_0000001/metadata.json", b"[1, 2]",
+         "{path}: not a checkpoint's metadata (an object whose files are {{size, hash}})"),
+    ]  # fmt: skip
+    for name, file, data, message in cases:
+        folder = _copy(sources, name, tmp_path / file.replace("/", "_"))
+        path = f"{folder}/{file}"
+        pathlib.Path(path).write_bytes(data)
+        assert _refusal(name, folder) == message.format(path=path), name

@@ -192,8 +192,12 @@ def test_a_full_disk_is_one_line_per_saver_and_leaves_no_partial_file(checkpoint
     )
     assert done.returncode == 0, done.stderr[-3000:]
     results = json.loads(done.stdout.strip().splitlines()[-1])
-    files = {"flow": "iter_0000001/mp_rank_00/model.safetensors", "hf": "model.safetensors",
-             "megatron": "iter_0000001/mp_rank_00/model_optim_rng.pt", "torch_dist": "iter_0000001/__0_0.distcp"}
+    files = {
+        "flow": "iter_0000001/mp_rank_00/model.safetensors",
+        "hf": "model.safetensors",
+        "megatron": "iter_0000001/mp_rank_00/model_optim_rng.pt",
+        "torch_dist": "iter_0000001/__0_0.distcp",
+    }
     reasons = {"megatron": "torch.save stopped writing it"}  # torch's zip writer gives no errno
     for saver, (code, lines) in results.items():
         assert code == 2, (saver, lines)

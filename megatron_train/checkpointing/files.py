@@ -32,6 +32,7 @@ FORMAT_VERSION = 2  # 2: global layer names and PP stage records, any (TP, PP) l
 READABLE_FORMAT_VERSIONS = (1, 2)
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 METADATA_FILENAME = "metadata.json"
+MAX_METADATA_BYTES = 256 << 20  # metadata.json: args and a record per file, kilobytes to a few megabytes
 
 FileRecord = dict[str, Any]  # {"size": bytes, "hash": xxh3-128 hex digest}
 
@@ -135,8 +136,8 @@ def read_latest_iteration(load_dir: str) -> int | None:
     path = os.path.join(load_dir, TRACKER_FILENAME)
     if not os.path.exists(path):
         return None
-    with open(path) as handle:
-        text = handle.read().strip()
+    with open(path, "rb") as handle:  # a number: a few bytes (a larger file is not a marker)
+        text = handle.read(64).decode("utf-8", errors="replace").strip()
     if not text.isdigit():
         raise CheckpointError(f"{path} should hold an iteration number but holds {text[:40]!r}")
     return int(text)
@@ -187,8 +188,23 @@ def read_metadata(iteration_dir: str) -> dict:
     path = os.path.join(iteration_dir, METADATA_FILENAME)
     if not os.path.exists(path):
         raise missing_file_error(path)
+    size = os.path.getsize(path)
+    if size > MAX_METADATA_BYTES:
+        raise CheckpointError(
+            f"{path}: {size} bytes, over the {MAX_METADATA_BYTES} bytes of a checkpoint's metadata"
+        )
     with open(path, "rb") as handle:
         metadata = _parse_json(path, handle.read())
+    files = metadata.get("files") if isinstance(metadata, dict) else None
+    if not isinstance(metadata, dict) or not (
+        files is None
+        or isinstance(files, dict)
+        and all(isinstance(r, dict) and isinstance(r.get("size"), int) and isinstance(r.get("hash"), str)
+                for r in files.values())
+    ):  # fmt: skip
+        raise CheckpointError(
+            f"{path}: not a checkpoint's metadata (an object whose files are {{size, hash}})"
+        )
     if metadata.get("format_version") not in READABLE_FORMAT_VERSIONS:
         raise CheckpointError(
             f"{iteration_dir}/{METADATA_FILENAME}: format version {metadata.get('format_version')} is not one "

@@ -19,7 +19,9 @@ import errno
 import io
 import logging
 import os
+import pickle
 import re
+import zipfile
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,6 +62,7 @@ logger = logging.getLogger(__name__)
 
 CHECKPOINT_FILE = "model_optim_rng.pt"
 CHECKPOINT_VERSION = 3.0
+MARKER_BYTES = 64  # what is read of latest_checkpointed_iteration.txt
 
 
 class MegatronEnum:
@@ -142,20 +145,21 @@ def read_allowed_pickle(source: str | io.BytesIO, where: str) -> Any:
     other class is refused by name before a byte is unpickled, so a crafted checkpoint runs nothing."""
     try:
         refused = sorted(set(torch.serialization.get_unsafe_globals_in_checkpoint(source)) - _ALLOWED_NAMES)
-    except (RuntimeError, ValueError, EOFError) as error:
+        if isinstance(source, io.BytesIO):
+            source.seek(0)
+        if not refused:
+            with torch.serialization.safe_globals(ALLOWED_GLOBALS):
+                return torch.load(source, map_location="cpu", weights_only=True)
+    except (RuntimeError, ValueError, OSError, pickle.UnpicklingError, EOFError, zipfile.BadZipFile) as error:
         raise CheckpointError(
-            f"{where} is not a complete torch.save file (truncated or damaged: {str(error).splitlines()[0]}): copy "
-            "it again from where Megatron-LM saved it, or load another iteration"
+            f"{where} is not a complete torch.save file (truncated or damaged: "
+            f"{str(error).splitlines()[0].split('. ')[0][:200]}): copy it again from where Megatron-LM saved it, or "
+            "load another iteration"
         ) from error
-    if refused:
-        raise CheckpointError(
-            f"{where} holds pickled objects of {refused}, outside the classes a Megatron checkpoint holds "
-            f"({sorted(_ALLOWED_NAMES)}); unpickling them could run code, so it is not loaded"
-        )
-    if isinstance(source, io.BytesIO):
-        source.seek(0)
-    with torch.serialization.safe_globals(ALLOWED_GLOBALS):
-        return torch.load(source, map_location="cpu", weights_only=True)
+    raise CheckpointError(
+        f"{where} holds pickled objects of {refused}, outside the classes a Megatron checkpoint holds "
+        f"({sorted(_ALLOWED_NAMES)}); unpickling them could run code, so it is not loaded"
+    )
 
 
 def find_iteration_dir(load_dir: str, iteration: int | None) -> tuple[str, int]:
@@ -169,8 +173,8 @@ def find_iteration_dir(load_dir: str, iteration: int | None) -> tuple[str, int]:
         )
     if not os.path.exists(tracker):
         raise CheckpointError(f"{load_dir} holds no {TRACKER_FILENAME}: pass --iteration")
-    with open(tracker) as handle:
-        text = handle.read().strip()
+    with open(tracker, "rb") as handle:  # a number: a few bytes (a larger file is not a marker)
+        text = handle.read(MARKER_BYTES).decode("utf-8", errors="replace").strip()
     if text == "release":
         return os.path.join(load_dir, "release"), 0
     if not text.isdigit():

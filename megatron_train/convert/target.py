@@ -12,6 +12,8 @@ behind but that temporary folder's name pattern, which `storage.atomic.is_tempor
 from __future__ import annotations
 
 import contextlib
+import glob
+import logging
 import os
 import shutil
 from collections.abc import Iterator
@@ -19,7 +21,9 @@ from collections.abc import Iterator
 from safetensors import SafetensorError
 
 from megatron_train.checkpointing.files import TRACKER_FILENAME, CheckpointError
-from storage.atomic import final_name, replacing_dir
+from storage.atomic import TEMP_MARK, final_name, replacing_dir
+
+logger = logging.getLogger(__name__)
 
 LISTED = 5  # entries of a refused folder named in the message
 
@@ -32,9 +36,25 @@ def _what_it_holds(names: list[str]) -> str:
     return "other files"
 
 
-def check_target(save_dir: str, overwrite: bool) -> None:
-    """Refuse a `--save-dir` the converter must not write: a file, a mount point, or (without `overwrite`) a
-    folder that holds anything. Cheap, so a conversion calls it before reading the source."""
+def check_target(save_dir: str, overwrite: bool, load_dir: str | None = None) -> None:
+    """Refuse a `--save-dir` the converter must not write: `load_dir` or a folder holding it (replacing it would
+    delete the source), a file, a mount point, or (without `overwrite`) a folder that holds anything. Cheap, so a
+    conversion calls it before reading the source."""
+    if load_dir is not None:
+        source, target = os.path.realpath(load_dir), os.path.realpath(save_dir)
+        if source == target:
+            raise ValueError(f"--save-dir {save_dir} is --load-dir: write the converted checkpoint elsewhere")
+        if os.path.commonpath([source, target]) == target:
+            raise ValueError(
+                f"--save-dir {save_dir} holds --load-dir {load_dir}: replacing it would delete the source; write the "
+                "converted checkpoint elsewhere"
+            )
+    leftovers = glob.glob(glob.escape(os.path.realpath(save_dir)) + TEMP_MARK + "*")
+    if leftovers:
+        logger.warning(
+            "%s: an interrupted conversion left %s; delete it once no conversion into %s runs",
+            save_dir, ", ".join(sorted(leftovers)[:3]), save_dir,
+        )  # fmt: skip
     if os.path.exists(save_dir) and not os.path.isdir(save_dir):
         raise ValueError(f"--save-dir {save_dir} is a file: pass a folder to write the converted model to")
     if not os.path.isdir(save_dir):

@@ -184,6 +184,10 @@ class _RawBytesLoadPlanner(DefaultLoadPlanner):
         target.seek(0)
 
 
+class _RefusedClass(pickle.UnpicklingError):
+    """A class `.metadata` names that DCP's metadata does not hold."""
+
+
 class _MetadataUnpickler(pickle.Unpickler):
     """Resolves only the classes DCP's metadata and planner modules define, torch dtypes and
     `_METADATA_GLOBALS`; anything else is refused."""
@@ -197,7 +201,7 @@ class _MetadataUnpickler(pickle.Unpickler):
             )
             if listed or isinstance(found, torch.dtype) or defined_there:
                 return found
-        raise pickle.UnpicklingError(f"{module}.{name}")
+        raise _RefusedClass(f"{module}.{name}")
 
 
 class _SafeReader(dcp.FileSystemReader):
@@ -219,12 +223,13 @@ class _SafeReader(dcp.FileSystemReader):
         with open(path, "rb") as handle:
             try:
                 metadata = _MetadataUnpickler(handle).load()
-            except pickle.UnpicklingError as error:
+            except _RefusedClass as error:
                 raise CheckpointError(
                     f"{path} names {error}, which DCP metadata does not hold; unpickling it could run code, so "
                     "it is not loaded"
                 ) from error
             except (
+                pickle.UnpicklingError,
                 EOFError,
                 ValueError,
                 TypeError,

@@ -97,9 +97,7 @@ def convert_checkpoint(
 
     Raises ValueError for a layout the model cannot be cut into, CheckpointError for a broken checkpoint.
     """
-    if os.path.realpath(load_dir) == os.path.realpath(save_dir):
-        raise ValueError(f"--save-dir {save_dir} is --load-dir: write the resharded checkpoint elsewhere")
-    check_target(save_dir, overwrite)
+    check_target(save_dir, overwrite, load_dir)
     iteration_dir = require_iteration_dir(load_dir, iteration)
     saved = SavedCheckpoint(iteration_dir)
     target_tp, target_pp = target_tp or saved.tp_size, target_pp or saved.pp_size
@@ -291,9 +289,7 @@ def convert_format(
     """Read `load_dir` with `loader`, write it to `save_dir` with `saver` (the flow saver under the target
     (TP, PP), default 1 x 1); returns what was written (its config records the layout). A `save_dir` that
     holds anything is refused before the source is read, unless `overwrite` (`convert.target`)."""
-    if os.path.realpath(load_dir) == os.path.realpath(save_dir):
-        raise ValueError(f"--save-dir {save_dir} is --load-dir: write the converted checkpoint elsewhere")
-    check_target(save_dir, overwrite)
+    check_target(save_dir, overwrite, load_dir)
     if saver == "hf" and (target_tp or 1, target_pp or 1) != (1, 1):
         raise ValueError(
             "--saver hf writes one unsplit model: leave out --target-tensor/pipeline-parallel-size"
