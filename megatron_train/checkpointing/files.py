@@ -188,6 +188,8 @@ def read_metadata(iteration_dir: str) -> dict:
     path = os.path.join(iteration_dir, METADATA_FILENAME)
     if not os.path.exists(path):
         raise missing_file_error(path)
+    if not os.path.isfile(path):  # a FIFO or a device would block the read or never end it
+        raise CheckpointError(f"{path} is not a regular file; the checkpoint folder is damaged")
     size = os.path.getsize(path)
     if size > MAX_METADATA_BYTES:
         raise CheckpointError(

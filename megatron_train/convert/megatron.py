@@ -137,6 +137,8 @@ def read_checkpoint_file(path: str) -> dict[str, Any]:
         raise CheckpointError(
             f"Megatron checkpoint file {path} is missing: the save is incomplete or was moved"
         )
+    if not os.path.isfile(path):  # a FIFO or a device would block the read or never end it
+        raise CheckpointError(f"Megatron checkpoint file {path} is not a regular file; the save is damaged")
     return read_allowed_pickle(path, path)
 
 

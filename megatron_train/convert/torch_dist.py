@@ -62,6 +62,7 @@ from megatron_train.convert.megatron import (
     find_iteration_dir,
     megatron_args,
     read_allowed_pickle,
+    read_checkpoint_file,
     save_torch,
 )
 from megatron_train.convert.source import read_json_object
@@ -214,6 +215,8 @@ class _SafeReader(dcp.FileSystemReader):
                 f"{path} is missing: {self.path} is not a complete torch_dist checkpoint (an interrupted save?); "
                 "load another iteration (--ckpt-step N) or copy the folder again"
             )
+        if not os.path.isfile(path):  # a FIFO or a device would block the read or never end it
+            raise CheckpointError(f"{path} is not a regular file; the save is damaged")
         size = os.path.getsize(path)
         if size > MAX_DCP_METADATA_BYTES:
             raise CheckpointError(
@@ -263,7 +266,7 @@ def _common_state(iteration_dir: str, reader: _SafeReader, metadata: Metadata) -
     """The non-tensor part Megatron saved (args, iteration, ...): common.pt, or the `common_state` object."""
     legacy = os.path.join(iteration_dir, COMMON_FILE)
     if os.path.exists(legacy):
-        return read_allowed_pickle(legacy, legacy)
+        return read_checkpoint_file(legacy)
     if COMMON_STATE_KEY not in metadata.state_dict_metadata:
         raise CheckpointError(
             f"{iteration_dir} holds neither {COMMON_FILE} nor the {COMMON_STATE_KEY!r} object: its args "
