@@ -19,7 +19,7 @@ from megatron_train.checkpointing import CheckpointError
 from megatron_train.convert import ModelWeights, flow, megatron, torch_dist
 from megatron_train.convert.weights import trim_vocab
 from megatron_train.tools.checkpoint_util import load_weights
-from tests.convert_models import VOCAB, our_llama
+from tests.helpers.convert_models import VOCAB, our_llama
 
 transformers = pytest.importorskip("transformers")
 
@@ -236,10 +236,10 @@ def test_headers_and_metadata_are_bounded_before_they_are_read(sources, tmp_path
 def test_fuzzed_configs_end_in_a_named_error_or_the_sources_tensors(tmp_path):
     """Three hundred seeded random edits of the sizes, types and signs in config.json, Megatron's args (legacy
     and torch_dist) and our metadata.json, in a subprocess whose address space is capped 1 GiB above what it holds
-    (tests/convert_fuzz.py): none allocates what a lie implies, hangs, or ends in anything but a named error or
+    (tests/helpers/convert_fuzz.py): none allocates what a lie implies, hangs, or ends in anything but a named error or
     the unedited source's tensors."""
     done = subprocess.run(
-        [sys.executable, "-m", "tests.convert_fuzz", str(tmp_path), "0", "300"],
+        [sys.executable, "-m", "tests.helpers.convert_fuzz", str(tmp_path), "0", "300"],
         capture_output=True,
         text=True,
         timeout=300,

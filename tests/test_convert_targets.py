@@ -17,7 +17,7 @@ import pytest
 from megatron_train.convert import ModelWeights, flow
 from megatron_train.convert.weights import trim_vocab
 from megatron_train.tools.checkpoint_util import main
-from tests.convert_models import VOCAB, our_llama
+from tests.helpers.convert_models import VOCAB, our_llama
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ from megatron_train.data.builder import (
 from megatron_train.data.config import DataConfig
 from megatron_train.data.t5_dataset import T5DatasetConfig
 from storage.indexed_dataset import IndexedDatasetBuilder, data_file_path, index_file_path
-from tests.wordpiece_corpus import build_tokenizer, write_sentence_corpus
+from tests.helpers.wordpiece_corpus import build_tokenizer, write_sentence_corpus
 
 
 def _with_a_foreign_token(prefix: str, documents: list[list[list[int]]], document: int, token: int) -> None:

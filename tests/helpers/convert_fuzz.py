@@ -1,6 +1,6 @@
 """Fuzzing the converter's loaders with lying configs (tests/test_convert_loader_checks.py runs it in a subprocess).
 
-    python -m tests.convert_fuzz FOLDER SEED CASES
+    python -m tests.helpers.convert_fuzz FOLDER SEED CASES
 
 builds a tiny model in each source format under FOLDER (a Hugging Face GPT-2 and Llama folder, a Megatron legacy
 checkpoint, a torch_dist one, one of ours), then caps the process's address space a little above what it uses
@@ -32,7 +32,7 @@ from megatron_train.checkpointing.layout import VOCAB_PARAMS
 from megatron_train.convert import ModelWeights, flow, megatron, torch_dist
 from megatron_train.convert.weights import trim_vocab
 from megatron_train.tools.checkpoint_util import load_weights
-from tests.convert_models import VOCAB, our_llama
+from tests.helpers.convert_models import VOCAB, our_llama
 
 PADDED = 256  # the sources' padded vocabulary: VOCAB rounded up to 128 x TP2
 HEADROOM = 1 << 30  # the address space a case may take beyond what the process holds when fuzzing starts
