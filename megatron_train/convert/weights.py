@@ -122,8 +122,10 @@ def padded_size_of(weights: ModelWeights, padded_vocab_size: int) -> int:
     writes, checked against the target's free space before it starts."""
     total = 0
     for name, tensor in weights.tensors.items():
-        rows = padded_vocab_size if name in VOCAB_PARAMS else (tensor.shape[0] if tensor.dim() else 1)
-        total += tensor[:1].numel() * rows * tensor.element_size() if tensor.dim() else tensor.element_size()
+        numel = tensor.numel()
+        if name in VOCAB_PARAMS:  # [vocab, ...]: the padded rows are as wide as the others
+            numel = numel // max(tensor.shape[0], 1) * padded_vocab_size
+        total += numel * tensor.element_size()
     return total
 
 
