@@ -29,7 +29,7 @@ import torch.distributed as dist
 from megatron_train.distributed import ddp as ddp_module
 from megatron_train.distributed.ddp import DDPConfig, DistributedDataParallel
 from megatron_train.models import TransformerConfig
-from megatron_train.models.gpt import model_provider
+from megatron_train.models.gpt import GPTModel
 from megatron_train.optimizer import get_megatron_optimizer
 from megatron_train.parallel import mappings, state
 from megatron_train.parallel.layers import allreduce_sequence_parallel_grads
@@ -90,7 +90,7 @@ def _worker(rank: int, world_size: int, layout: str, args: argparse.Namespace) -
         num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=4, seq_length=args.seq,
         hidden_dropout=0.0, attention_dropout=0.0,
     )  # fmt: skip
-    module = model_provider(config, VOCAB, sequence_parallel=sp)
+    module = GPTModel(config, VOCAB, sequence_parallel=sp)
     model = DistributedDataParallel(
         module, DDPConfig(use_distributed_optimizer=distributed_optimizer), state.get_data_parallel_group()
     )

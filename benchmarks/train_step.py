@@ -31,9 +31,11 @@ import torch
 import torch.nn.functional as F
 import transformers
 
+from megatron_train.arguments import MegatronConfig
+from megatron_train.data.config import DataConfig
+from megatron_train.families.gpt import gpt_terms
 from megatron_train.models import GPTModel, TransformerConfig
 from megatron_train.models.hf_import import gpt2_state_dict_from_hf
-from megatron_train.training.flops import num_floating_point_operations
 
 SQUARE_N = 4096
 
@@ -143,7 +145,9 @@ def main() -> None:
     ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=generator)
     labels = torch.randint(0, args.vocab, (args.batch, args.seq), generator=generator)
     tokens = args.batch * args.seq
-    flops = num_floating_point_operations(config, args.vocab, args.batch)
+    flops = (
+        args.batch * gpt_terms(MegatronConfig(model=config, data=DataConfig()), args.vocab).flops_per_sample()
+    )
     huge_pages = os.environ.get("THP_MEM_ALLOC_ENABLE", "0") == "1"
     print(f"threads {args.threads}; GPT-2 shape: {args.layers} layers, hidden {args.hidden}, {args.heads} heads, "
           f"seq {args.seq}, batch {args.batch}, vocab {args.vocab}; {flops / 1e9:.0f} GFLOP per step (Megatron); "

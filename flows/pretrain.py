@@ -5,8 +5,10 @@
     python -m flows.pretrain --model bert                      # BERT: sentence-split data, a trained WordPiece
     python -m flows.pretrain --nproc-per-node 8 --nnodes 4 --launcher slurm --store /shared/artifacts
 
-`--model bert|t5` tokenizes the corpus with `--split-sentences` and a WordPiece vocabulary the flow trains
-(unless the corpus config names a vocabulary), and launches `pretrain_bert` / `pretrain_t5`.
+`--model bert|t5` (a model family whose corpus is sentence-split) tokenizes the corpus with `--split-sentences`
+and a WordPiece vocabulary the flow trains (unless the corpus config names a vocabulary), and launches the
+family's entry point (`pretrain_bert` / `pretrain_t5`); `--model pkg.module:ATTR` trains a family defined outside
+the project.
 
 Flags after `--` are Megatron's and override the small defaults below (later flags win). The stage is cached
 like every other: rerun with nothing changed returns the trained run at once; a retry after a crash resumes from
@@ -19,10 +21,10 @@ import argparse
 import dataclasses
 import os
 import sys
-from typing import Any, Literal
+from typing import Any
 
 from prefect import flow, get_run_logger
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, field_validator
 
 from flows.corpus import CorpusConfig, corpus_flow
 from flows.corpus_plan import rebuild_stages
@@ -31,7 +33,7 @@ from flows.publish import publish_stages
 from flows.server import prefect_api
 from flows.tasks import make_task_runner, stage_ref
 from stages.launch import LaunchParams
-from stages.pretrain import PRETRAIN_MODULES, params_from_argv
+from stages.pretrain import corpus_families, params_from_argv, pretrain_family
 from stages.tokenize import TokenizeParams
 from stages.train_tokenizer import TrainTokenizerParams
 
@@ -49,26 +51,23 @@ SMALL_GPT_ARGS: tuple[str, ...] = (
 )  # fmt: skip
 
 
-# What BERT and T5 add to the small model's flags (Megatron's T5 sentinels and encoder/decoder lengths).
-MODEL_ARGS: dict[str, tuple[str, ...]] = {
-    "gpt": (),
-    "bert": (),
-    "t5": ("--vocab-extra-ids", "100", "--encoder-seq-length", "128", "--decoder-seq-length", "64"),
-}
-ModelFamily = Literal["gpt", "bert", "t5"]
-
-
 class PretrainFlowConfig(BaseModel):
     """The corpus to train on, the model family, Megatron's flags for the run, and how many processes run it."""
 
     model_config = ConfigDict(frozen=True)
 
     corpus: CorpusConfig = CorpusConfig()
-    model: ModelFamily = "gpt"
+    model: str = "gpt"  # the model family (stages.pretrain.pretrain_family)
     megatron_args: tuple[str, ...] = SMALL_GPT_ARGS
     nproc_per_node: int | None = None  # None: the worker's $NPROC_PER_NODE (a work-pool job variable), else 2
     save_interval: int = 50
     launch: LaunchParams = LaunchParams()  # one node, or several with a c10d rendezvous, or a Slurm job
+
+    @field_validator("model")
+    @classmethod
+    def _pretrains_on_a_corpus(cls, model: str) -> str:
+        pretrain_family(model)
+        return model
 
     def processes_per_node(self) -> int:
         """How many training processes `torchrun` starts on this machine."""
@@ -78,9 +77,10 @@ class PretrainFlowConfig(BaseModel):
 
 
 def corpus_for_model(corpus: CorpusConfig, model: str) -> CorpusConfig:
-    """BERT and T5 read documents split into sentences, tokenized with WordPiece (trained by the corpus flow when
-    no vocabulary is given), without end-of-document tokens, as Megatron's preprocess_data for them."""
-    if model == "gpt":
+    """The corpus the family `model` reads: whole documents (GPT), or, for a family of sentence-split data (BERT,
+    T5), documents split into sentences, tokenized with WordPiece (trained by the corpus flow when no vocabulary
+    is given), without end-of-document tokens, as Megatron's preprocess_data for them."""
+    if pretrain_family(model).corpus == "document":
         return corpus
     tokenize: TokenizeParams = corpus.tokenize
     if not tokenize.tokenizer_type.startswith("BertWordPiece"):
@@ -97,7 +97,7 @@ def pretrain_flow(config: PretrainFlowConfig = PretrainFlowConfig()) -> dict[str
     """Corpus (cached) -> pretrain; returns every stage's artifact reference."""
     refs = corpus_flow(corpus_for_model(config.corpus, config.model))
     params = params_from_argv(
-        (*MODEL_ARGS[config.model], *config.megatron_args),
+        (*pretrain_family(config.model).flow_flags, *config.megatron_args),
         config.processes_per_node(),
         config.save_interval,
         config.model,
@@ -179,11 +179,15 @@ def parse(argv: list[str] | None) -> PretrainFlowConfig:
     add_pretrain_flags(parser)
     parser.add_argument(
         "--model",
-        choices=list(PRETRAIN_MODULES),
         default="gpt",
-        help="model family to pretrain (default: gpt)",
+        help=f"model family to pretrain: {', '.join(corpus_families())}, or pkg.module:ATTR (default: gpt)",
     )
-    return pretrain_config(parser.parse_args(own), megatron)
+    args = parser.parse_args(own)
+    try:
+        pretrain_family(args.model)
+    except ValueError as error:
+        parser.error(f"--model: {error}")
+    return pretrain_config(args, megatron)
 
 
 @command_line

@@ -20,17 +20,14 @@ import faiss
 import numpy as np
 import torch
 
-from megatron_train.arguments import MegatronConfig
 from megatron_train.data.retro_dataset import neighbor_tokens
-from megatron_train.inference.checkpoint import load_for_inference
 from megatron_train.models.config import TransformerConfig
 from megatron_train.models.retro import RetroModel
 from megatron_train.tokenizer import MegatronTokenizer
 from retro.config import QueryConfig
 from retro.db import ChunkDatabase
-from retro.embedder import load_embedder
 from retro.index import Embed, embed_texts, load_index
-from retro.project import db_dir, embedder_dir, index_path
+from retro.project import db_dir, index_path
 
 
 def sequence_chunks(length: int, chunk_length: int) -> list[tuple[int, int]]:
@@ -179,20 +176,3 @@ def add_retrieval_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("Retro retrieval (with --retro-project-dir)")
     group.add_argument("--retro-query-nprobe", type=int, default=QueryConfig.retro_query_nprobe)
     group.add_argument("--retro-query-ef-search", type=int, default=QueryConfig.retro_query_ef_search)
-
-
-def load_for_generation(
-    args: argparse.Namespace, device: torch.device | str | None = None, embed: Embed | None = None
-) -> tuple[torch.nn.Module, MegatronTokenizer, MegatronConfig]:
-    """`load_for_inference` for the generation tools: a GPT checkpoint, or with --retro-project-dir DIR a Retro
-    checkpoint behind its retriever (DIR's index and embedder; `embed` replaces the embedder)."""
-    project_dir = getattr(args, "retro_project_dir", None)  # Megatron's flags default to "not given"
-    if not project_dir:
-        return load_for_inference(args, device=device)
-    model, tokenizer, config = load_for_inference(args, device=device, model_types=("retro",))
-    if embed is None:
-        embed = load_embedder(embedder_dir(project_dir), device=device)
-    retriever = Retriever.from_project(
-        project_dir, model, embed, tokenizer, args.retro_query_nprobe, args.retro_query_ef_search
-    )
-    return RetrievingModel(model, retriever).eval(), tokenizer, config

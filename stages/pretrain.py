@@ -1,6 +1,7 @@
-"""Pretrain stage: run `torchrun -m megatron_train.pretrain_gpt` (or `pretrain_bert`, `pretrain_t5`: the
-params' `model`) on a tokenized corpus; the artifact is the run directory (checkpoints, metrics.jsonl,
-TensorBoard events).
+"""Pretrain stage: run `torchrun -m megatron_train.pretrain_gpt` (or the entry point of the model family the
+params' `model` names: `pretrain_bert`, `pretrain_t5`, a family from outside the project through
+`megatron_train.pretrain --model-family pkg.module:ATTR`) on a tokenized corpus; the artifact is the run directory
+(checkpoints, metrics.jsonl, TensorBoard events).
 
 Inputs: the tokenize artifact (its manifest's `outputs[json_key]` names `<prefix>_text_document.bin/.idx`)
 and, optionally, a train_tokenizer artifact whose files become `--tokenizer-type/--vocab-file/...`; without
@@ -41,6 +42,8 @@ from megatron_train.checkpointing import (
     read_metadata,
 )
 from megatron_train.data.config import DataConfig
+from megatron_train.families.family import ModelFamily
+from megatron_train.families.registry import builtin_families, family_module, get_family, is_builtin
 from megatron_train.models.config import TransformerConfig
 from megatron_train.training.config import OptimizerConfig, TrainingConfig
 from stages.base import Inputs, Stage
@@ -71,12 +74,21 @@ def default_config() -> MegatronConfig:
     )  # fmt: skip
 
 
-# The training entry point of each model family (BERT and T5 read sentence-split data).
-PRETRAIN_MODULES = {
-    "gpt": "megatron_train.pretrain_gpt",
-    "bert": "megatron_train.pretrain_bert",
-    "t5": "megatron_train.pretrain_t5",
-}
+def pretrain_family(name: str) -> ModelFamily:
+    """The model family `name` (a family of the project, or `pkg.module:ATTR`) if it pretrains on a tokenized
+    corpus, else a ValueError naming those that do."""
+    family = get_family(name)
+    if family.corpus is None:
+        raise ValueError(
+            f"model {name!r} does not pretrain on a tokenized corpus; the families that do: "
+            f"{', '.join(corpus_families())} (or pkg.module:ATTR naming one)"
+        )
+    return family
+
+
+def corpus_families() -> list[str]:
+    """The project's families that the pretrain stage and flow train on a tokenized corpus."""
+    return [family.name for family in builtin_families() if family.corpus is not None]
 
 
 @dataclass(frozen=True)
@@ -87,12 +99,11 @@ class PretrainParams:
     nproc_per_node: int = 1
     json_key: str = "text"
     save_interval: int = 1000  # checkpoints in the run directory, what a retry resumes from
-    model: str = "gpt"  # a key of PRETRAIN_MODULES
+    model: str = "gpt"  # the model family: a name of `corpus_families()`, or `pkg.module:ATTR`
     launch: LaunchParams = field(default_factory=LaunchParams)  # nodes, rendezvous, torchrun or Slurm
 
     def __post_init__(self) -> None:
-        if self.model not in PRETRAIN_MODULES:
-            raise ValueError(f"model must be one of {', '.join(PRETRAIN_MODULES)}, got {self.model!r}")
+        pretrain_family(self.model)
 
     @property
     def world_size(self) -> int:
@@ -163,13 +174,20 @@ def run_config(
     )  # fmt: skip
 
 
+def entry_and_argv(config: MegatronConfig, model: str) -> tuple[str, list[str]]:
+    """(the `-m` module, its flags) that train `config` as the family `model`: the family's entry point, told
+    which family with --model-family when it is one from outside the project."""
+    argv = config_to_argv(config)
+    if not is_builtin(model) and config.model.model_family is None:
+        argv = ["--model-family", model, *argv]
+    return pretrain_family(model).entry_module, argv
+
+
 def torchrun_command(
     config: MegatronConfig, nproc_per_node: int, model: str = "gpt", launch: LaunchParams | None = None
 ) -> list[str]:
     """This node's `torchrun` command line for the training job (`stages.launch`: one node or many)."""
-    return launch_command(
-        nproc_per_node, launch or LaunchParams(), PRETRAIN_MODULES[model], config_to_argv(config)
-    )
+    return launch_command(nproc_per_node, launch or LaunchParams(), *entry_and_argv(config, model))
 
 
 def job_command(config: MegatronConfig, params: PretrainParams, job_dir: str) -> list[str]:
@@ -178,9 +196,8 @@ def job_command(config: MegatronConfig, params: PretrainParams, job_dir: str) ->
     launch = params.launch
     if launch.launcher == "slurm":
         script = os.path.join(job_dir, "pretrain.sbatch")
-        argv = config_to_argv(config)
+        module, argv = entry_and_argv(config, params.model)
         log_file = os.path.join(job_dir, "slurm-%j.out")
-        module = PRETRAIN_MODULES[params.model]
         atomic_write_text(script, slurm_script(params.nproc_per_node, launch, module, argv, log_file))
         log.info("submitting %s (training log: %s)", script, log_file)
         return ["sbatch", "--wait", script]
@@ -367,8 +384,10 @@ class PretrainStage(Stage):
         return PretrainParams(**{**values, "config": config_from_dict(values["config"]), "launch": launch})
 
     def code_modules(self, params: PretrainParams) -> tuple[str, ...]:
-        """The stage and the `torchrun` entry point it launches (what the training workers run)."""
-        return (*super().code_modules(params), PRETRAIN_MODULES[params.model])
+        """The stage, the `torchrun` entry point it launches and the module of the family it trains (what the
+        training workers run; the entry point finds the family by name, so its imports do not reach it)."""
+        entry = pretrain_family(params.model).entry_module
+        return (*super().code_modules(params), entry, family_module(params.model))
 
     def key_params(self, params: PretrainParams) -> dict:
         """Where the processes run (node rank, rendezvous, launcher) does not change the run; how many do."""

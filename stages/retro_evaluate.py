@@ -23,10 +23,10 @@ import torch
 
 from megatron_train.checkpointing import load_model_for_inference
 from megatron_train.data.retro_dataset import RetroDataset
-from megatron_train.pretrain_retro import datasets_provider
 from megatron_train.tokenizer import tokenizer_from_config
 from retro.db import ChunkDatabase
 from retro.embedder import embedder_tokenizer, load_embedder
+from retro.family import datasets_provider
 from retro.index import load_index
 from retro.project import RetroProject, db_dir, embedder_dir, index_path
 from retro.update import update_database

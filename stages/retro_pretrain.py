@@ -15,14 +15,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from megatron_train.arguments import MegatronConfig, parse_args
-from megatron_train.pretrain_retro import with_project_settings
+from megatron_train.families.registry import family_module
+from retro.family import RETRO, with_project_settings
 from stages.base import Inputs, Stage, expect_inputs
 from stages.launch import LaunchParams, torchrun_command
 from stages.pretrain import train_and_commit
 from stages.retro_params import local_dir
 from storage.artifacts import ArtifactRef, ArtifactStore, ArtifactWriter
-
-PRETRAIN_RETRO = "megatron_train.pretrain_retro"
 
 
 @dataclass(frozen=True)
@@ -66,8 +65,8 @@ class RetroPretrainStage(Stage):
     Params = RetroPretrainParams
 
     def code_modules(self, params: RetroPretrainParams) -> tuple[str, ...]:
-        """The stage and the `torchrun` entry point it launches."""
-        return (*super().code_modules(params), PRETRAIN_RETRO)
+        """The stage, the `torchrun` entry point it launches and the Retro family it trains."""
+        return (*super().code_modules(params), RETRO.entry_module, family_module(RETRO.name))
 
     def run(
         self,
@@ -86,7 +85,7 @@ class RetroPretrainStage(Stage):
             run_dir = os.path.join(writer.local_dir, "run")
             config = run_config(params, project_dir, run_dir)
             argv = retro_argv(params, project_dir, run_dir)
-            command = torchrun_command(params.nproc_per_node, LaunchParams(), PRETRAIN_RETRO, argv)
+            command = torchrun_command(params.nproc_per_node, LaunchParams(), RETRO.entry_module, argv)
             return train_and_commit(writer, run_dir, command, config.training.train_iters, on_line)
 
         return self.build_artifact(params, inputs, store, build)

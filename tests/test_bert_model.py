@@ -11,9 +11,9 @@ import torch
 import torch.nn.functional as F
 import transformers
 
+from megatron_train.families.bert import loss_func
 from megatron_train.models.bert import BertModel
 from megatron_train.models.hf_bert import load_hf_bert
-from megatron_train.pretrain_bert import loss_func
 from tests.helpers.tiny import tiny_config
 
 HF_CONFIG = dict(

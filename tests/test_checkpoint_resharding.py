@@ -41,6 +41,8 @@ from megatron_train.checkpointing.layout import (
     true_vocab_range,
 )
 from megatron_train.data.config import DataConfig
+from megatron_train.families.bert import BERT
+from megatron_train.families.gpt import GPT
 from megatron_train.models.gpt import GPTModel
 from megatron_train.models.transformer import pack_qkv
 from megatron_train.optimizer import get_megatron_optimizer
@@ -482,18 +484,20 @@ def test_layer_renumbering_and_stage_ownership() -> None:
     assert global_param_name("output_layer.weight", 2, False) == "output_layer.weight"
     names = ["embedding.word_embeddings.weight", *(f"decoder.layers.{i}.input_layernorm.weight" for i in range(4)),
              "decoder.final_layernorm.weight", "output_layer.weight"]  # fmt: skip
-    assert stage_tensor_names(names, range(0, 2), True, False) == names[:3]
-    assert stage_tensor_names(names, range(2, 4), False, True) == names[3:]
-    with pytest.raises(ValueError, match="'mystery.weight' belongs to no known GPT/BERT pipeline stage"):
-        stage_tensor_names([*names, "mystery.weight"], range(0, 4), True, True)
+    assert stage_tensor_names(GPT.pipeline, names, range(0, 2), True, False) == names[:3]
+    assert stage_tensor_names(GPT.pipeline, names, range(2, 4), False, True) == names[3:]
+    with pytest.raises(
+        ValueError, match="'mystery.weight' belongs to no pipeline stage of this model family"
+    ):
+        stage_tensor_names(GPT.pipeline, [*names, "mystery.weight"], range(0, 4), True, True)
     assert (
         renumber_layer("encoder.layers.1.mlp.linear_fc1.weight", 2)
         == "encoder.layers.3.mlp.linear_fc1.weight"
     )
     bert = ["embedding.tokentype_embeddings.weight", *(f"encoder.layers.{i}.mlp.linear_fc1.weight" for i in range(2)),
             "lm_head.dense.weight", "output_layer.bias", "pooler.dense.weight", "binary_head.weight"]  # fmt: skip
-    assert stage_tensor_names(bert, range(0, 1), True, False) == bert[:2]
-    assert stage_tensor_names(bert, range(1, 2), False, True) == bert[2:]
+    assert stage_tensor_names(BERT.pipeline, bert, range(0, 1), True, False) == bert[:2]
+    assert stage_tensor_names(BERT.pipeline, bert, range(1, 2), False, True) == bert[2:]
     llama = _llama_config("unused").model
     check_layout(llama, 192, 4, 2)
     with pytest.raises(ValueError, match=r"padded vocabulary size \(100\) is not divisible .* \(8\)"):

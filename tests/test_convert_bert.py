@@ -15,7 +15,8 @@ from megatron_train.checkpointing import load_model_for_inference
 from megatron_train.convert import ModelWeights, flow
 from megatron_train.convert.weights import trim_vocab
 from megatron_train.data.config import DataConfig
-from megatron_train.models.bert import bert_model_provider
+from megatron_train.families.bert import BERT
+from megatron_train.models.bert import BertModel
 from megatron_train.models.config import TransformerConfig
 from megatron_train.models.transformer import unpack_qkv
 from megatron_train.tools.checkpoint_util import main
@@ -97,7 +98,7 @@ def _our_bert(post_ln: bool) -> tuple[MegatronConfig, torch.nn.Module]:
         hidden_dropout=0.0, attention_dropout=0.0,
     )  # fmt: skip
     torch.manual_seed(9)
-    return MegatronConfig(model=model_config, data=DataConfig()), bert_model_provider(model_config, 128)
+    return MegatronConfig(model=model_config, data=DataConfig()), BertModel(model_config, 128)
 
 
 @pytest.mark.parametrize(
@@ -106,7 +107,7 @@ def _our_bert(post_ln: bool) -> tuple[MegatronConfig, torch.nn.Module]:
 )
 def test_flow_to_format_to_flow_round_trip_is_bitwise(saver, post_ln, tp, pp, tmp_path, capsys):
     config, model = _our_bert(post_ln)
-    weights = ModelWeights(config, trim_vocab(model.state_dict(), VOCAB), model_type="bert")
+    weights = ModelWeights(config, trim_vocab(model.state_dict(), VOCAB), family=BERT)
     flow.save(weights, str(tmp_path / "a"), tp, pp)
     target = (
         []
@@ -128,9 +129,7 @@ def test_flow_to_format_to_flow_round_trip_is_bitwise(saver, post_ln, tp, pp, tm
 
 def test_model_type_must_match_the_source_and_pre_ln_bert_is_refused_by_hf(tmp_path, capsys):
     config, model = _our_bert(post_ln=False)
-    flow.save(
-        ModelWeights(config, trim_vocab(model.state_dict(), VOCAB), model_type="bert"), str(tmp_path / "a")
-    )
+    flow.save(ModelWeights(config, trim_vocab(model.state_dict(), VOCAB), family=BERT), str(tmp_path / "a"))
     with pytest.raises(SystemExit):
         main(
             [

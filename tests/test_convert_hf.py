@@ -3,6 +3,7 @@ trips."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -254,21 +255,21 @@ def test_a_truncated_weights_file_or_a_broken_config_is_an_error_naming_the_file
     assert not (tmp_path / "a").exists()
 
 
-def test_model_shardings_builds_the_model_once_per_config(monkeypatch) -> None:
+def test_model_shardings_builds_the_model_once_per_config() -> None:
     """A conversion asks for the shardings in its loader and its saver: the meta model is built once."""
     from megatron_train.arguments import MegatronConfig
     from megatron_train.convert import weights as convert_weights
     from megatron_train.data.config import DataConfig
+    from megatron_train.families.gpt import GPT
     from megatron_train.models.config import TransformerConfig
 
     builds = []
-    real_build = convert_weights.build_saved_model
-    monkeypatch.setattr(
-        convert_weights, "build_saved_model", lambda *args: builds.append(args) or real_build(*args)
+    counted = dataclasses.replace(
+        GPT, model_provider=lambda *args: builds.append(args) or GPT.model_provider(*args)
     )
     model = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16)
     config = MegatronConfig(model=model, data=DataConfig())
-    first = convert_weights.model_shardings(config, 128)
-    assert convert_weights.model_shardings(config, 128) == first and len(builds) == 1
+    first = convert_weights.model_shardings(config, 128, counted)
+    assert convert_weights.model_shardings(config, 128, counted) == first and len(builds) == 1
     model.num_layers = 3  # another model is built anew
-    assert len(convert_weights.model_shardings(config, 128)) > len(first) and len(builds) == 2
+    assert len(convert_weights.model_shardings(config, 128, counted)) > len(first) and len(builds) == 2

@@ -656,14 +656,14 @@ def test_pretrained_bert_without_binary_head_loads_its_encoder_and_the_rest_star
     from megatron_train.arguments import MegatronConfig
     from megatron_train.checkpointing import CheckpointError, TrainingProgress, save_checkpoint
     from megatron_train.data.config import DataConfig
-    from megatron_train.models.bert import bert_model_provider
+    from megatron_train.models.bert import BertModel
     from megatron_train.tasks.finetune.model import BertClassifier, load_pretrained_bert
     from megatron_train.training.config import CheckpointConfig
     from tests.helpers.tiny import tiny_config
 
     config = MegatronConfig(model=tiny_config(bert_binary_head=False), data=DataConfig())
     config.checkpoint = CheckpointConfig(save=str(tmp_path))
-    bert = bert_model_provider(config.model, 64, add_binary_head=False)
+    bert = BertModel(config.model, 64, add_binary_head=False)
     save_checkpoint(1, bert, None, None, TrainingProgress(), config, padded_vocab_size=64)
     classifier = BertClassifier(config.model, 64, num_classes=3)
     load_pretrained_bert(classifier, str(tmp_path), config, 64)

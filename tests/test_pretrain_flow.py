@@ -13,8 +13,9 @@ import megatron_train
 from flows.corpus import CorpusConfig
 from flows.failures import StageFailed
 from flows.pretrain import PretrainFlowConfig, corpus_for_model, parse, pretrain_flow
+from megatron_train.families import get_family
 from stages.download import EMBEDDED_CORPUS, DownloadParams
-from stages.pretrain import PRETRAIN_MODULES, params_from_argv, run_directory, torchrun_command
+from stages.pretrain import corpus_families, params_from_argv, run_directory, torchrun_command
 from stages.tokenize import TokenizeParams
 from stages.train_tokenizer import TrainTokenizerParams
 from storage.artifacts import ArtifactStore
@@ -46,10 +47,16 @@ def test_bert_and_t5_read_sentence_split_wordpiece_data(model):
 def test_each_model_launches_its_entry_point():
     assert parse(["--model", "bert"]).model == "bert" and parse([]).model == "gpt"
     params = params_from_argv(TINY_BERT)
-    for model, module in PRETRAIN_MODULES.items():
+    modules = {}
+    for model in corpus_families():
         command = torchrun_command(params.config, 1, model)
-        assert command[command.index("-m", 3) + 1] == module
-    with pytest.raises(ValueError, match="model must be one of gpt, bert, t5, got 'bart'"):
+        modules[model] = command[command.index("-m", 3) + 1]
+    assert modules == {
+        "gpt": "megatron_train.pretrain_gpt",
+        "bert": "megatron_train.pretrain_bert",
+        "t5": "megatron_train.pretrain_t5",
+    }
+    with pytest.raises(ValueError, match="model family 'bart' is neither one of this project's"):
         params_from_argv(TINY_BERT, model="bart")
 
 
@@ -60,11 +67,12 @@ FAMILY_LOSSES = {"bert": ("lm loss", "sop loss"), "t5": ("lm loss",)}
 
 @pytest.mark.parametrize("model", ["bert", "t5"])
 def test_pretrain_flow_end_to_end_then_cached(prefect_api_url, tmp_path, model):
-    entry_point = Path(megatron_train.__file__).parent / f"{PRETRAIN_MODULES[model].split('.')[-1]}.py"
+    module = get_family(model).entry_module
+    entry_point = Path(megatron_train.__file__).parent / f"{module.split('.')[-1]}.py"
     if (
         not entry_point.exists()
     ):  # looked up in this tree: the shared venv's editable install may hold another
-        pytest.skip(f"{PRETRAIN_MODULES[model]} is not in this tree")
+        pytest.skip(f"{module} is not in this tree")
     with lzma.open(EMBEDDED_CORPUS, "rt") as f:
         chapters = [json.loads(line) for _, line in zip(range(60), f, strict=False)]
     source = tmp_path / "kjv60.jsonl"

@@ -97,7 +97,7 @@ def test_task_main_runs_retro_qa_and_writes_the_numbers(tmp_path, monkeypatch, c
     model, tokenizer = build_tiny_gpt(max_position_embeddings=512), CharTokenizer()
     monkeypatch.setattr(
         tasks_main,
-        "load_for_generation",
+        "load_for_inference",
         lambda args, device: (model, tokenizer, SimpleNamespace(model=model.config)),
     )
     results = tmp_path / "results.json"

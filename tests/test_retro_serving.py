@@ -5,6 +5,7 @@ multi-rank serving are refused."""
 from __future__ import annotations
 
 import json
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -14,13 +15,15 @@ from fastapi.testclient import TestClient
 from megatron_train.arguments import MegatronConfig
 from megatron_train.checkpointing import TrainingProgress, save_checkpoint
 from megatron_train.data.config import DataConfig
+from megatron_train.inference.checkpoint import load_for_inference
 from megatron_train.inference.server import ServerLimits, create_app
 from megatron_train.models.retro import RetroModel
 from megatron_train.models.retro_config import RetroConfig
 from megatron_train.tokenizer.null import NullTokenizer
 from megatron_train.tools import run_text_generation_server as server_tool
 from megatron_train.training.config import CheckpointConfig, TokenizerConfig
-from retro.retrieval import RetrievingModel, generate_with_retrieval, load_for_generation
+from retro import family as retro_family
+from retro.retrieval import RetrievingModel, generate_with_retrieval
 from tests.helpers.retro_project import CHUNK_LENGTH, VOCAB_SIZE, bag_of_tokens, build_project, twin_documents
 from tests.helpers.tiny import tiny_config
 
@@ -67,7 +70,8 @@ def served(checkpoint: str, project: str, *flags: str) -> RetrievingModel:
     args = server_tool.build_parser().parse_args(
         ["--load", checkpoint, "--retro-project-dir", project, "--retro-query-nprobe", "1", *flags]
     )
-    model, tokenizer, _ = load_for_generation(args, embed=bag_of_tokens)
+    with mock.patch.object(retro_family, "load_embedder", lambda path, device: bag_of_tokens):
+        model, tokenizer, _ = load_for_inference(args)
     assert isinstance(model, RetrievingModel) and isinstance(tokenizer, NullTokenizer)
     return model
 
@@ -121,9 +125,7 @@ def test_beam_search_is_refused_for_retro(checkpoint, projects):
         client_for(served(checkpoint, projects[0])),
         {"prompts": PROMPTS[:1], "tokens_to_generate": 4, "beam_width": 2},
     )
-    assert (
-        status == 400 and "beam search (beam_width) is not supported for a Retro model" in answer["message"]
-    )
+    assert status == 400 and "beam search (beam_width) needs a KV cache" in answer["message"]
 
 
 def test_a_retro_checkpoint_needs_its_project_and_one_process(checkpoint, projects, monkeypatch, capsys):

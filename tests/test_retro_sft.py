@@ -22,7 +22,7 @@ from megatron_train.tasks import main as tasks_main
 from megatron_train.tasks.retro_qa import normalize_answer
 from megatron_train.tokenizer.bert import BertWordPieceTokenizer
 from megatron_train.tokenizer.huggingface import HuggingFaceAutoTokenizer
-from retro import retrieval
+from retro import family as retro_family
 from retro.config import ChunkDatabaseConfig
 from retro.db import ChunkDatabase, build_chunk_database
 from retro.project import DATA_DIR, RetroProject, db_dir, index_path
@@ -110,7 +110,7 @@ def sft_args(project: str, data: str, save: str, *extra: str) -> list[str]:
 
 
 def sft_worker(rank: int, world_size: int, runs: list[list[str]]) -> list[list[dict]]:
-    pretrain_retro.load_embedder = lambda path, device: word_embed  # the project's embedder, in this test
+    retro_family.load_embedder = lambda path, device: word_embed  # the project's embedder, in this test
     results = []
     for argv in runs:
         pretrain_retro.main(argv)
@@ -119,16 +119,16 @@ def sft_worker(rank: int, world_size: int, runs: list[list[str]]) -> list[list[d
 
 
 def test_sft_samples_mask_all_but_the_answer_and_retrieve_per_chunk(project, tmp_path, monkeypatch):
-    monkeypatch.setattr(pretrain_retro, "load_embedder", lambda path, device: word_embed)
+    monkeypatch.setattr(retro_family, "load_embedder", lambda path, device: word_embed)
     data = write_conversations(str(tmp_path / "qa.jsonl"))
-    argv = pretrain_retro.with_project_settings(
+    argv = retro_family.with_project_settings(
         sft_args(project, data, str(tmp_path / "s"), "--train-iters", "2")
     )
     assert argv[argv.index("--seq-length") + 1] == str(SEQ_LENGTH)  # the project's, as a default
     assert "--data-path" not in argv  # the conversations, not the project's corpus
     config = parse_args(argv, world_size=1)
     tokenizer = HuggingFaceAutoTokenizer(os.path.join(project, "tok"))
-    train, valid, test = pretrain_retro.datasets_provider(config, tokenizer, (8, 0, 0))
+    train, valid, test = retro_family.datasets_provider(config, tokenizer, (8, 0, 0))
     assert isinstance(train, RetrievingDataset) and valid is None and test is None
     db = ChunkDatabase(db_dir(project))
     for idx in range(4):
@@ -178,7 +178,7 @@ def test_retro_qa_on_the_sft_checkpoint_retrieves_and_scores_known_answers(
 ):
     """`tasks.main --task RETRO-QA --retro-project-dir`: the Retro checkpoint answers with retrieval; the first
     question's answers are its own greedy answer, the second's one it cannot give: EM 0.5, F1 0.5."""
-    monkeypatch.setattr(retrieval, "load_embedder", lambda path, device: word_embed)
+    monkeypatch.setattr(retro_family, "load_embedder", lambda path, device: word_embed)
     questions = [{"question": "w3 w33", "ctxs": [{"title": "w1", "text": "w2 w4"}]}, {"question": "w5 w35"}]
     load = ["--load", sft_runs["sft-dir"], "--retro-project-dir", project, "--out-seq-length", "3"]
     probe = write_jsonl(tmp_path / "probe.jsonl", [{**q, "answers": ["x"]} for q in questions])

@@ -19,9 +19,10 @@ from megatron_train.checkpointing import SavedCheckpoint, load_model_for_inferen
 from megatron_train.data import DataConfig, build_train_valid_test_datasets
 from megatron_train.data.retro_dataset import RetroDataset
 from megatron_train.models.retro import RetroModel
-from megatron_train.pretrain_retro import datasets_provider, main, with_project_settings
+from megatron_train.pretrain_retro import main
 from megatron_train.tokenizer.null import NullTokenizer
 from retro.db import ChunkDatabase
+from retro.family import datasets_provider, with_project_settings
 from retro.project import db_dir
 from retro.query import load_neighbours
 from retro.retrieval import Retriever, generate_with_retrieval, sequence_chunks

@@ -12,9 +12,9 @@ import torch
 
 from megatron_train.arguments import config_to_argv, parse_args
 from megatron_train.checkpointing.inference import load_model_for_inference
+from megatron_train.families.t5 import T5, check_t5_config
 from megatron_train.models.config import TransformerConfig
 from megatron_train.models.t5 import T5Model
-from megatron_train.pretrain_t5 import check_t5_config
 from megatron_train.tools.checkpoint_util import convert_checkpoint
 from tests.helpers.distributed import run_distributed
 from tests.helpers.megatron_examples import example_argv
@@ -138,9 +138,9 @@ def test_sigkill_and_resume_is_bitwise(tmp_path, corpus) -> None:
 def test_pipeline_parallel_is_refused_naming_the_flag(tmp_path, corpus, capsys) -> None:
     argv = t5_argv(str(tmp_path), corpus, "--pipeline-model-parallel-size", "2")
     with pytest.raises(
-        SystemExit, match="--pipeline-model-parallel-size 2: T5's encoder and decoder are not split"
+        ValueError, match="--pipeline-model-parallel-size 2: T5's encoder and decoder are not split"
     ):
-        check_t5_config(parse_args(argv, world_size=2))
+        T5.layouts.check(T5.name, parse_args(argv, world_size=2))
     with pytest.raises(SystemExit):  # argparse's error: exit status 2, the reason on stderr
         parse_args(t5_argv(str(tmp_path), corpus, "--pipeline-model-parallel-split-rank", "1"))
     assert (

@@ -17,9 +17,17 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_train.arguments import config_from_dict, config_to_argv, config_to_dict, parse_args
+from megatron_train.arguments import (
+    MegatronConfig,
+    config_from_dict,
+    config_to_argv,
+    config_to_dict,
+    parse_args,
+)
+from megatron_train.data.config import DataConfig
+from megatron_train.families.gpt import gpt_terms
 from megatron_train.models.config import TransformerConfig
-from megatron_train.training.flops import num_floating_point_operations, peak_flops_per_device
+from megatron_train.training.flops import peak_flops_per_device
 from megatron_train.training.logging import format_evaluation_line, format_training_line
 from megatron_train.training.microbatches import MicroBatchCalculator
 from tests.helpers.distributed import run_distributed
@@ -90,7 +98,8 @@ def test_model_flops_match_the_megatron_paper() -> None:
     config = TransformerConfig(num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=32)
     b, s, L, h, V = 8, 32, 4, 64, 512
     expected = 72 * b * s * L * h * h * (1 + s / (6 * h) + V / (12 * L * h))
-    assert num_floating_point_operations(config, V, b) == pytest.approx(expected)
+    terms = gpt_terms(MegatronConfig(model=config, data=DataConfig()), V)
+    assert b * terms.flops_per_sample() == pytest.approx(expected)
     assert peak_flops_per_device(100.0) == 1e14
     assert peak_flops_per_device(None) is None  # CPU: MFU prints n/a
 
@@ -129,13 +138,13 @@ def test_console_lines_carry_every_loss_of_the_loss_dict() -> None:
 
 def two_losses_worker(rank: int, world_size: int, argv: list[str]) -> list[dict]:
     """`pretrain` with GPT's loss_func plus a second entry, `half loss`, in its dict (as BERT adds `sop loss`)."""
-    from megatron_train import pretrain_gpt
+    from megatron_train.families import gpt
     from megatron_train.tokenizer import tokenizer_from_config
     from megatron_train.training.entry import padded_vocab_size_for
     from megatron_train.training.loop import pretrain
 
     def forward_step(data_iterator, model):
-        output_tensor, loss_func = pretrain_gpt.forward_step(data_iterator, model)
+        output_tensor, loss_func = gpt.forward_step(data_iterator, model)
 
         def two_losses(output: torch.Tensor):
             loss, reduced = loss_func(output)
@@ -145,12 +154,14 @@ def two_losses_worker(rank: int, world_size: int, argv: list[str]) -> list[dict]
 
     config = parse_args(argv, world_size)
     tokenizer = tokenizer_from_config(config.tokenizer)
+    padded_vocab_size = padded_vocab_size_for(config, tokenizer)
     pretrain(
         config,
-        pretrain_gpt.gpt_model_provider,
-        functools.partial(pretrain_gpt.datasets_provider, config, tokenizer),
+        gpt.gpt_model_provider,
+        functools.partial(gpt.datasets_provider, config, tokenizer),
         forward_step,
-        padded_vocab_size_for(config, tokenizer),
+        padded_vocab_size,
+        gpt.gpt_terms(config, padded_vocab_size),
     )
     return read_metrics(argv[argv.index("--save") + 1]) if rank == world_size - 1 else []
 

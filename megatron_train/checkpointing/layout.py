@@ -11,10 +11,14 @@ from __future__ import annotations
 import re
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from megatron_train.models.config import TransformerConfig
+
+if TYPE_CHECKING:  # the families import the checkpointing package; the type alone is needed here
+    from megatron_train.families.family import PipelineSplit
 
 WORD_EMBEDDING = "embedding.word_embeddings.weight"
 OUTPUT_WEIGHT = "output_layer.weight"
@@ -22,17 +26,6 @@ OUTPUT_WEIGHT = "output_layer.weight"
 VOCAB_PARAMS = (WORD_EMBEDDING, OUTPUT_WEIGHT, "output_layer.bias")
 # GPT's layer stack is `decoder`, BERT's `encoder`, T5 has both (Megatron-Core's names).
 _LAYER = re.compile(r"^(decoder|encoder)\.layers\.(\d+)\.")
-# Names outside the layer stack held by the first pipeline stage: embeddings, T5's relative position biases.
-FIRST_STAGE_PREFIXES = ("embedding.", "encoder_relative_position.", "decoder_relative_position.")
-# Names outside the layer stack held by the last pipeline stage: final norm, output layer, BERT's heads.
-LAST_STAGE_PREFIXES = (
-    "decoder.final_layernorm.",
-    "encoder.final_layernorm.",
-    "output_layer.",
-    "lm_head.",
-    "pooler.",
-    "binary_head.",
-)
 
 
 @dataclass(frozen=True)
@@ -141,22 +134,26 @@ def module_order(name: str) -> tuple[int, int]:
 
 
 def stage_tensor_names(
-    global_names: Sequence[str], layers: Collection[int], pre_process: bool, post_process: bool
+    split: PipelineSplit,
+    global_names: Sequence[str],
+    layers: Collection[int],
+    pre_process: bool,
+    post_process: bool,
 ) -> list[str]:
-    """The checkpoint names one pipeline stage's shard holds (embedding first, final norm and output last),
-    in the order of `global_names`, a whole GPT model's tensors in module order. `layers`: the stage's global
-    layer indices (with virtual stages, those of all its chunks)."""
+    """The checkpoint names one pipeline stage's shard holds, cut by its family's `split`: those of its `layers`
+    (with virtual stages, all its chunks'), the embedding's on the first stage (`pre_process`), the output end's on
+    the last, in the order of `global_names` (a whole model's, in module order)."""
     names = []
     for name in global_names:
         index = layer_number(name)
         if index is not None:
             owned = index in layers
-        elif name.startswith(FIRST_STAGE_PREFIXES):
+        elif name.startswith(split.first_stage_prefixes):
             owned = pre_process
-        elif name.startswith(LAST_STAGE_PREFIXES):
+        elif name.startswith(split.last_stage_prefixes):
             owned = post_process
         else:
-            raise ValueError(f"checkpoint tensor {name!r} belongs to no known GPT/BERT pipeline stage")
+            raise ValueError(f"checkpoint tensor {name!r} belongs to no pipeline stage of this model family")
         if owned:
             names.append(name)
     return names

@@ -26,12 +26,12 @@ from megatron_train.checkpointing.names import (
     StageModel,
     global_names,
     model_type,
-    saved_model_type,
     stage_module,
 )
 from megatron_train.checkpointing.progress import TrainingProgress
 from megatron_train.checkpointing.rng import global_rank
 from megatron_train.checkpointing.saved import SavedCheckpoint, saved_true_vocab_range
+from megatron_train.families.registry import saved_family_name, trained_by
 from megatron_train.parallel import state
 
 logger = logging.getLogger(__name__)
@@ -140,10 +140,10 @@ def load_checkpoint(
         saved = SavedCheckpoint(iteration_dir)
     iteration_dir = saved.iteration_dir
     metadata = saved.metadata
-    if saved_model_type(metadata) != model_type(model):
+    if saved_family_name(metadata) != model_type(model):
         raise CheckpointError(
-            f"checkpoint {iteration_dir} holds a {saved_model_type(metadata)} model but this run trains a "
-            f"{model_type(model)} model: use pretrain_{saved_model_type(metadata)} for it, or another --load"
+            f"checkpoint {iteration_dir} holds a {saved_family_name(metadata)} model but this run trains a "
+            f"{model_type(model)} model: use {trained_by(metadata)} for it, or another --load"
         )
     check_compatible(metadata, config, padded_vocab_size, iteration_dir)
     tp_size, tp_rank = state.get_tensor_model_parallel_world_size(), state.get_tensor_model_parallel_rank()

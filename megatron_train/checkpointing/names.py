@@ -21,7 +21,7 @@ from megatron_train.checkpointing.layout import (
     global_param_name,
     layer_number,
 )
-from megatron_train.models.transformer import get_layer_range
+from megatron_train.families.registry import DEFAULT_FAMILY, get_family
 from megatron_train.parallel import state
 
 StageModel = torch.nn.Module | Sequence[torch.nn.Module]  # one pipeline stage, or its virtual-stage chunks
@@ -39,19 +39,15 @@ def stage_module(model: StageModel) -> torch.nn.Module:
 
 
 def model_type(model: StageModel) -> str:
-    """The model family of a stage (`GPTModel.model_type`, `BertModel.model_type`), which checkpoints record
-    so that a GPT checkpoint never loads into a BERT model or back."""
-    return getattr(chunks(model)[0], "model_type", "gpt")
-
-
-def saved_model_type(metadata: dict) -> str:
-    """The model family a checkpoint's metadata records; checkpoints from before the record are GPT."""
-    return metadata.get("model_type", "gpt")
+    """The model family of a stage (the model class's `model_type`, its `ModelFamily.name`), which checkpoints
+    record so that a GPT checkpoint never loads into a BERT model or back."""
+    return getattr(chunks(model)[0], "model_type", DEFAULT_FAMILY)
 
 
 def global_names(model: StageModel, config: MegatronConfig) -> dict[str, str]:
     """This pipeline stage's state-dict names (`<chunk>.<name>` for several chunks) -> checkpoint names: global
-    layer numbers from each chunk's layer range, a tied output layer off the first stage -> the word embedding."""
+    layer numbers from each chunk's layer range (its family's `pipeline`), a tied output layer off the first
+    stage -> the word embedding."""
     parts = chunks(model)
     virtual_size = state.get_virtual_pipeline_model_parallel_world_size()
     if len(parts) != (virtual_size or 1):
@@ -61,10 +57,11 @@ def global_names(model: StageModel, config: MegatronConfig) -> dict[str, str]:
         )
     pp_rank = state.get_pipeline_model_parallel_rank()
     pp_size = state.get_pipeline_model_parallel_world_size()
+    split = get_family(config.model.model_family or model_type(model)).pipeline
     tied = not config.model.untie_embeddings_and_output_weights
     names = {}
     for virtual_rank, chunk in enumerate(parts):
-        layers = get_layer_range(config.model.num_layers, pp_rank, pp_size, virtual_rank, virtual_size)
+        layers = split.layer_range(config.model, pp_rank, pp_size, virtual_rank, virtual_size)
         tied_copy = tied and (pp_rank, virtual_rank) != (0, 0)
         prefix = f"{virtual_rank}." if len(parts) > 1 else ""
         for name in chunk.state_dict():

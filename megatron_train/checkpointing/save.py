@@ -46,6 +46,7 @@ from megatron_train.checkpointing.names import (
 )
 from megatron_train.checkpointing.progress import TrainingProgress
 from megatron_train.checkpointing.rng import global_rank, save_rng_state
+from megatron_train.families.registry import checkpoint_record
 from megatron_train.parallel import state
 from storage.atomic import final_name
 
@@ -210,12 +211,12 @@ def _metadata(
     padded_vocab_size: int,
     saved_model_type: str,
 ) -> dict[str, Any]:
-    """metadata.json but its file records: model type, progress, vocabulary, layout, scheduler and the run's
+    """metadata.json but its file records: model family, progress, vocabulary, layout, scheduler and the run's
     args."""
     tp_size = state.get_tensor_model_parallel_world_size()
     return {
         "format_version": FORMAT_VERSION,
-        "model_type": saved_model_type,
+        **checkpoint_record(saved_model_type, config.model.model_family),
         "iteration": iteration,
         "consumed_train_samples": progress.consumed_train_samples,
         "consumed_valid_samples": progress.consumed_valid_samples,

@@ -6,8 +6,9 @@
 
 The latest marker (`latest_checkpointed_iteration.txt`: a number, or Megatron's "release") or `--ckpt-step` picks
 the iteration. Ours opens as `SavedCheckpoint`; Megatron-LM's are converted in memory through the converter's
-loaders (`in_memory.ConvertedCheckpoint`) as the run's model family (`gpt` or `bert`). Anything else is refused
-with the `checkpoint_util` command that converts it, or with what is wrong.
+loaders (`in_memory.ConvertedCheckpoint`) as the run's model family (one with names in Megatron's formats:
+`ModelFamily.megatron_names`, GPT's and BERT's). Anything else is refused with the `checkpoint_util` command that
+converts it, or with what is wrong.
 """
 
 from __future__ import annotations
@@ -26,9 +27,7 @@ from megatron_train.checkpointing.files import (
 from megatron_train.checkpointing.saved import SavedCheckpoint
 from megatron_train.convert import megatron, torch_dist
 from megatron_train.convert.in_memory import converted_dist, converted_legacy
-
-# Megatron-LM formats read in memory, by the family of the run that loads them (the converter's --model-type).
-FOREIGN_FAMILIES = ("gpt", "bert")
+from megatron_train.families.registry import get_family, is_builtin
 
 
 def converter_command(load_dir: str, loader: str, model_type: str) -> str:
@@ -117,11 +116,12 @@ def open_checkpoint(load_dir: str, iteration: int | None, model_type: str) -> Sa
     found = checkpoint_format(iteration_dir, model_type)
     if found == "flow":
         return SavedCheckpoint(iteration_dir)
-    if model_type not in FOREIGN_FAMILIES:
+    family = get_family(model_type) if is_builtin(model_type) else None
+    if family is None or family.megatron_names is None:
         raise CheckpointError(
-            f"{iteration_dir} is a Megatron-LM {found} checkpoint; those are read for GPT and BERT models (the "
-            f"converter's --model-type), not for this {model_type} run"
+            f"{iteration_dir} is a Megatron-LM {found} checkpoint; those are read for the families with names in "
+            f"Megatron's formats (GPT and BERT: the converter's --model-type), not for this {model_type} run"
         )
     if found == "torch":
-        return converted_legacy(megatron.open_checkpoint(load_dir, iteration), model_type)
-    return converted_dist(torch_dist.open_checkpoint(load_dir, iteration), model_type)
+        return converted_legacy(megatron.open_checkpoint(load_dir, iteration), family)
+    return converted_dist(torch_dist.open_checkpoint(load_dir, iteration), family)

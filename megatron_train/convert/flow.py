@@ -24,7 +24,6 @@ from megatron_train.checkpointing import (
     write_shard,
 )
 from megatron_train.checkpointing.layout import split_tp_shard, stage_tensor_names
-from megatron_train.checkpointing.names import saved_model_type
 from megatron_train.checkpointing.saved import saved_true_vocab_range
 from megatron_train.convert.checks import check_fields, check_layers, check_shapes
 from megatron_train.convert.target import output_folder
@@ -38,17 +37,25 @@ from megatron_train.convert.weights import (
     padded_vocab_for_layout,
     trim_vocab,
 )
+from megatron_train.families.family import ModelFamily
+from megatron_train.families.registry import checkpoint_family, checkpoint_record
 from megatron_train.models.config import TransformerConfig
-from megatron_train.models.transformer import get_layer_range
 from megatron_train.training.config import TokenizerConfig
 
 
-def load(load_dir: str, iteration: int | None = None, true_vocab_size: int | None = None) -> ModelWeights:
+def load(
+    load_dir: str,
+    iteration: int | None = None,
+    true_vocab_size: int | None = None,
+    model_family: str | None = None,
+) -> ModelWeights:
     """The weights of `load_dir`'s checkpoint (latest, or `iteration`), whatever (TP, PP) wrote it; the
-    saved args are checked against the saved tensors before any is read."""
+    saved args are checked against the saved tensors before any is read. A family from outside the project
+    needs `model_family` (--model-family) to name it."""
     iteration_dir = require_iteration_dir(load_dir, iteration)
     saved = SavedCheckpoint(iteration_dir)
-    config = checked_saved_config(saved, iteration_dir)
+    family = checkpoint_family(saved.metadata, model_family, iteration_dir)
+    config = checked_saved_config(saved, iteration_dir, family)
     low, high = saved_true_vocab_range(saved.metadata)
     recorded = config.model.true_vocab_size
     if recorded is not None and not low < recorded <= high:
@@ -77,14 +84,14 @@ def load(load_dir: str, iteration: int | None = None, true_vocab_size: int | Non
         tokenizer_sources(config.tokenizer, load_dir),
         saved.metadata["iteration"],
         saved.metadata.get("token_ids", {}),
-        saved_model_type(saved.metadata),
+        family,
     )
 
 
-def checked_saved_config(saved: SavedCheckpoint, where: str) -> MegatronConfig:
+def checked_saved_config(saved: SavedCheckpoint, where: str, family: ModelFamily) -> MegatronConfig:
     """The config metadata.json's args record, its model and tokenizer settings checked (types, sizes) and
-    compared with the saved tensors (layer count, then every shape against the model it describes) before the
-    model is built on the meta device or a tensor read."""
+    compared with the saved tensors (layer count, then every shape against the model of `family` it describes)
+    before the model is built on the meta device or a tensor read."""
     source = os.path.join(where, METADATA_FILENAME)
     args = saved.metadata.get("args")
     if not isinstance(args, dict) or not all(isinstance(args.get(name, {}), dict) for name in SECTIONS):
@@ -103,7 +110,7 @@ def checked_saved_config(saved: SavedCheckpoint, where: str) -> MegatronConfig:
     )
     check_layers(config.model.num_layers, records, stack, "args.model.num_layers", source, "its shard files")
     model = config.model
-    expected = model_shapes(config, saved.padded_vocab_size, saved_model_type(saved.metadata), source)
+    expected = model_shapes(config, saved.padded_vocab_size, family, source)
     sizes = f"num_layers {model.num_layers}, hidden_size {model.hidden_size}, ffn_hidden_size {model.ffn_hidden_size}"
     check_shapes(records, expected, sizes, source, f"the shard files of {where}")
     return config
@@ -131,11 +138,12 @@ def _write(weights: ModelWeights, root: str, target_tp: int, target_pp: int, pad
     """The shard files, then metadata.json and the latest marker, into the folder `root`."""
     config, out_dir = weights.config, checkpoint_dir(root, weights.iteration)
     tensors = pad_vocab(weights.tensors, padded_vocab_size)
-    shardings = model_shardings(config, padded_vocab_size, weights.model_type)
+    shardings = model_shardings(config, padded_vocab_size, weights.family)
+    split = weights.family.pipeline
     files = {}
     for pp_rank in range(target_pp):
-        layers = get_layer_range(config.model.num_layers, pp_rank, target_pp)
-        names = stage_tensor_names(list(shardings), layers, pp_rank == 0, pp_rank == target_pp - 1)
+        layers = split.layer_range(config.model, pp_rank, target_pp)
+        names = stage_tensor_names(split, list(shardings), layers, pp_rank == 0, pp_rank == target_pp - 1)
         for tp_rank in range(target_tp):
             shard = {
                 name: split_tp_shard(tensors[name], shardings[name], target_tp, tp_rank, name)
@@ -172,6 +180,6 @@ def _write(weights: ModelWeights, root: str, target_tp: int, target_pp: int, pad
         "opt_param_scheduler": None,
         "args": config_to_dict(config),
         "token_ids": weights.token_ids,
-        "model_type": weights.model_type,
+        **checkpoint_record(weights.family.name, config.model.model_family),
     }
     write_metadata_and_marker(root, weights.iteration, metadata, files)

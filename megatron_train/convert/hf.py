@@ -36,9 +36,20 @@ from megatron_train.convert.weights import (
     model_shardings,
 )
 from megatron_train.data.config import DataConfig
+from megatron_train.families.family import ModelFamily
+from megatron_train.families.registry import hf_family
 from megatron_train.models.config import TransformerConfig
 from megatron_train.models.hf_bert import hf_bert_name, transformer_config_from_hf
-from megatron_train.models.hf_import import Rule, bert_rules, from_hf, gpt2_rules, llama_rules, to_hf
+from megatron_train.models.hf_gpt import LLAMA3_ROPE, LLAMA_TYPES
+from megatron_train.models.hf_import import (
+    Rule,
+    bert_rules,
+    from_hf,
+    gpt2_rules,
+    llama_rules,
+    refuse_unless,
+    to_hf,
+)
 from storage.atomic import atomic_path, atomic_write_text
 
 logger = logging.getLogger(__name__)
@@ -46,10 +57,6 @@ logger = logging.getLogger(__name__)
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-# The Llama family by model_type: whether its attention has q/k/v biases (Qwen2's, Megatron's --add-qkv-bias).
-LLAMA_TYPES = {"llama": False, "mistral": False, "qwen2": True}
-# Megatron's --use-rope-scaling fixes these of HF's rope_type "llama3"; only --rope-scaling-factor varies.
-LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 DTYPES = {"float32": {}, "bfloat16": {"bf16": True}, "float16": {"fp16": True}}
 # A safetensors header's dtype -> torch's name (float64 weights convert as they are and run as float32)
 SAFETENSORS_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64"}
@@ -113,12 +120,6 @@ HF_KEY_TYPES: dict[str, Any] = {
 }
 
 
-def _refuse(checks: list[tuple[bool, str]], where: str) -> None:
-    for ok, problem in checks:
-        if not ok:
-            raise ValueError(f"{where}: {problem}")
-
-
 def check_hf_config(hf: dict[str, Any], model_type: str, where: str) -> None:
     """config.json's sizes and settings have their types and sane values (names as config.json spells them),
     before anything is built from them."""
@@ -143,7 +144,7 @@ def check_hf_config(hf: dict[str, Any], model_type: str, where: str) -> None:
 
 
 def _gpt2_config(hf: dict[str, Any], where: str) -> TransformerConfig:
-    _refuse(
+    refuse_unless(
         [
             (hf.get("activation_function", "gelu_new") in ("gelu_new", "gelu"),
              f"activation_function {hf.get('activation_function')!r} is neither gelu_new nor gelu"),
@@ -180,7 +181,7 @@ def _rope_settings(hf: dict[str, Any], where: str) -> dict[str, Any]:
     }
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     theta, factor = rope.get("rope_theta"), rope.get("factor", 8.0)
-    _refuse(
+    refuse_unless(
         [
             (rope_type in ("default", "llama3"), f"rope_type {rope_type!r} is not one this model has (default, llama3)"),
             (_is_number(theta) and theta >= 1 and float(theta).is_integer(),
@@ -216,7 +217,7 @@ def _llama_config(hf: dict[str, Any], where: str) -> TransformerConfig:
     qkv_bias = LLAMA_TYPES[hf["model_type"]]
     # Qwen2 configs carry a sliding_window that only use_sliding_window (or a sliding layer) turns on
     sliding = hf.get("use_sliding_window") if qkv_bias else hf.get("sliding_window") is not None
-    _refuse(
+    refuse_unless(
         [
             (hf.get("hidden_act", "silu") == "silu", f"hidden_act {hf.get('hidden_act')!r} is not silu (SwiGLU)"),
             (not hf.get("attention_bias") and not hf.get("mlp_bias"), "attention_bias / mlp_bias are not mapped"),
@@ -349,25 +350,28 @@ def _bert_tensors(
     return from_hf(tensors, bert_rules(model, model.bert_binary_head, model.bert_binary_head))
 
 
-def load(load_dir: str) -> ModelWeights:
-    """The model in a Hugging Face folder; its config from config.json, checked against the weights' headers
-    before a tensor is read; its tokenizer carried along (`convert.tokenizer_files`)."""
+def load(load_dir: str, model_family: str | None = None) -> ModelWeights:
+    """The model in a Hugging Face folder, as the model family whose architectures include config.json's
+    `model_type` (`ModelFamily.hf`; the project's, or the one `model_family` names); its config from config.json,
+    checked against the weights' headers before a tensor is read; its tokenizer carried along
+    (`convert.tokenizer_files`). The readers below are the architectures' tables."""
     where = os.path.join(load_dir, CONFIG_FILE)
     # a null value means "the default" for every key read here: dropped, so each reader sees it absent
     hf = {k: v for k, v in read_json_object(inside(load_dir, where, CONFIG_FILE)).items() if v is not None}
     model_type = hf.get("model_type")
-    families = {
+    readers = {
         "gpt2": (_gpt2_config, gpt2_rules),
         **dict.fromkeys(LLAMA_TYPES, (_llama_config, llama_rules)),
         "bert": (transformer_config_from_hf, None),
     }
-    if not isinstance(model_type, str) or model_type not in families:
+    if not isinstance(model_type, str) or model_type not in readers:
         raise ValueError(
             f"{where}: model_type {model_type!r} is not one the hf loader maps (it maps "
-            f"{', '.join(sorted(families))}); convert the model from one of those architectures"
+            f"{', '.join(sorted(readers))}); convert the model from one of those architectures"
         )
+    family = hf_family(model_type, where, model_family)
     check_hf_config(hf, model_type, where)
-    to_config, rules = families[model_type]
+    to_config, rules = readers[model_type]
     try:
         model = to_config(hf, where)
     except KeyError as error:
@@ -377,7 +381,6 @@ def load(load_dir: str) -> ModelWeights:
             raise
         raise ValueError(f"{where}: {error}") from error
     weights = SafetensorsFolder(load_dir)
-    kind = "bert" if model_type == "bert" else "gpt"
     if rules is None:  # BERT: which heads the folder holds decide the model
         model.bert_binary_head = "cls.seq_relationship.weight" in {hf_bert_name(name) for name in weights}
         binary = model.bert_binary_head
@@ -385,16 +388,18 @@ def load(load_dir: str) -> ModelWeights:
     for flag, value in _checked_dtype(weights, hf, where, load_dir).items():
         setattr(model, flag, value)
     config = MegatronConfig(model=model, data=DataConfig())
-    _check_against_weights(config, hf, model_type, kind, rules, weights, where, load_dir)
-    tensors = _bert_tensors(model, hf, where, weights) if kind == "bert" else from_hf(weights, rules(model))
-    check_tensor_names(tensors, list(model_shardings(config, model.true_vocab_size, kind)), load_dir)
+    _check_against_weights(config, hf, model_type, family, rules, weights, where, load_dir)
+    tensors = (
+        _bert_tensors(model, hf, where, weights) if model_type == "bert" else from_hf(weights, rules(model))
+    )
+    check_tensor_names(tensors, list(model_shardings(config, model.true_vocab_size, family)), load_dir)
     config.tokenizer, tokenizer_files = read_hf_tokenizer(load_dir)
     return ModelWeights(
         config,
         tensors,
         tokenizer_files,
         token_ids=_token_ids(hf, model.true_vocab_size, where),
-        model_type=kind,
+        family=family,
     )
 
 
@@ -425,7 +430,7 @@ def _check_against_weights(
     config: MegatronConfig,
     hf: dict[str, Any],
     model_type: str,
-    kind: str,
+    family: ModelFamily,
     rules: Callable[[TransformerConfig], list[Rule]],
     weights: SafetensorsFolder,
     where: str,
@@ -435,7 +440,7 @@ def _check_against_weights(
     or a tensor read: the layer count, the vocabulary, hidden size and positions of the embeddings, then every
     tensor's shape against those the config implies."""
     model, fields = config.model, FIELD_NAMES[model_type]
-    names = {hf_bert_name(name) if kind == "bert" else name: name for name in weights}
+    names = {hf_bert_name(name) if model_type == "bert" else name: name for name in weights}
     shapes = {ours: weights.shape(name) for ours, name in names.items()}
     source = f"the weights of {load_dir}"
     one_layer = {rule.ours: rule.hf for rule in rules(dataclasses.replace(model, num_layers=1))}
@@ -453,10 +458,10 @@ def _check_against_weights(
             check_dims(shapes[name], checks, name, where, source)
     meta = {
         name: torch.empty(shape, device="meta")
-        for name, shape in model_shapes(config, model.true_vocab_size, kind, where).items()
+        for name, shape in model_shapes(config, model.true_vocab_size, family, where).items()
     }
     expected = {name: tuple(tensor.shape) for name, tensor in to_hf(meta, rules(model)).items()}
-    if kind == "bert" and not model.bert_binary_head:  # a masked LM's token types are folded into positions
+    if model_type == "bert" and not model.bert_binary_head:  # a masked LM's token types are folded into positions
         token_types = "bert.embeddings.token_type_embeddings.weight"
         expected[token_types] = (shapes.get(token_types, (1,))[0] or 1, model.hidden_size)
     sizes = ", ".join(f"{key} {hf[key]}" for key in fields.values() if key in hf)
@@ -493,113 +498,13 @@ def _token_ids(hf: dict[str, Any], vocab_size: int, where: str) -> dict[str, int
     return token_ids
 
 
-def _gpt2_hf_config(model: TransformerConfig) -> dict[str, Any]:
-    return {
-        "architectures": ["GPT2LMHeadModel"],
-        "model_type": "gpt2",
-        "n_layer": model.num_layers,
-        "n_embd": model.hidden_size,
-        "n_head": model.num_attention_heads,
-        "n_inner": model.ffn_hidden_size,
-        "n_positions": model.max_position_embeddings,
-        "activation_function": "gelu_new" if model.openai_gelu else "gelu",
-        "layer_norm_epsilon": model.norm_epsilon,
-        "resid_pdrop": model.hidden_dropout,
-        "embd_pdrop": model.hidden_dropout,
-        "attn_pdrop": model.attention_dropout,
-        "tie_word_embeddings": True,
-    }
-
-
-def _llama_hf_config(model: TransformerConfig) -> dict[str, Any]:
-    """LlamaForCausalLM, or Qwen2ForCausalLM for a model with q/k/v biases (--add-qkv-bias)."""
-    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": float(model.rotary_base)}
-    if model.use_rope_scaling:
-        rope |= {"rope_type": "llama3", "factor": model.rope_scaling_factor, **LLAMA3_ROPE}
-    family = (
-        {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "use_sliding_window": False}
-        if model.add_qkv_bias
-        else {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "attention_bias": False,
-              "mlp_bias": False}
-    )  # fmt: skip
-    return {
-        **family,
-        "num_hidden_layers": model.num_layers,
-        "hidden_size": model.hidden_size,
-        "num_attention_heads": model.num_attention_heads,
-        "num_key_value_heads": model.num_query_groups_effective,
-        "head_dim": model.kv_channels,
-        "intermediate_size": model.ffn_hidden_size,
-        "max_position_embeddings": model.seq_length or model.max_position_embeddings,
-        "rms_norm_eps": model.norm_epsilon,
-        "hidden_act": "silu",
-        "tie_word_embeddings": not model.untie_embeddings_and_output_weights,
-        "rope_parameters": rope,
-    }
-
-
-def _bert_hf_config(model: TransformerConfig) -> dict[str, Any]:
-    return {
-        "architectures": ["BertForPreTraining" if model.bert_binary_head else "BertForMaskedLM"],
-        "model_type": "bert",
-        "num_hidden_layers": model.num_layers,
-        "hidden_size": model.hidden_size,
-        "num_attention_heads": model.num_attention_heads,
-        "intermediate_size": model.ffn_hidden_size,
-        "max_position_embeddings": model.max_position_embeddings,
-        "type_vocab_size": 2 if model.bert_binary_head else 1,
-        "hidden_act": "gelu_new" if model.openai_gelu else "gelu",
-        "layer_norm_eps": model.norm_epsilon,
-        "hidden_dropout_prob": model.hidden_dropout,
-        "attention_probs_dropout_prob": model.attention_dropout,
-        "initializer_range": model.init_method_std,
-        "position_embedding_type": "absolute",
-    }
-
-
 def _export(weights: ModelWeights) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """(HF config, HF tensors) of our model, refusing settings the HF architecture lacks by their flag."""
-    model = weights.config.model
-    common = [
-        (not model.apply_layernorm_1p, "--apply-layernorm-1p has no HF equivalent"),
-        (model.rotary_percent == 1.0, "--rotary-percent below 1 has no HF Llama equivalent"),
-    ]
-    where = "--saver hf"
-    if model.position_embedding_type == "learned_absolute":
-        family = "BERT" if weights.model_type == "bert" else "GPT-2"
-        _refuse(
-            common + [
-                (model.normalization == "LayerNorm" and not model.swiglu and model.add_bias_linear,
-                 f"{family} needs LayerNorm, GELU and linear biases (no --swiglu, --normalization RMSNorm, "
-                 "--disable-bias-linear)"),
-                (not model.untie_embeddings_and_output_weights, f"{family} ties its output layer to the embedding"),
-                (model.num_query_groups_effective == model.num_attention_heads,
-                 f"{family} has no grouped-query attention"),
-                (model.kv_channels * model.num_attention_heads == model.hidden_size, f"{family} needs --kv-channels "
-                 "= hidden size / heads"),
-                (model.post_ln == (weights.model_type == "bert"), "Hugging Face BERT is post-LN (train with "
-                 "--post-ln); GPT-2 is pre-LN"),
-            ],
-            where,
-        )  # fmt: skip
-        if weights.model_type == "gpt":
-            return _gpt2_hf_config(model), to_hf(weights.tensors, gpt2_rules(model))
-        tensors = to_hf(weights.tensors, bert_rules(model, model.bert_binary_head, model.bert_binary_head))
-        if not model.bert_binary_head:  # no token types: type 0 adds nothing
-            embedding = weights.tensors["embedding.word_embeddings.weight"]
-            tensors["bert.embeddings.token_type_embeddings.weight"] = embedding.new_zeros(
-                1, model.hidden_size
-            )
-        return _bert_hf_config(model), tensors
-    _refuse(
-        common + [
-            (model.normalization == "RMSNorm" and model.swiglu and not model.add_bias_linear,
-             "Llama and Qwen2 need --normalization RMSNorm, --swiglu and --disable-bias-linear (Qwen2: and "
-             "--add-qkv-bias)"),
-        ],
-        where,
-    )  # fmt: skip
-    return _llama_hf_config(model), to_hf(weights.tensors, llama_rules(model))
+    """(HF config, HF tensors) of our model by its family's export, which refuses a setting the HF architecture
+    lacks by its flag."""
+    family = weights.family
+    if family.hf is None:
+        raise ValueError(f"--saver hf: the {family.name} family has no Hugging Face mapping; pick another --saver")
+    return family.hf.export(weights.config.model, weights.tensors)
 
 
 def _shards(tensors: dict[str, torch.Tensor], max_shard_size: int) -> list[dict[str, torch.Tensor]]:

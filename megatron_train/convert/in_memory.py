@@ -31,6 +31,7 @@ from megatron_train.convert.megatron_optimizer import (
 )
 from megatron_train.convert.torch_dist import DistCheckpoint
 from megatron_train.convert.weights import ModelWeights, model_shardings
+from megatron_train.families.family import ModelFamily
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +74,7 @@ class ConvertedCheckpoint(SavedCheckpoint):
         divisor = (
             getattr(args, "make_vocab_size_divisible_by", None) or 128
         ) * args.tensor_model_parallel_size
-        shardings = model_shardings(weights.config, padded_vocab_size, weights.model_type)
+        shardings = model_shardings(weights.config, padded_vocab_size, weights.family)
         self.iteration_dir = where
         self.source_format = source_format
         self.tp_size = self.pp_size = 1
@@ -91,7 +92,7 @@ class ConvertedCheckpoint(SavedCheckpoint):
             "world_size": 1,
             "opt_param_scheduler": scheduler,
             "args": config_to_dict(weights.config),
-            "model_type": weights.model_type,
+            "model_type": weights.family.name,
         }
         self.params = {
             name: sharding_record(list(tensor.shape), shardings[name], False, 0, 1, 0, 1, name)
@@ -150,24 +151,24 @@ def _scheduler_state(saved: dict | None, where: str) -> dict | None:
     return None
 
 
-def converted_legacy(checkpoint: LegacyCheckpoint, model_type: str) -> ConvertedCheckpoint:
+def converted_legacy(checkpoint: LegacyCheckpoint, family: ModelFamily) -> ConvertedCheckpoint:
     """A Megatron-LM `torch` checkpoint (every rank's file read) as one of ours, with its Adam state."""
     args = checkpoint.args
-    weights = checkpoint.weights(args.padded_vocab_size, model_type)
-    shardings = model_shardings(weights.config, args.padded_vocab_size, model_type)
+    weights = checkpoint.weights(args.padded_vocab_size, family)
+    shardings = model_shardings(weights.config, args.padded_vocab_size, family)
     scheduler = _scheduler_state(
         checkpoint.files[(0, 0)].get("opt_param_scheduler"), checkpoint.iteration_dir
     )
     return ConvertedCheckpoint(
         weights, args, "torch", checkpoint.iteration_dir, scheduler,
-        lambda: legacy_optimizer_state(checkpoint, model_type, shardings),
+        lambda: legacy_optimizer_state(checkpoint, family, shardings),
     )  # fmt: skip
 
 
-def converted_dist(checkpoint: DistCheckpoint, model_type: str) -> ConvertedCheckpoint:
+def converted_dist(checkpoint: DistCheckpoint, family: ModelFamily) -> ConvertedCheckpoint:
     """A Megatron-Core torch_dist checkpoint as one of ours, with its Adam state where it is saved in model space."""
     args = checkpoint.args
-    weights = checkpoint.weights(args.padded_vocab_size, model_type)
+    weights = checkpoint.weights(args.padded_vocab_size, family)
     scheduler = _scheduler_state(checkpoint.common.get("opt_param_scheduler"), checkpoint.iteration_dir)
     return ConvertedCheckpoint(
         weights, args, "torch_dist", checkpoint.iteration_dir, scheduler,

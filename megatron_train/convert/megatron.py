@@ -53,6 +53,7 @@ from megatron_train.convert.weights import (
     trim_vocab,
 )
 from megatron_train.data.config import DataConfig
+from megatron_train.families.family import MegatronNames, ModelFamily
 from megatron_train.models.config import TransformerConfig
 from megatron_train.models.transformer import get_layer_range
 from megatron_train.training.config import TokenizerConfig
@@ -117,7 +118,6 @@ _LEGACY_NAMES = [
     (r"^lm_head\.layernorm\.", "lm_head.layer_norm."),
     (r"^lm_head\.bias$", "output_layer.bias"),
 ]
-LAYER_STACKS = {"gpt": "decoder", "bert": "encoder"}
 # What a checkpoint's args must give: the model's shape, the padded vocabulary and the layout it was saved from.
 REQUIRED_ARGS = (
     "num_layers",
@@ -345,9 +345,11 @@ class LegacyCheckpoint:
             )
         return chunks
 
-    def rank_tensors(self, tp_rank: int, pp_rank: int, model_type: str) -> list[tuple[str, torch.Tensor]]:
+    def rank_tensors(self, tp_rank: int, pp_rank: int, family: ModelFamily) -> list[tuple[str, torch.Tensor]]:
         """A rank's model tensors in the order its file holds them (its parameters' order), under our global
-        names; the last stage's copy of a tied output layer keeps the name `output_layer.weight`."""
+        names (Megatron-LM's files split the layers evenly over the stages); the last stage's copy of a tied
+        output layer keeps the name `output_layer.weight`."""
+        layer_stack = megatron_names(family, "--loader megatron").layer_stack
         args = self.args
         chunks = self.model_chunks(tp_rank, pp_rank)
         virtual_size = len(chunks) if len(chunks) > 1 else None
@@ -358,17 +360,15 @@ class LegacyCheckpoint:
             layers = get_layer_range(
                 args.num_layers, pp_rank, args.pipeline_model_parallel_size, virtual_rank, virtual_size
             )
-            for name, tensor in _our_names(
-                chunk, self.version, heads, LAYER_STACKS[model_type], where
-            ).items():
+            for name, tensor in _our_names(chunk, self.version, heads, layer_stack, where).items():
                 local = _LOCAL_LAYER.match(name)
                 if local:
                     name = f"{local.group(1)}.layers.{layers.start + int(local.group(2))}.{local.group(3)}"
                 tensors.append((name, tensor))
         return tensors
 
-    def weights(self, true_vocab_size: int | None = None, model_type: str = "gpt") -> ModelWeights:
-        """The model (`gpt` or `bert`, Megatron's --model-type), its TP shards merged and its stages' layers
+    def weights(self, true_vocab_size: int | None, family: ModelFamily) -> ModelWeights:
+        """The model of `family` (Megatron's --model-type), its TP shards merged and its stages' layers
         numbered globally; the vocabulary cut to `true_vocab_size` (see `config_from_args`). The args are checked
         against the files (layers, every shard's shape, a tied copy) before the model is built on the meta device
         or the shards merged."""
@@ -379,17 +379,17 @@ class LegacyCheckpoint:
         files: dict[str, str] = {}  # tensor name -> the file of its first shard, for messages
         for pp_rank in range(args.pipeline_model_parallel_size):
             for tp_rank in range(tp):
-                for name, tensor in self.rank_tensors(tp_rank, pp_rank, model_type):
+                for name, tensor in self.rank_tensors(tp_rank, pp_rank, family):
                     if name == OUTPUT_WEIGHT and not model.untie_embeddings_and_output_weights:
                         name = TIED_COPY  # the last stage's copy of the tied embedding, checked against it
                     shards.setdefault(name, []).append(tensor)
                     files.setdefault(name, self.path(tp_rank, pp_rank))
-        stack = f"{LAYER_STACKS[model_type]}.layers."
+        stack = f"{megatron_names(family, '--loader megatron').layer_stack}.layers."
         check_layers(model.num_layers, shards, stack, "args.num_layers", where, self.iteration_dir)
-        shardings = model_shardings(config, args.padded_vocab_size, model_type, where)
+        shardings = model_shardings(config, args.padded_vocab_size, family, where)
         tied_copy = shards.pop(TIED_COPY, None)
         check_tensor_names(shards, list(shardings), self.iteration_dir)
-        expected = model_shapes(config, args.padded_vocab_size, model_type)
+        expected = model_shapes(config, args.padded_vocab_size, family)
         _check_shard_shapes(shards, files, expected, shardings, tp)
         tensors = {name: merge_tp_shards(parts, shardings[name]) for name, parts in shards.items()}
         if tied_copy is not None and not _same(merge_tp_shards(tied_copy, shardings[WORD_EMBEDDING]),
@@ -404,7 +404,7 @@ class LegacyCheckpoint:
             trim_vocab(tensors, model.true_vocab_size),
             tokenizer_sources(config.tokenizer, os.path.dirname(self.iteration_dir)),
             self.iteration,
-            model_type=model_type,
+            family=family,
         )
 
 
@@ -455,12 +455,22 @@ def open_checkpoint(load_dir: str, iteration: int | None = None) -> LegacyCheckp
     return LegacyCheckpoint(iteration_dir, number, args, float(version), files)
 
 
+def megatron_names(family: ModelFamily, flag: str) -> MegatronNames:
+    """The family's names in Megatron-LM's checkpoints; a family without them is refused naming `flag`."""
+    if family.megatron_names is None:
+        raise ValueError(
+            f"{flag}: the {family.name} family has no Megatron-LM checkpoint names here; convert it to or from "
+            "flow (or hf)"
+        )
+    return family.megatron_names
+
+
 def load(
-    load_dir: str, iteration: int | None = None, true_vocab_size: int | None = None, model_type: str = "gpt"
+    load_dir: str, iteration: int | None, true_vocab_size: int | None, family: ModelFamily
 ) -> ModelWeights:
-    """The model (`gpt` or `bert`, Megatron's --model-type) of a Megatron-LM checkpoint, its TP shards merged and
-    its stages' layers numbered globally."""
-    return open_checkpoint(load_dir, iteration).weights(true_vocab_size, model_type)
+    """The model of `family` (Megatron's --model-type) in a Megatron-LM checkpoint, its TP shards merged and its
+    stages' layers numbered globally."""
+    return open_checkpoint(load_dir, iteration).weights(true_vocab_size, family)
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -525,6 +535,7 @@ def save(
     """Write `weights` as a Megatron-LM `torch` checkpoint for (target_tp, target_pp), built beside `save_dir`
     and moved into place whole (`convert.target`); returns the iteration folder."""
     config = weights.config
+    megatron_names(weights.family, "--saver megatron")
     padded = padded_vocab_for_layout(weights, target_tp, target_pp)
     with output_folder(save_dir, overwrite, padded_size_of(weights, padded)) as out:
         config.tokenizer = copy_tokenizer(config.tokenizer, weights.tokenizer_files, out, save_dir)
@@ -536,14 +547,15 @@ def _write(weights: ModelWeights, root: str, target_tp: int, target_pp: int, pad
     """Every rank's model_optim_rng.pt, then the latest marker, into the folder `root`."""
     config = weights.config
     tensors = pad_vocab(weights.tensors, padded)
-    shardings = model_shardings(config, padded, weights.model_type)
+    shardings = model_shardings(config, padded, weights.family)
     tied = not config.model.untie_embeddings_and_output_weights
     args = megatron_args(weights, target_tp, target_pp, padded)
     iteration_dir = checkpoint_dir(root, weights.iteration)
+    split = weights.family.pipeline
     for pp_rank in range(target_pp):
-        layers = get_layer_range(config.model.num_layers, pp_rank, target_pp)
+        layers = split.layer_range(config.model, pp_rank, target_pp)
         last = pp_rank == target_pp - 1
-        names = stage_tensor_names(list(shardings), layers, pp_rank == 0, last)
+        names = stage_tensor_names(split, list(shardings), layers, pp_rank == 0, last)
         for tp_rank in range(target_tp):
             state = {}
             for name in names:

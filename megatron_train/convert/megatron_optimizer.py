@@ -35,6 +35,7 @@ from megatron_train.checkpointing.layout import OUTPUT_WEIGHT, WORD_EMBEDDING, T
 from megatron_train.convert.megatron import LegacyCheckpoint, read_allowed_pickle
 from megatron_train.convert.torch_dist import DistCheckpoint
 from megatron_train.convert.weights import ModelWeights
+from megatron_train.families.family import ModelFamily
 from megatron_train.optimizer.optimizer import no_weight_decay
 
 DISTRIBUTED_OPTIMIZER_FILE = "distrib_optim.pt"
@@ -63,7 +64,7 @@ def wd_mult(name: str, tensor: torch.Tensor) -> float:
 
 
 def legacy_optimizer_state(
-    checkpoint: LegacyCheckpoint, model_type: str, shardings: dict[str, TensorSharding]
+    checkpoint: LegacyCheckpoint, family: ModelFamily, shardings: dict[str, TensorSharding]
 ) -> tuple[dict[str, torch.Tensor], dict]:
     """(`<param>.<state>` tensors of whole params, the JSON part) as `MegatronOptimizer.state_dict` gives them,
     from every rank's optimizer state; raises UnmappedOptimizerState where it does not map."""
@@ -73,7 +74,7 @@ def legacy_optimizer_state(
     settings: dict[float, dict[str, Any]] = {}
     for pp_rank in range(args.pipeline_model_parallel_size):
         for tp_rank in range(args.tensor_model_parallel_size):
-            states, groups = _rank_states(checkpoint, tp_rank, pp_rank, model_type)
+            states, groups = _rank_states(checkpoint, tp_rank, pp_rank, family)
             settings.update(group_settings(groups, checkpoint.path(tp_rank, pp_rank)))
             for name, param_state in states:
                 if not (tied and name == OUTPUT_WEIGHT):  # the last stage's copy of the tied embedding
@@ -163,7 +164,7 @@ def optimizer_state_dict(
 
 
 def _rank_states(
-    checkpoint: LegacyCheckpoint, tp_rank: int, pp_rank: int, model_type: str
+    checkpoint: LegacyCheckpoint, tp_rank: int, pp_rank: int, family: ModelFamily
 ) -> tuple[list[tuple[str, ParamState]], list[dict[str, Any]]]:
     """One rank's params (global names, in its order) with their state, and its param groups."""
     path = checkpoint.path(tp_rank, pp_rank)
@@ -181,7 +182,7 @@ def _rank_states(
             f"{path} holds {len(optimizer)} chained optimizers (experts); one is mapped"
         )
     adam = optimizer.get("optimizer", optimizer)
-    params = checkpoint.rank_tensors(tp_rank, pp_rank, model_type)
+    params = checkpoint.rank_tensors(tp_rank, pp_rank, family)
     groups = adam["param_groups"]
     members = _group_members(params, groups, path)
     if "state" in adam:

@@ -54,13 +54,13 @@ from megatron_train.checkpointing.layout import TensorSharding, stage_tensor_nam
 from megatron_train.convert.checks import check_byte_budget, check_layers
 from megatron_train.convert.megatron import (
     CHECKPOINT_VERSION,
-    LAYER_STACKS,
     TE_NAMES,
     check_model_args,
     checked_args,
     config_from_args,
     find_iteration_dir,
     megatron_args,
+    megatron_names,
     read_allowed_pickle,
     read_checkpoint_file,
     save_torch,
@@ -78,7 +78,7 @@ from megatron_train.convert.weights import (
     padded_vocab_for_layout,
     trim_vocab,
 )
-from megatron_train.models.transformer import get_layer_range
+from megatron_train.families.family import ModelFamily
 from storage.atomic import atomic_write_text
 
 CONFIG_FILE = "metadata.json"
@@ -296,20 +296,21 @@ class DistCheckpoint:
     def args(self) -> Any:
         return self.common["args"]
 
-    def weights(self, true_vocab_size: int | None = None, model_type: str = "gpt") -> ModelWeights:
-        """The model (`gpt` or `bert`) at any saved layout, its vocabulary cut to `true_vocab_size`. The args are
+    def weights(self, true_vocab_size: int | None, family: ModelFamily) -> ModelWeights:
+        """The model of `family` at any saved layout, its vocabulary cut to `true_vocab_size`. The args are
         checked against DCP's index (`_check_index`) before a tensor is allocated."""
+        layer_stack = megatron_names(family, "--loader torch_dist").layer_stack
         config = config_from_args(self.args, true_vocab_size, self.iteration_dir)
         keys = {key: key for key in self._tensor_keys() if key.startswith(MODEL_PREFIXES)}
         items = self.metadata.state_dict_metadata
-        _check_index({key: items[key] for key in keys}, config, self.args.padded_vocab_size, model_type,
+        _check_index({key: items[key] for key in keys}, config, self.args.padded_vocab_size, family,
                      self.iteration_dir)  # fmt: skip
         tensors = self._read_tensors(keys)
-        check_layers(config.model.num_layers, tensors, f"{LAYER_STACKS[model_type]}.layers.", "args.num_layers",
+        check_layers(config.model.num_layers, tensors, f"{layer_stack}.layers.", "args.num_layers",
                      self.iteration_dir, f"{self.iteration_dir}/.metadata")  # fmt: skip
         check_tensor_names(
             tensors,
-            list(model_shardings(config, self.args.padded_vocab_size, model_type, self.iteration_dir)),
+            list(model_shardings(config, self.args.padded_vocab_size, family, self.iteration_dir)),
             self.iteration_dir,
         )
         return ModelWeights(
@@ -317,7 +318,7 @@ class DistCheckpoint:
             trim_vocab(tensors, config.model.true_vocab_size),
             tokenizer_sources(config.tokenizer, os.path.dirname(self.iteration_dir)),
             self.iteration,
-            model_type=model_type,
+            family=family,
         )
 
     def optimizer_tensors(self) -> dict[str, dict[str, torch.Tensor]]:
@@ -398,18 +399,18 @@ def open_checkpoint(load_dir: str, iteration: int | None = None) -> DistCheckpoi
 
 
 def load(
-    load_dir: str, iteration: int | None = None, true_vocab_size: int | None = None, model_type: str = "gpt"
+    load_dir: str, iteration: int | None, true_vocab_size: int | None, family: ModelFamily
 ) -> ModelWeights:
-    """The model (`gpt` or `bert`) of a Megatron-Core torch_dist checkpoint (latest, or `iteration`), at any
-    saved layout."""
-    return open_checkpoint(load_dir, iteration).weights(true_vocab_size, model_type)
+    """The model of `family` in a Megatron-Core torch_dist checkpoint (latest, or `iteration`), at any saved
+    layout."""
+    return open_checkpoint(load_dir, iteration).weights(true_vocab_size, family)
 
 
 def _check_index(
     items: dict[str, TensorStorageMetadata],
     config: MegatronConfig,
     padded_vocab_size: int,
-    model_type: str,
+    family: ModelFamily,
     iteration_dir: str,
 ) -> None:
     """DCP's index of the model's tensors against the args, before anything is allocated: each tensor's shape is
@@ -417,7 +418,7 @@ def _check_index(
     args.num_layers layers."""
     where = f"{iteration_dir}/.metadata"
     one_layer = dataclasses.replace(config, model=dataclasses.replace(config.model, num_layers=1))
-    expected = model_shapes(one_layer, padded_vocab_size, model_type, where)
+    expected = model_shapes(one_layer, padded_vocab_size, family, where)
     for key, item in items.items():
         size, stacked = tuple(item.size), _STACKED.match(key)
         if stacked:
@@ -493,6 +494,7 @@ def save(
     """Write `weights` as Megatron-Core would save them from (target_tp, target_pp) ranks, built beside
     `save_dir` and moved into place whole (`convert.target`); returns the iteration folder."""
     config = weights.config
+    megatron_names(weights.family, "--saver torch_dist")
     padded = padded_vocab_for_layout(weights, target_tp, target_pp)
     with output_folder(save_dir, overwrite, padded_size_of(weights, padded)) as out:
         config.tokenizer = copy_tokenizer(config.tokenizer, weights.tokenizer_files, out, save_dir)
@@ -506,13 +508,14 @@ def _write(weights: ModelWeights, root: str, target_tp: int, target_pp: int, pad
     config = weights.config
     iteration_dir = checkpoint_dir(root, weights.iteration)
     tensors = pad_vocab(weights.tensors, padded)
-    shardings = model_shardings(config, padded, weights.model_type)
+    shardings = model_shardings(config, padded, weights.family)
     args = megatron_args(weights, target_tp, target_pp, padded)
     args.ckpt_format = "torch_dist"
+    split = weights.family.pipeline
     planners, writers, plans = [], [], []
     for pp_rank in range(target_pp):
-        layers = get_layer_range(config.model.num_layers, pp_rank, target_pp)
-        names = stage_tensor_names(list(shardings), layers, pp_rank == 0, pp_rank == target_pp - 1)
+        layers = split.layer_range(config.model, pp_rank, target_pp)
+        names = stage_tensor_names(split, list(shardings), layers, pp_rank == 0, pp_rank == target_pp - 1)
         for tp_rank in range(target_tp):
             rank = pp_rank * target_tp + tp_rank
             chunks, objects = _rank_state(

@@ -3,8 +3,8 @@
 Every format converts through `ModelWeights` (docs/architecture.md, checkpoints), as Megatron's
 tools/checkpoint/convert.py passes a model between its loader and saver: the config says what the model is
 (read from the source, so the user never restates it), the tensors are the unsplit weights of a TP1 x PP1
-`GPTModel` (or `BertModel`, `model_type`) with the vocabulary rows cut to the true vocabulary (a saver pads them for its layout), and the
-tokenizer files travel with them.
+model of its family (`family`: `GPTModel`, `BertModel`, ...) with the vocabulary rows cut to the true vocabulary (a
+saver pads them for its layout), and the tokenizer files travel with them.
 """
 
 from __future__ import annotations
@@ -14,8 +14,9 @@ from dataclasses import dataclass, field
 import torch
 
 from megatron_train.arguments import MegatronConfig
-from megatron_train.checkpointing.inference import build_saved_model
 from megatron_train.checkpointing.layout import VOCAB_PARAMS, TensorSharding, check_layout, resize_vocab
+from megatron_train.families.family import ModelFamily
+from megatron_train.families.registry import DEFAULT_FAMILY, get_family
 from megatron_train.parallel import state
 from megatron_train.tokenizer import vocab_size_with_padding
 
@@ -37,7 +38,8 @@ class ModelWeights:
     iteration: int = 1
     # bos/eos/pad token ids where the source records them (HF config.json; ours keep them in metadata.json)
     token_ids: dict[str, int] = field(default_factory=dict)
-    model_type: str = "gpt"  # the family, as checkpoints record it: "gpt" or "bert"
+    # the model family (what builds the model); a GPT's by default, as checkpoints without a record
+    family: ModelFamily = field(default_factory=lambda: get_family(DEFAULT_FAMILY))
 
     @property
     def true_vocab_size(self) -> int:
@@ -45,18 +47,18 @@ class ModelWeights:
 
 
 def _meta_params(
-    config: MegatronConfig, vocab_size: int, model_type: str, where: str
+    config: MegatronConfig, vocab_size: int, family: ModelFamily, where: str
 ) -> dict[str, tuple[TensorSharding, tuple[int, ...]]]:
-    """(TP sharding, shape) of each param of the whole model (`gpt` or `bert`), read off a model built on the meta
+    """(TP sharding, shape) of each param of the whole model of `family`, read off a model built on the meta
     device (no memory, no process groups): the attributes a training run records in its checkpoint. Remembered
     per (family, model config, vocabulary): a conversion's loader and saver build it once. A loader checks the
     config's layer count against the weights first: the build takes time per layer. A model the config's
     settings cannot build is an error naming `where` (the file the config came from)."""
-    key = (model_type, repr(config.model), vocab_size)
+    key = (family.name, repr(config.model), vocab_size)
     if key not in _META_PARAMS:
         try:
             with torch.device("meta"), state.single_process_view():  # the whole model, also on a rank
-                model = build_saved_model(model_type, config, vocab_size, where)
+                model = family.model_provider(config, vocab_size)
         except (ValueError, TypeError, OverflowError, RuntimeError) as error:  # sizes no tensor can have
             raise ValueError(
                 f"{where}: its settings describe no model that can be built ({error})"
@@ -75,18 +77,18 @@ def _meta_params(
 
 
 def model_shardings(
-    config: MegatronConfig, vocab_size: int, model_type: str = "gpt", where: str = "the converted model"
+    config: MegatronConfig, vocab_size: int, family: ModelFamily, where: str = "the converted model"
 ) -> dict[str, TensorSharding]:
     """How each param of the whole model splits across TP (see `_meta_params`)."""
-    params = _meta_params(config, vocab_size, model_type, where)
+    params = _meta_params(config, vocab_size, family, where)
     return {name: sharding for name, (sharding, _) in params.items()}
 
 
 def model_shapes(
-    config: MegatronConfig, vocab_size: int, model_type: str = "gpt", where: str = "the converted model"
+    config: MegatronConfig, vocab_size: int, family: ModelFamily, where: str = "the converted model"
 ) -> dict[str, tuple[int, ...]]:
     """Each param's shape in the whole model the config describes (see `_meta_params`)."""
-    return {name: shape for name, (_, shape) in _meta_params(config, vocab_size, model_type, where).items()}
+    return {name: shape for name, (_, shape) in _meta_params(config, vocab_size, family, where).items()}
 
 
 def check_tensor_names(tensors: dict[str, torch.Tensor], expected: list[str], source: str) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
 
 import torch
 import torch.distributed as dist
@@ -19,8 +20,17 @@ import torch.distributed as dist
 from megatron_train.arguments import MegatronConfig, build_parser, config_from_dict, flag_name
 from megatron_train.checkpointing import MODEL_ARGS_TO_CHECK, CheckpointError, saved_true_vocab_range
 from megatron_train.checkpointing.inference import model_from_saved, model_stage_from_saved
-from megatron_train.checkpointing.names import saved_model_type
+from megatron_train.checkpointing.saved import SavedCheckpoint
 from megatron_train.convert.detect import open_checkpoint
+from megatron_train.families.family import ModelFamily
+from megatron_train.families.registry import (
+    DEFAULT_FAMILY,
+    builtin_families,
+    checkpoint_family,
+    get_family,
+    is_builtin,
+    named_family,
+)
 from megatron_train.models.config import TransformerConfig
 from megatron_train.parallel import state
 from megatron_train.tokenizer import MegatronTokenizer, tokenizer_from_config
@@ -107,39 +117,58 @@ def check_tokenizer_fits(tokenizer: MegatronTokenizer, metadata: dict, where: st
         )
 
 
-def load_for_inference(
-    args: argparse.Namespace,
-    device: torch.device | str | None = None,
-    model_types: tuple[str, ...] = ("gpt",),
-) -> tuple[torch.nn.Module, MegatronTokenizer, MegatronConfig]:
-    """(model in eval mode, tokenizer, saved MegatronConfig) from the flags of `build_inference_parser`;
-    the flags and the tokenizer are checked against the checkpoint before its weights are read. With
-    model-parallel groups initialised the model is this rank's TP slice of its pipeline stage. A checkpoint
-    of another model type than `model_types` is refused."""
-    iteration = getattr(args, "ckpt_step", None)
-    saved = open_checkpoint(
-        args.load, iteration, model_types[0]
-    )  # ours, or Megatron-LM's converted in memory
+def add_family_flags(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> None:
+    """The flags every project family's inference hooks add (Retro's index search settings), and those of the
+    family `--model-family` names in `argv` (default the command line)."""
+    families = list(builtin_families())
+    named = named_family(sys.argv[1:] if argv is None else argv)
+    if named is not None and not is_builtin(named):
+        families.append(get_family(named))
+    for family in families:
+        if family.inference is not None and family.inference.add_flags is not None:
+            family.inference.add_flags(parser)
+
+
+def inference_checkpoint(args: argparse.Namespace) -> tuple[ModelFamily, SavedCheckpoint]:
+    """(family, checkpoint) `--load` (`--ckpt-step`) names, ours or Megatron-LM's converted in memory (read as
+    the family --model-family names, else GPT's), refusing one whose family the tools do not serve; nothing of
+    its weights is read yet."""
+    model_family = getattr(args, "model_family", None)
+    saved = open_checkpoint(args.load, getattr(args, "ckpt_step", None), model_family or DEFAULT_FAMILY)
     if saved is None:
         raise CheckpointError(
             f"nothing saved in {args.load}: no latest marker; pass --ckpt-step or another --load"
         )
-    where, metadata = saved.iteration_dir, saved.metadata
-    kind = saved_model_type(metadata)
-    if kind not in model_types:
-        retro_hint = "; serve or evaluate it with --retro-project-dir DIR (its retrieval database)"
+    family = checkpoint_family(saved.metadata, model_family, saved.iteration_dir)
+    if family.inference is None:
+        served = [f.name.upper() for f in builtin_families() if f.inference is not None]
         raise ValueError(
-            f"checkpoint {where} holds a {kind} model; generation and language-model evaluation need "
-            f"a {' or '.join(t.upper() for t in model_types)} checkpoint"
-            + (retro_hint if kind == "retro" else " (pretrain_gpt)")
+            f"checkpoint {saved.iteration_dir} holds a {family.name} model; generation and language-model "
+            f"evaluation need a {' or '.join(served)} checkpoint (or one of a family with inference hooks)"
         )
+    return family, saved
+
+
+def load_for_inference(
+    args: argparse.Namespace, device: torch.device | str | None = None
+) -> tuple[torch.nn.Module, MegatronTokenizer, MegatronConfig]:
+    """(model in eval mode, tokenizer, saved MegatronConfig) from the flags of `build_inference_parser`;
+    the flags and the tokenizer are checked against the checkpoint before its weights are read. With
+    model-parallel groups initialised the model is this rank's TP slice of its pipeline stage. The model is
+    the one the family's inference hooks give (`InferenceHooks.prepare`: a Retro model retrieving its
+    neighbours); a checkpoint of a family the tools do not serve is refused."""
+    family, saved = inference_checkpoint(args)
+    where, metadata = saved.iteration_dir, saved.metadata
     saved_config = config_from_dict(metadata["args"])
     check_model_flags(args, saved_config, where)
     tokenizer = tokenizer_for(saved_config, args, where)
     check_tokenizer_fits(tokenizer, metadata, where)
+    model_family = getattr(args, "model_family", None)
     if state.model_parallel_is_initialized():  # under torchrun: this rank's part of the model
-        model, config = model_stage_from_saved(saved, device=device)
+        model, config = model_stage_from_saved(saved, device, model_family)
         print_parameter_count([model])
     else:
-        model, config = model_from_saved(saved, device=device)
+        model, config = model_from_saved(saved, device, model_family)
+    if family.inference.prepare is not None:
+        model = family.inference.prepare(model, tokenizer, args, device)
     return model.eval(), tokenizer, config

@@ -14,11 +14,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_train.models.config import TransformerConfig
-from megatron_train.models.gpt import (
+from megatron_train.models.language_module import (
     LanguageModelEmbedding,
     LanguageModule,
     build_output_layer,
-    gathered_logits,
+    compute_language_model_loss,
 )
 from megatron_train.models.norms import build_norm
 from megatron_train.models.transformer import (
@@ -28,7 +28,6 @@ from megatron_train.models.transformer import (
     TransformerBlock,
     init_method_normal,
 )
-from megatron_train.parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatron_train.parallel.mappings import gather_from_sequence_parallel_region
 from megatron_train.parallel.random import initialization_stream
 
@@ -75,7 +74,8 @@ class BertModel(LanguageModule):
 
     The arguments are GPTModel's (`vocab_size` padded, `pre_process` / `post_process` the pipeline stage's
     ends, `sequence_parallel`, `init_seed` for --use-cpu-initialization, `vp_stage`), plus `num_tokentypes`
-    (Megatron: 2 with the binary head, else 0; Hugging Face BERT always has 2), `add_binary_head`, and for
+    (default Megatron's pretrain_bert: 2 with the binary head, else 0; Hugging Face BERT always has 2),
+    `add_binary_head`, and for
     the downstream task heads (`tasks.finetune.model`) `add_lm_head=False` / `add_pooler=True`.
     """
 
@@ -88,7 +88,7 @@ class BertModel(LanguageModule):
         pre_process: bool = True,
         post_process: bool = True,
         *,
-        num_tokentypes: int = 2,
+        num_tokentypes: int | None = None,
         add_binary_head: bool = True,
         add_lm_head: bool = True,
         add_pooler: bool = False,
@@ -104,6 +104,8 @@ class BertModel(LanguageModule):
             )
         self.add_binary_head = add_binary_head
         self.sequence_parallel = sequence_parallel
+        if num_tokentypes is None:
+            num_tokentypes = 2 if add_binary_head else 0
         self.embedding = (
             LanguageModelEmbedding(config, vocab_size, sequence_parallel, init_seed, num_tokentypes)
             if pre_process
@@ -180,44 +182,16 @@ class BertModel(LanguageModule):
         if self.binary_head is not None:
             binary_logits = self.binary_head(self.pooler(hidden)).float()
         hidden = self.lm_head(hidden)
-        weight, true_vocab_size = self.shared_embedding_or_output_weight(), self.config.true_vocab_size
-        if lm_labels is None:
-            return gathered_logits(self.output_layer(hidden, weight=weight), true_vocab_size), binary_logits
-        labels = lm_labels.transpose(0, 1)
-        if self.sequence_parallel:  # the output layer gathers the sequence shards: every position's logits
-            losses = vocab_parallel_cross_entropy(
-                self.output_layer(hidden, weight=weight), labels.clamp(min=0), true_vocab_size
-            )
-            return (losses * (labels >= 0)).transpose(0, 1).contiguous(), binary_logits
+        if lm_labels is None or self.sequence_parallel:
+            # under SP the output layer gathers the sequence shards: every position's logits
+            return self.language_model_output(hidden, lm_labels), binary_logits
         # Only the masked positions (labels >= 0, about 15%) go through the output layer, the largest GEMM of
         # the model; the loss of the others is 0, as the loss mask makes it anyway.
+        labels = lm_labels.transpose(0, 1)  # [s, b], the hidden states' layout
         masked = labels >= 0
-        logits = self.output_layer(hidden[masked].unsqueeze(1), weight=weight)  # [n, 1, v / TP]
-        masked_losses = vocab_parallel_cross_entropy(logits, labels[masked].unsqueeze(1), true_vocab_size)
-        losses = masked_losses.new_zeros(labels.shape).index_put((masked,), masked_losses.squeeze(1))
+        logits = self.output_logits(hidden[masked].unsqueeze(1))  # [n, 1, v / TP]
+        masked_losses = compute_language_model_loss(
+            labels[masked].unsqueeze(0), logits, self.config.true_vocab_size
+        )  # [1, n]
+        losses = masked_losses.new_zeros(labels.shape).index_put((masked,), masked_losses.squeeze(0))
         return losses.transpose(0, 1).contiguous(), binary_logits
-
-
-def bert_model_provider(
-    config: TransformerConfig,
-    vocab_size: int,
-    pre_process: bool = True,
-    post_process: bool = True,
-    *,
-    add_binary_head: bool = True,
-    sequence_parallel: bool = False,
-    init_seed: int | None = None,
-    vp_stage: int = 0,
-) -> BertModel:
-    """Megatron's pretrain_bert model: token types only with the binary head (2 types, else none)."""
-    return BertModel(
-        config,
-        vocab_size,
-        pre_process,
-        post_process,
-        num_tokentypes=2 if add_binary_head else 0,
-        add_binary_head=add_binary_head,
-        sequence_parallel=sequence_parallel,
-        init_seed=init_seed,
-        vp_stage=vp_stage,
-    )

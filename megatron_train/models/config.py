@@ -21,6 +21,15 @@ RecomputeMethod = Literal["uniform", "block"]
 
 @dataclass
 class TransformerConfig:
+    model_family: str | None = field(
+        default=None,
+        kw_only=True,
+        metadata={
+            "help": "The model family to train or load: a family of this project (gpt, bert, t5, retro; default "
+            "the entry point's) or `pkg.module:ATTR` naming a ModelFamily defined elsewhere, which checkpoints "
+            "record and loaders then ask for (docs/architecture.md, model families)."
+        },
+    )
     num_layers: int | None = field(
         default=None,
         kw_only=True,

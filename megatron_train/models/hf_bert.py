@@ -10,12 +10,13 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from megatron_train.models.bert import BertModel
 from megatron_train.models.config import TransformerConfig
-from megatron_train.models.hf_import import bert_rules, from_hf
+from megatron_train.models.hf_import import EXPORT, bert_rules, export_checks, from_hf, refuse_unless, to_hf
 
 StateDict = dict[str, torch.Tensor]
 REQUIRED_CONFIG_KEYS = (
@@ -133,3 +134,32 @@ def load_hf_bert(directory: str, padded_vocab_size: int | None = None) -> Loaded
     if result.unexpected_keys:
         raise ValueError(f"{directory}: tensors with no place in BertModel: {result.unexpected_keys}")
     return LoadedBert(model.eval(), config, sorted(result.missing_keys))
+
+
+def _bert_hf_config(model: TransformerConfig) -> dict[str, Any]:
+    return {
+        "architectures": ["BertForPreTraining" if model.bert_binary_head else "BertForMaskedLM"],
+        "model_type": "bert",
+        "num_hidden_layers": model.num_layers,
+        "hidden_size": model.hidden_size,
+        "num_attention_heads": model.num_attention_heads,
+        "intermediate_size": model.ffn_hidden_size,
+        "max_position_embeddings": model.max_position_embeddings,
+        "type_vocab_size": 2 if model.bert_binary_head else 1,
+        "hidden_act": "gelu_new" if model.openai_gelu else "gelu",
+        "layer_norm_eps": model.norm_epsilon,
+        "hidden_dropout_prob": model.hidden_dropout,
+        "attention_probs_dropout_prob": model.attention_dropout,
+        "initializer_range": model.init_method_std,
+        "position_embedding_type": "absolute",
+    }
+
+
+def export_bert(model: TransformerConfig, tensors: StateDict) -> tuple[dict[str, Any], StateDict]:
+    """BertForPreTraining (with the binary head) or BertForMaskedLM, for a post-LN BertModel."""
+    refuse_unless(export_checks(model, "BERT", post_ln=True), EXPORT)
+    hf_tensors = to_hf(tensors, bert_rules(model, model.bert_binary_head, model.bert_binary_head))
+    if not model.bert_binary_head:  # no token types: type 0 adds nothing
+        embedding = tensors["embedding.word_embeddings.weight"]
+        hf_tensors["bert.embeddings.token_type_embeddings.weight"] = embedding.new_zeros(1, model.hidden_size)
+    return _bert_hf_config(model), hf_tensors

@@ -182,6 +182,39 @@ def bert_rules(config: TransformerConfig, token_types: bool = True, binary_head:
     return rules
 
 
+def refuse_unless(checks: list[tuple[bool, str]], where: str) -> None:
+    """Raise ValueError `<where>: <problem>` for the first check that fails."""
+    for ok, problem in checks:
+        if not ok:
+            raise ValueError(f"{where}: {problem}")
+
+
+EXPORT = "--saver hf"  # where an export's refusals come from
+
+
+def export_checks(model: TransformerConfig, architecture: str, post_ln: bool) -> list[tuple[bool, str]]:
+    """What every export needs, and for a learned-position model (`architecture` GPT-2 or BERT) what those
+    architectures have: LayerNorm, GELU, biases, a tied output layer, no grouped-query attention, and the layer
+    order (`post_ln`: BERT's)."""
+    checks = [
+        (not model.apply_layernorm_1p, "--apply-layernorm-1p has no HF equivalent"),
+        (model.rotary_percent == 1.0, "--rotary-percent below 1 has no HF Llama equivalent"),
+    ]
+    if model.position_embedding_type != "learned_absolute":
+        return checks
+    return checks + [
+        (model.normalization == "LayerNorm" and not model.swiglu and model.add_bias_linear,
+         f"{architecture} needs LayerNorm, GELU and linear biases (no --swiglu, --normalization RMSNorm, "
+         "--disable-bias-linear)"),
+        (not model.untie_embeddings_and_output_weights, f"{architecture} ties its output layer to the embedding"),
+        (model.num_query_groups_effective == model.num_attention_heads,
+         f"{architecture} has no grouped-query attention"),
+        (model.kv_channels * model.num_attention_heads == model.hidden_size, f"{architecture} needs --kv-channels "
+         "= hidden size / heads"),
+        (model.post_ln == post_ln, "Hugging Face BERT is post-LN (train with --post-ln); GPT-2 is pre-LN"),
+    ]  # fmt: skip
+
+
 def gpt2_state_dict_from_hf(hf: Mapping[str, torch.Tensor], config: TransformerConfig) -> StateDict:
     """From `transformers.GPT2LMHeadModel.state_dict()`."""
     return from_hf(hf, gpt2_rules(config))

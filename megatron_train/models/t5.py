@@ -18,12 +18,7 @@ from torch import nn
 
 from megatron_train.models.config import TransformerConfig
 from megatron_train.models.cross_attention import CrossAttention
-from megatron_train.models.gpt import (
-    LanguageModelEmbedding,
-    LanguageModule,
-    build_output_layer,
-    gathered_logits,
-)
+from megatron_train.models.language_module import LanguageModelEmbedding, LanguageModule, build_output_layer
 from megatron_train.models.transformer import (
     DECODER_RELATIVE_BIAS_INIT_STREAM,
     ENCODER_RELATIVE_BIAS_INIT_STREAM,
@@ -32,7 +27,6 @@ from megatron_train.models.transformer import (
     init_method_normal,
 )
 from megatron_train.parallel import state
-from megatron_train.parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatron_train.parallel.layers import sharded_master_weight
 from megatron_train.parallel.random import initialization_stream
 
@@ -208,9 +202,4 @@ class T5Model(LanguageModule):
         the decoder's logits [b, s_dec, vocab] gathered across TP with -inf on the padding rows."""
         encoder_output = self.encode(encoder_input_ids, encoder_attention_mask)
         hidden = self.decode(decoder_input_ids, encoder_output, encoder_attention_mask)
-        logits = self.output_layer(hidden, weight=self.shared_embedding_or_output_weight())  # [s, b, v / TP]
-        if lm_labels is None:
-            return gathered_logits(logits, self.config.true_vocab_size)
-        labels = lm_labels.transpose(0, 1)
-        losses = vocab_parallel_cross_entropy(logits, labels.clamp(min=0), self.config.true_vocab_size)
-        return (losses * (labels >= 0)).transpose(0, 1).contiguous()
+        return self.language_model_output(hidden, lm_labels)

@@ -45,6 +45,7 @@ from megatron_train.evaluation.perplexity import validation_perplexity
 from megatron_train.evaluation.ranks import is_reporting_rank
 from megatron_train.evaluation.wikitext import evaluate_wikitext
 from megatron_train.inference.checkpoint import (
+    add_family_flags,
     build_inference_parser,
     load_for_inference,
     start_model_parallel,
@@ -54,7 +55,6 @@ from megatron_train.tasks.finetune.finetune import TASKS as FINETUNE_TASKS
 from megatron_train.tasks.finetune.finetune import add_finetune_flags, run_finetune
 from megatron_train.tasks.retro_qa import evaluate_qa
 from megatron_train.training.entry import USER_ERRORS
-from retro.retrieval import add_retrieval_flags, load_for_generation
 from storage.atomic import atomic_write_text
 
 ZERO_SHOT_TASKS = ("WIKITEXT103", "LAMBADA", "VALID_PPL", "RETRO-QA")
@@ -62,7 +62,7 @@ TASKS = (*ZERO_SHOT_TASKS, *FINETUNE_TASKS)
 DEFAULT_MICRO_BATCH_SIZE = 8
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     parser = build_inference_parser(__doc__)
     for action in parser._actions:
         action.required = False  # --load: required for the zero-shot tasks, checked in main
@@ -95,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument(
         "--out-seq-length", type=int, default=32, help="Tokens generated per answer (RETRO-QA)."
     )
-    add_retrieval_flags(parser)
+    add_family_flags(parser, argv)
     add_finetune_flags(parser)
     return parser
 
@@ -119,7 +119,7 @@ def run_task(args: argparse.Namespace, model, tokenizer, config):
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = build_parser()
+    parser = build_parser(argv)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     if args.task in FINETUNE_TASKS:
@@ -142,12 +142,8 @@ def main(argv: list[str] | None = None) -> dict:
         try:
             if multi_rank:  # each rank holds its TP slice of its pipeline stage; replicas share the data
                 created_group = start_model_parallel(args, data_parallel=True)
-            if (
-                args.task == "RETRO-QA"
-            ):  # a Retro checkpoint with --retro-project-dir retrieves as it generates
-                model, tokenizer, config = load_for_generation(args, device=get_device())
-            else:
-                model, tokenizer, config = load_for_inference(args, device=get_device())
+            # a Retro checkpoint with --retro-project-dir retrieves as it generates (its inference hook)
+            model, tokenizer, config = load_for_inference(args, device=get_device())
         except USER_ERRORS as error:
             parser.error(str(error))
         result = run_task(args, model, tokenizer, config)

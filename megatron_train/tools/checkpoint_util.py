@@ -54,7 +54,8 @@ from megatron_train.convert import flow, hf, megatron, torch_dist
 from megatron_train.convert.target import check_target, output_folder
 from megatron_train.convert.tokenizer_files import copy_tokenizer, tokenizer_sources
 from megatron_train.convert.weights import trim_vocab
-from megatron_train.models.transformer import get_layer_range
+from megatron_train.families.family import PipelineSplit
+from megatron_train.families.registry import checkpoint_family, get_family
 from megatron_train.tokenizer import vocab_size_with_padding
 
 logger = logging.getLogger("megatron_train.tools.checkpoint_util")
@@ -88,10 +89,13 @@ def convert_checkpoint(
     true_vocab_size: int | None = None,
     target_layers_per_virtual_stage: int | None = None,
     overwrite: bool = False,
+    model_family: str | None = None,
 ) -> str:
     """Write `load_dir`'s checkpoint (latest, or `iteration`) to `save_dir` under (target_tp, target_pp),
     each defaulting to the saved size, with files laid out for virtual stages of
-    `target_layers_per_virtual_stage` layers (None: a plain pipeline). Returns the written iteration folder.
+    `target_layers_per_virtual_stage` layers (None: a plain pipeline), cut as the checkpoint's family cuts its
+    model (a family from outside the project needs `model_family`, --model-family). Returns the written
+    iteration folder.
     `save_dir` is built whole beside its final name (`convert.target`): a folder holding anything is refused
     unless `overwrite`, which replaces it.
 
@@ -102,7 +106,8 @@ def convert_checkpoint(
     saved = SavedCheckpoint(iteration_dir)
     target_tp, target_pp = target_tp or saved.tp_size, target_pp or saved.pp_size
     metadata = saved.metadata
-    config = flow.checked_saved_config(saved, iteration_dir)
+    family = checkpoint_family(metadata, model_family, iteration_dir)
+    config = flow.checked_saved_config(saved, iteration_dir, family)
     padded_vocab_size = target_padded_vocab_size(
         saved, config.tokenizer.make_vocab_size_divisible_by, target_tp, true_vocab_size
     )
@@ -116,7 +121,9 @@ def convert_checkpoint(
     tokenizer_files = tokenizer_sources(config.tokenizer, load_dir)
     with output_folder(save_dir, overwrite) as build:
         config.tokenizer = copy_tokenizer(config.tokenizer, tokenizer_files, build, save_dir)
-        files = _reshard(saved, config, build, target_tp, target_pp, padded_vocab_size, virtual_size)
+        files = _reshard(
+            saved, config, family.pipeline, build, target_tp, target_pp, padded_vocab_size, virtual_size
+        )
         _write_resharded_metadata(saved, config, build, files, target_tp, target_pp, padded_vocab_size,
                                   true_vocab_size, virtual_size)  # fmt: skip
     out_dir = checkpoint_dir(save_dir, metadata["iteration"])
@@ -132,25 +139,21 @@ def convert_checkpoint(
 def _reshard(
     saved: SavedCheckpoint,
     config: MegatronConfig,
+    split: PipelineSplit,
     root: str,
     target_tp: int,
     target_pp: int,
     padded_vocab_size: int,
     virtual_size: int | None,
 ) -> dict:
-    """Every target rank's shard files in the folder `root`, one pipeline stage at a time; their records."""
+    """Every target rank's shard files in the folder `root`, one pipeline stage at a time (the model cut by its
+    family's `split`); their records."""
     with_optimizer, files = saved.has_optimizer_state(), {}
     out_dir = checkpoint_dir(root, saved.metadata["iteration"])
     stages = tqdm(range(target_pp), desc="pipeline stages", unit="stage", disable=None)
     for pp_rank in stages:
-        layers = [
-            index
-            for virtual_rank in range(virtual_size or 1)
-            for index in get_layer_range(
-                config.model.num_layers, pp_rank, target_pp, virtual_rank, virtual_size
-            )
-        ]
-        names = stage_tensor_names(list(saved.params), layers, pp_rank == 0, pp_rank == target_pp - 1)
+        layers = split.stage_layers(config.model, pp_rank, target_pp, virtual_size)
+        names = stage_tensor_names(split, list(saved.params), layers, pp_rank == 0, pp_rank == target_pp - 1)
         params = {name: name for name in names}  # the files keep checkpoint names
         weights = _split_for_tp(saved, params, "model", target_tp, padded_vocab_size)
         optimizer_tensors = optimizer_meta = None
@@ -248,19 +251,29 @@ def _target_record(
 
 
 def load_weights(
-    loader: str, load_dir: str, iteration: int | None, true_vocab_size: int | None, model_type: str = "GPT"
+    loader: str,
+    load_dir: str,
+    iteration: int | None,
+    true_vocab_size: int | None,
+    model_type: str = "GPT",
+    model_family: str | None = None,
 ) -> convert.ModelWeights:
     """The model `loader` reads from `load_dir`, its vocabulary cut to `true_vocab_size` when given. Megatron's
-    formats are read as `model_type` (GPT or BERT, Megatron's --model-type); ours and Hugging Face's record
-    their family, which must be `model_type`."""
-    kind = model_type.lower()
+    formats are read as the family `model_family` (--model-family) or else `model_type` (Megatron's
+    --model-type GPT or BERT) says; ours and Hugging Face's record their family, which must be that one."""
+    family = get_family(model_family or model_type.lower())
     if loader in ("megatron", "torch_dist"):
-        return SHARDED_SAVERS[loader].load(load_dir, iteration, true_vocab_size, kind)
-    weights = flow.load(load_dir, iteration, true_vocab_size) if loader == "flow" else hf.load(load_dir)
-    if weights.model_type != kind:
+        return SHARDED_SAVERS[loader].load(load_dir, iteration, true_vocab_size, family)
+    weights = (
+        flow.load(load_dir, iteration, true_vocab_size, model_family)
+        if loader == "flow"
+        else hf.load(load_dir, model_family)
+    )
+    if weights.family.name != family.name:
+        flag = "--model-family" if model_family else "--model-type"
         raise ValueError(
-            f"--model-type {model_type}, but {load_dir} holds a {weights.model_type.upper()} model: pass "
-            f"--model-type {weights.model_type.upper()}"
+            f"{flag} {model_family or model_type}, but {load_dir} holds a {weights.family.name.upper()} model: "
+            f"pass --model-type {weights.family.name.upper()} (or --model-family {weights.family.name})"
         )
     if loader == "hf" and true_vocab_size is not None:
         if true_vocab_size > weights.true_vocab_size:
@@ -285,6 +298,7 @@ def convert_format(
     max_shard_size: int = 5 * 10**9,
     model_type: str = "GPT",
     overwrite: bool = False,
+    model_family: str | None = None,
 ) -> convert.ModelWeights:
     """Read `load_dir` with `loader`, write it to `save_dir` with `saver` (the flow saver under the target
     (TP, PP), default 1 x 1); returns what was written (its config records the layout). A `save_dir` that
@@ -294,7 +308,7 @@ def convert_format(
         raise ValueError(
             "--saver hf writes one unsplit model: leave out --target-tensor/pipeline-parallel-size"
         )
-    weights = load_weights(loader, load_dir, iteration, true_vocab_size, model_type)
+    weights = load_weights(loader, load_dir, iteration, true_vocab_size, model_type, model_family)
     start = time.perf_counter()
     if saver in SHARDED_SAVERS:
         SHARDED_SAVERS[saver].save(weights, save_dir, target_tp or 1, target_pp or 1, overwrite)
@@ -306,32 +320,23 @@ def convert_format(
 
 
 def usage_lines(saver: str, save_dir: str, weights: convert.ModelWeights) -> list[str]:
-    """How to train or serve what was written."""
-    bert = weights.model_type == "bert"
+    """How to train or serve what was written, by its family."""
+    family = weights.family
     if saver == "hf":
-        if bert:
-            return [f"load it with transformers: AutoModelForPreTraining.from_pretrained({save_dir!r})"]
-        return [
-            f"load it with transformers: AutoModelForCausalLM.from_pretrained({save_dir!r}); "
-            f"serve it with vLLM: vllm serve {save_dir}"
-        ]
+        line = f"load it with transformers: {family.hf.auto_class}.from_pretrained({save_dir!r})"
+        return [line + (f"; serve it with vLLM: vllm serve {save_dir}" if family.inference is not None else "")]
     if saver in MEGATRON_CKPT_FORMATS:
         return [
             f"load it in Megatron-LM: --load {save_dir} --ckpt-format {MEGATRON_CKPT_FORMATS[saver]} --use-checkpoint-args "
             "--transformer-impl local --finetune (or --no-load-optim --no-load-rng)"
         ]
     flags = " ".join(config_to_argv(weights.config))
-    if bert:
-        return [
-            f"finetune: torchrun -m megatron_train.pretrain_bert {flags} --load {save_dir} --finetune --data-path "
-            "<sentence-split token prefix> [training flags]"
-        ]
-    return [
-        f"finetune: torchrun -m megatron_train.pretrain_gpt {flags} --load {save_dir} --finetune --sft "
-        "--train-data-path <conversations.jsonl> [training flags] (or, for more pretraining, --data-path <token "
-        "prefix> without --sft)",
-        f"serve: python -m megatron_train.tools.run_text_generation_server --load {save_dir}",
+    lines = [
+        f"finetune: torchrun -m {family.entry_module} {flags} --load {save_dir} --finetune {family.finetune_data}"
     ]
+    if family.inference is not None:
+        lines.append(f"serve: python -m megatron_train.tools.run_text_generation_server --load {save_dir}")
+    return lines
 
 
 def positive_int(text: str) -> int:
@@ -365,6 +370,12 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["GPT", "BERT"],
         help="Model family (Megatron's flag): how to read --loader megatron/torch_dist; checked against what "
         "flow and hf sources record.",
+    )
+    parser.add_argument(
+        "--model-family",
+        default=None,
+        help="Instead of --model-type: a model family of this project or `pkg.module:ATTR` naming one defined "
+        "elsewhere (a checkpoint of such a family is converted only when this names it).",
     )
     parser.add_argument(
         "--loader", default="flow", choices=convert.FORMATS, help="Format of --load-dir (default: ours)."
@@ -444,6 +455,7 @@ def main(argv: list[str] | None = None) -> None:
                 args.max_shard_size,
                 args.model_type,
                 args.overwrite,
+                args.model_family,
             )
         except (ValueError, CheckpointError) as error:
             parser.error(str(error))
@@ -462,6 +474,7 @@ def main(argv: list[str] | None = None) -> None:
             args.true_vocab_size,
             args.target_num_layers_per_virtual_pipeline_stage,
             args.overwrite,
+            args.model_family,
         )
     except (ValueError, CheckpointError) as error:
         parser.error(str(error))

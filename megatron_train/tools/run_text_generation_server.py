@@ -17,7 +17,8 @@ POST /v1/chat/completions (OpenAI-style), GET /health.
 
 serves a Retro checkpoint: every forward step retrieves the neighbours of the text's chunks from the project's
 filled index with its embedder (`retro.retrieval.RetrievingModel`). One process only, no beam search (Retro
-has no KV cache); greedy and sampling as for GPT.
+has no KV cache); greedy and sampling as for GPT. What a checkpoint needs to be served is its model family's
+(`ModelFamily.inference`); a family from outside the project is named with `--model-family pkg.module:ATTR`.
 """
 
 from __future__ import annotations
@@ -31,13 +32,20 @@ import uvicorn
 
 from megatron_train.checkpointing import CheckpointError
 from megatron_train.device import get_device
-from megatron_train.inference.checkpoint import build_inference_parser, start_model_parallel
+from megatron_train.inference.checkpoint import (
+    add_family_flags,
+    build_inference_parser,
+    inference_checkpoint,
+    load_for_inference,
+    start_model_parallel,
+)
 from megatron_train.inference.ranks import follow
 from megatron_train.inference.server import ServerLimits, create_app
-from retro.retrieval import add_retrieval_flags, load_for_generation
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The server's flags, with those of the model families' inference hooks (of the family `--model-family`
+    names in `argv` too)."""
     parser = build_inference_parser(__doc__)
     defaults = ServerLimits()
     group = parser.add_argument_group("text generation server")
@@ -66,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=10.0,
         help="How long the oldest waiting request waits for others to join its batch.",
     )
-    add_retrieval_flags(parser)
+    add_family_flags(parser, argv)
     # Megatron's script takes these too; here every request carries its own sampling settings.
     unused = parser.add_argument_group("accepted for Megatron's scripts (requests set their own sampling)")
     unused.add_argument("--temperature", type=float, default=1.0)
@@ -79,19 +87,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = build_parser()
+    parser = build_parser(argv)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     multi_rank = int(os.environ.get("WORLD_SIZE", "1")) > 1
-    if multi_rank and getattr(args, "retro_project_dir", None):
-        parser.error(
-            "--retro-project-dir: a Retro model is served by one process (retrieval runs on rank 0 only); "
-            "start the server without torchrun"
-        )
     try:
+        family = inference_checkpoint(args)[0]
+        if multi_rank and family.inference.one_process is not None:
+            raise ValueError(family.inference.one_process)
         if multi_rank:
             start_model_parallel(args, data_parallel=False)
-        model, tokenizer, config = load_for_generation(args, device=get_device())
+        model, tokenizer, config = load_for_inference(args, device=get_device())
     except (ValueError, CheckpointError, FileNotFoundError) as error:
         parser.error(str(error))
     try:

@@ -1,23 +1,20 @@
-"""What every `pretrain_*` entry point does around its model-specific pieces (Megatron's pretrain_gpt.py,
-pretrain_bert.py, pretrain_t5.py share this shape): parse the flags, refuse what the model cannot do, build the
-tokenizer, size the vocabulary and hand the pieces to `training.loop.pretrain`. See docs/architecture.md."""
+"""What every `pretrain_*` entry point does around its model family (Megatron's pretrain_gpt.py, pretrain_bert.py,
+pretrain_t5.py, pretrain_retro.py share this shape): parse the flags, refuse what the family cannot do, build the
+tokenizer, size the vocabulary and hand the family's pieces to `training.loop.pretrain`. See
+docs/architecture.md (model families)."""
 
 from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable
-from typing import Any
+import sys
 
 from megatron_train.arguments import MegatronConfig, parse_args
 from megatron_train.checkpointing.files import CheckpointError
-from megatron_train.parallel.schedules import ForwardStepFunc
+from megatron_train.families.family import ModelFamily
+from megatron_train.families.registry import get_family, named_family
 from megatron_train.tokenizer import MegatronTokenizer, tokenizer_from_config, vocab_size_with_padding
 from megatron_train.training.loop import TrainingProgress, pretrain
-from megatron_train.training.setup import ModelProvider
-
-# datasets_provider(config, tokenizer, (train, valid, test) sample counts) -> (train, valid, test) datasets
-ModelDatasetsProvider = Callable[[MegatronConfig, MegatronTokenizer, tuple[int, int, int]], tuple]
 
 # What the user's flags and files cause (a missing or truncated file, a flag value the data or model cannot take,
 # a checkpoint that does not match the flags): each names the file or flag, so it ends the run in one line
@@ -42,52 +39,50 @@ def padded_vocab_size_for(config: MegatronConfig, tokenizer: MegatronTokenizer) 
     )
 
 
-def model_build_options(config: MegatronConfig) -> dict[str, Any]:
-    """The keyword arguments every model class takes from the run's flags: `--sequence-parallel`, and with
-    `--use-cpu-initialization` the seed each part's weights are drawn from (the same full weights under every
-    parallel layout)."""
-    return {
-        "sequence_parallel": config.parallel.sequence_parallel,
-        "init_seed": config.training.seed if config.training.use_cpu_initialization else None,
-    }
+def check_family_config(family: ModelFamily, config: MegatronConfig) -> None:
+    """What the family refuses of a run, as ValueErrors naming the flag: a parallel layout it is not split along,
+    --calculate-per-token-loss for a loss per micro-batch, and its own checks."""
+    family.layouts.check(family.name, config)
+    if config.training.calculate_per_token_loss and not family.per_token_loss:
+        raise ValueError(
+            f"--calculate-per-token-loss is GPT's; Megatron's {family.name.upper()} loss is per micro-batch"
+        )
+    if family.check_config is not None:
+        family.check_config(config)
 
 
-def run_pretrain(
-    entry: str,
-    argv: list[str] | None,
-    model_provider: ModelProvider,
-    datasets_provider: ModelDatasetsProvider,
-    forward_step: ForwardStepFunc,
-    *,
-    refuse_per_token_loss_for: str | None = None,
-    check_config: Callable[[MegatronConfig], None] | None = None,
-) -> TrainingProgress:
-    """Parse `argv`, check it, build the tokenizer and pretrain. `entry` names the entry point in errors.
-
-    `forward_step` takes `per_token_loss=` (--calculate-per-token-loss, GPT's), unless
-    `refuse_per_token_loss_for` names the model ("BERT") whose per-micro-batch loss refuses that flag.
-    `check_config` raises SystemExit naming the flag for what else the model refuses."""
+def run_pretrain(entry: str, argv: list[str] | None, default_family: str) -> TrainingProgress:
+    """Train the family `--model-family` names (default `default_family`, the entry point's own) with the flags
+    `argv` (default the command line). `entry` names the entry point in errors."""
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s] %(levelname)s %(name)s: %(message)s")
-    config = parse_args(argv)
-    if check_config is not None:
-        check_config(config)
-    if refuse_per_token_loss_for is None:
-        forward_step = functools.partial(
-            forward_step, per_token_loss=config.training.calculate_per_token_loss
-        )
-    elif config.training.calculate_per_token_loss:
-        raise SystemExit(
-            f"{entry}: --calculate-per-token-loss is GPT's; Megatron's {refuse_per_token_loss_for} loss is per "
-            "micro-batch"
-        )
+    argv = sys.argv[1:] if argv is None else argv
     try:
+        family = get_family(named_family(argv) or default_family)
+        if family.datasets_provider is None:
+            raise ValueError(
+                f"the {family.name} family is not pretrained: its checkpoints come from {family.entry}"
+            )
+        if family.prepare_argv is not None:
+            argv = family.prepare_argv(argv)
+        config = parse_args(argv)
+        check_family_config(family, config)
+        forward_step = family.forward_step
+        if family.per_token_loss:
+            forward_step = functools.partial(
+                forward_step, per_token_loss=config.training.calculate_per_token_loss
+            )
+        model_provider = (
+            family.model_provider if family.run_model_provider is None else family.run_model_provider(config)
+        )
         tokenizer = tokenizer_from_config(config.tokenizer)
+        padded_vocab_size = padded_vocab_size_for(config, tokenizer)
         return pretrain(
             config,
             model_provider,
-            functools.partial(datasets_provider, config, tokenizer),
+            functools.partial(family.datasets_provider, config, tokenizer),
             forward_step,
-            padded_vocab_size_for(config, tokenizer),
+            padded_vocab_size,
+            family.terms(config, padded_vocab_size),
         )
     except USER_ERRORS as error:
         raise SystemExit(f"{entry}: {error}") from None

@@ -20,9 +20,10 @@ from megatron_train.arguments import MegatronConfig
 from megatron_train.checkpointing import TrainingProgress, save_checkpoint
 from megatron_train.device import get_device
 from megatron_train.distributed import finalize_model_grads
+from megatron_train.models.terms import ModelTerms
 from megatron_train.parallel import state
 from megatron_train.parallel.schedules import ForwardStepFunc, get_forward_backward_func
-from megatron_train.training.flops import num_floating_point_operations, peak_flops_per_device
+from megatron_train.training.flops import peak_flops_per_device
 from megatron_train.training.logging import (
     MetricsWriter,
     format_evaluation_line,
@@ -181,12 +182,14 @@ class Trainer:
         setup: TrainingSetup,
         forward_step_func: ForwardStepFunc,
         padded_vocab_size: int,
+        terms: ModelTerms,
         writer: MetricsWriter | None,
         sequences_per_sample: int = 1,
     ) -> None:
-        """`sequences_per_sample`: sequences of --seq-length tokens in one sample (a RACE question's 4 options),
-        for the tokens and FLOPs logged."""
+        """`terms`: the model family's terms of one sequence (`ModelFamily.terms`), for the FLOPs logged;
+        `sequences_per_sample`: sequences in one sample (a RACE question's 4 options), for the tokens and FLOPs."""
         self.config = config
+        self.terms = terms
         self.sequences_per_sample = sequences_per_sample
         self.setup = setup
         self.forward_step_func = forward_step_func
@@ -219,7 +222,7 @@ class Trainer:
         elapsed = seconds / max(interval.iterations, 1)
         gbs = self.setup.calculator.current_global_batch_size
         sequences = interval.samples * self.sequences_per_sample
-        flops = num_floating_point_operations(self.config.model, self.padded_vocab_size, sequences)
+        flops = self.terms.flops_per_sample() * sequences
         tflops_per_device = flops / seconds / self.world_size / 1e12
         stats = {
             "iteration": self.progress.iteration,
@@ -371,12 +374,13 @@ def pretrain(
     datasets_provider: DatasetsProvider,
     forward_step_func: ForwardStepFunc,
     padded_vocab_size: int,
+    terms: ModelTerms,
 ) -> TrainingProgress:
     """Megatron's `pretrain`: initialise, build model/optimizer/data, train, evaluate valid and test, save.
 
     `forward_step_func(data_iterator, model) -> (output_tensor, loss_func)` is Megatron's forward step (see
     `parallel.schedules`); `loss_func(output_tensor)` returns `(loss, {name: detached value})`, every entry of which the loop
-    averages and logs (`lm loss` for GPT).
+    averages and logs (`lm loss` for GPT). `terms` are the model's (its family's `terms`), for the FLOPs logged.
     Returns the final iteration and consumed sample counts.
     """
     parallel = config.parallel
@@ -390,7 +394,7 @@ def pretrain(
                 config, datasets_provider, setup.train_iters, setup.loaded, num_chunks=len(setup.model)
             )
             writer = build_metrics_writer(config, setup.loaded.iteration)
-            trainer = Trainer(config, setup, forward_step_func, padded_vocab_size, writer)
+            trainer = Trainer(config, setup, forward_step_func, padded_vocab_size, terms, writer)
             exited_early = False
             if not config.training.skip_train and train_iters is not None:
                 exited_early = trainer.train(train_iters, valid_iters)

@@ -22,6 +22,20 @@ from megatron_train.parallel import state
 NUM_TOKENS_KEY = "num tokens"  # entry of loss_func's reduced dict: unmasked tokens of the micro-batch
 
 
+def language_model_loss(
+    loss_mask: torch.Tensor, output_tensor: torch.Tensor, per_token_loss: bool = False
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Every family's `lm loss` (Megatron's GPT loss_func): the mean of the per-token losses `output_tensor` over
+    the micro-batch's unmasked tokens; with `per_token_loss` (--calculate-per-token-loss) their sum and count,
+    for the loop to divide."""
+    loss_mask = loss_mask.float()
+    loss_sum = (output_tensor.float() * loss_mask).sum()
+    if per_token_loss:
+        return loss_sum, {"lm loss": loss_sum.detach(), NUM_TOKENS_KEY: loss_mask.sum()}
+    loss = loss_sum / loss_mask.sum().clamp(min=1.0)
+    return loss, {"lm loss": loss.detach()}
+
+
 def global_num_tokens(reduced: list[dict[str, Any]]) -> torch.Tensor:
     """Unmasked tokens of the step over all micro-batches and DP ranks, on every pipeline stage (the loss, and
     so the count, exists on the last stage only: it is broadcast from there)."""

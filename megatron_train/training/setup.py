@@ -22,16 +22,13 @@ from megatron_train.convert.detect import open_checkpoint
 from megatron_train.data.samplers import build_pretraining_data_loader
 from megatron_train.device import get_backend, set_device_for_local_rank
 from megatron_train.distributed import DDPConfig, wrap_data_parallel
+from megatron_train.families.family import ModelProvider
 from megatron_train.optimizer import MegatronOptimizer, get_megatron_optimizer
 from megatron_train.parallel import model_parallel_seed, state
 from megatron_train.parallel.tied_embeddings import sync_embedding_weights
 from megatron_train.training.lr_scheduler import OptimizerParamScheduler, build_opt_param_scheduler
 from megatron_train.training.microbatches import MicroBatchCalculator, parse_step_batch_size_schedule
 
-# model_provider(config, padded_vocab_size, pre_process, post_process, vp_stage): one pipeline stage (or virtual
-# stage vp_stage of it); pre_process: it holds the embedding, post_process: the final norm and output layer
-# (Megatron-Core's hook).
-ModelProvider = Callable[[MegatronConfig, int, bool, bool, int], torch.nn.Module]
 DatasetsProvider = Callable[[tuple[int, int, int]], tuple[Any, Any, Any]]
 
 

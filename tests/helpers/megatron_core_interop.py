@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from megatron_train.convert import ModelWeights, torch_dist
 from megatron_train.convert.weights import pad_vocab, trim_vocab
+from megatron_train.families.gpt import GPT
 from megatron_train.models import GPTModel
 from tests.helpers.convert_models import VOCAB, ids, our_llama
 from tests.helpers.distributed import free_port
@@ -95,7 +96,7 @@ def legacy(untied: bool, root: str) -> None:
     torch.save(state, f"{root}/megatron/iter_0000007/mp_rank_00/model_optim_rng.pt")
     with open(f"{root}/megatron/latest_checkpointed_iteration.txt", "w") as handle:
         handle.write("7")
-    weights = megatron.load(f"{root}/megatron", true_vocab_size=VOCAB)
+    weights = megatron.load(f"{root}/megatron", None, VOCAB, GPT)
     loaded = GPTModel(weights.config.model, 128).eval()
     loaded.load_state_dict(pad_vocab(weights.tensors, 128), strict=True)
     torch.testing.assert_close(
@@ -140,7 +141,7 @@ def main(untied: bool, layout: str) -> None:
     keys = [FileSystemReader(f"{root}/{name}").read_metadata().state_dict_metadata for name in
             ("megatron/iter_0000007", "ours/iter_0000001")]  # fmt: skip
     assert sorted(keys[0]) == sorted(keys[1]), set(keys[0]) ^ set(keys[1])
-    weights = torch_dist.load(f"{root}/megatron", true_vocab_size=128)
+    weights = torch_dist.load(f"{root}/megatron", None, 128, GPT)
     saved = model.state_dict()
     assert all(torch.equal(tensor, saved[name]) for name, tensor in weights.tensors.items())
     print(f"megatron-core interop ok: {len(weights.tensors)} tensors")

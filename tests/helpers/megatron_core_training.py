@@ -29,7 +29,7 @@ from torch.overrides import TorchFunctionMode
 
 from megatron_train.arguments import parse_args
 from megatron_train.checkpointing import TrainingProgress
-from megatron_train.pretrain_gpt import datasets_provider
+from megatron_train.families.gpt import datasets_provider
 from megatron_train.tokenizer import tokenizer_from_config
 from megatron_train.training.entry import padded_vocab_size_for
 from megatron_train.training.loop import get_batch

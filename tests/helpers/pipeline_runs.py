@@ -18,9 +18,9 @@ from megatron_train.checkpointing.layout import (
     merge_tp_shards,
     split_tp_shard,
 )
+from megatron_train.families.gpt import datasets_provider, forward_step, gpt_model_provider, gpt_terms
 from megatron_train.models.gpt import GPTModel
 from megatron_train.parallel import state
-from megatron_train.pretrain_gpt import datasets_provider, forward_step, gpt_model_provider
 from megatron_train.tokenizer import tokenizer_from_config
 from megatron_train.training.entry import padded_vocab_size_for
 from megatron_train.training.loop import pretrain
@@ -102,6 +102,7 @@ def pretrain_from_weights(
             functools.partial(datasets_provider, config, tokenizer),
             forward_step,
             padded_vocab_size,
+            gpt_terms(config, padded_vocab_size),
         )
         weights = [
             (_global_names(stage)[name], tp_rank, _sharding(param), param.detach().clone())

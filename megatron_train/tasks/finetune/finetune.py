@@ -22,7 +22,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from megatron_train.arguments import SECTIONS, MegatronConfig, config_from_dict, validate_config
 from megatron_train.checkpointing import read_metadata, resolve_iteration_dir
@@ -31,12 +30,17 @@ from megatron_train.inference.checkpoint import check_model_flags, check_tokeniz
 from megatron_train.parallel import state
 from megatron_train.tasks.finetune.glue import glue_split_name, read_mnli, read_qqp
 from megatron_train.tasks.finetune.hf import DEFAULT_SPLITS, hf_records
-from megatron_train.tasks.finetune.model import BertClassifier, check_bert_checkpoint, load_pretrained_bert
+from megatron_train.tasks.finetune.model import (
+    BERT_CLASSIFIER,
+    check_bert_checkpoint,
+    forward_step,
+    load_pretrained_bert,
+)
 from megatron_train.tasks.finetune.race import NUM_CHOICES, race_split_name, read_race
 from megatron_train.tasks.finetune.samples import build_samples
 from megatron_train.tokenizer import MegatronTokenizer, tokenizer_from_config
-from megatron_train.training.entry import model_build_options, padded_vocab_size_for
-from megatron_train.training.loop import Trainer, build_metrics_writer, get_batch
+from megatron_train.training.entry import padded_vocab_size_for
+from megatron_train.training.loop import Trainer, build_metrics_writer
 from megatron_train.training.setup import model_parallel_session, set_random_seed, setup_model_and_optimizer
 
 
@@ -191,10 +195,7 @@ def set_schedule(
     """One micro-batch per step: --global-batch-size is --micro-batch-size x DP; --train-iters is the epochs'
     steps. Returns the steps per epoch."""
     training = config.training
-    if config.parallel.pipeline_model_parallel_size != 1:
-        raise ValueError(
-            "finetuning runs without pipeline parallelism: pass --pipeline-model-parallel-size 1"
-        )
+    BERT_CLASSIFIER.layouts.check(BERT_CLASSIFIER.name, config)
     global_batch = training.micro_batch_size * config.parallel.data_parallel_size(world_size)
     if training.global_batch_size not in (None, global_batch):
         raise ValueError(
@@ -254,20 +255,6 @@ def train_batches(
         yield collate([samples[i] for i in chosen])
 
 
-def cross_entropy_loss(
-    labels: torch.Tensor, logits: torch.Tensor
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Megatron's finetuning loss, logged under its name `lm loss`."""
-    loss = F.cross_entropy(logits.float(), labels)
-    return loss, {"lm loss": loss.detach()}
-
-
-def forward_step(data_iterator: Iterator, model: torch.nn.Module):
-    batch = get_batch(data_iterator, get_device())
-    logits = model(batch["text"], batch["padding_mask"], batch["types"])
-    return logits, functools.partial(cross_entropy_loss, batch["label"])
-
-
 @torch.no_grad()
 def correct_answers(model: torch.nn.Module, samples: list[dict], micro_batch: int) -> tuple[int, int]:
     """(correct, total) over the whole set: DP rank r scores samples r, r + DP, ...; counts summed over DP."""
@@ -322,23 +309,6 @@ def evaluate_accuracy(model: list[torch.nn.Module], data: TaskData, micro_batch:
     return {"epoch": epoch, "splits": results, "overall": correct / max(total, 1)}
 
 
-def classifier_provider(
-    num_classes: int,
-    config: MegatronConfig,
-    padded_vocab_size: int,
-    pre_process: bool = True,
-    post_process: bool = True,
-    vp_stage: int = 0,
-) -> BertClassifier:
-    """The training engine's model provider for the task model (one stage: no pipeline parallelism)."""
-    return BertClassifier(
-        config.model,
-        padded_vocab_size,
-        num_classes,
-        **model_build_options(config),
-    )
-
-
 def prepare_finetune(args: argparse.Namespace) -> tuple[MegatronConfig, int, TaskData, int]:
     """(validated config, padded vocabulary size, tokenized data, steps per epoch), before any process group:
     every flag, file and checkpoint problem is reported first."""
@@ -368,7 +338,8 @@ def run_finetune(args: argparse.Namespace) -> dict:
         writer = None
         try:
             set_random_seed(config.training.seed)
-            model_provider = functools.partial(classifier_provider, TASKS[args.task].num_classes)
+            num_classes = TASKS[args.task].num_classes
+            model_provider = functools.partial(BERT_CLASSIFIER.model_provider, num_classes=num_classes)
             setup = setup_model_and_optimizer(config, model_provider, padded_vocab_size, get_device())
             if setup.loaded.iteration == 0 and args.pretrained_checkpoint:
                 load_pretrained_bert(
@@ -377,8 +348,9 @@ def run_finetune(args: argparse.Namespace) -> dict:
                 setup.optimizer.reload_model_params()
             writer = build_metrics_writer(config, setup.loaded.iteration)
             task = TASKS[args.task]
+            terms = BERT_CLASSIFIER.terms(config, padded_vocab_size, num_classes=num_classes)
             trainer = Trainer(
-                config, setup, forward_step, padded_vocab_size, writer, task.sequences_per_sample
+                config, setup, forward_step, padded_vocab_size, terms, writer, task.sequences_per_sample
             )
             micro_batch = config.training.micro_batch_size
             results = []

@@ -9,21 +9,31 @@ Megatron's finetune_utils.
 
 from __future__ import annotations
 
+import functools
 import logging
+from collections.abc import Iterator
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from megatron_train.arguments import MegatronConfig
 from megatron_train.checkpointing import CheckpointError, resolve_iteration_dir
 from megatron_train.checkpointing.load import check_compatible
-from megatron_train.checkpointing.names import global_names, saved_model_type
+from megatron_train.checkpointing.names import global_names
 from megatron_train.checkpointing.saved import SavedCheckpoint
+from megatron_train.device import get_device
+from megatron_train.families.bert import BERT, ENCODER_PIPELINE, encoder_terms
+from megatron_train.families.family import Layouts, ModelFamily, model_build_options
+from megatron_train.families.registry import saved_family_name
 from megatron_train.models.bert import BertModel, linear_layer
 from megatron_train.models.config import TransformerConfig
+from megatron_train.models.terms import ModelTerms, WeightTerm
 from megatron_train.models.transformer import BINARY_HEAD_INIT_STREAM
 from megatron_train.parallel import state
 from megatron_train.parallel.random import initialization_stream
+from megatron_train.parallel.schedules import LossFunc
+from megatron_train.training.loop import get_batch
 
 logger = logging.getLogger(__name__)
 
@@ -82,10 +92,60 @@ class BertClassifier(BertModel):
         return logits.view(-1, choices) if choices is not None else logits
 
 
+def classifier_provider(
+    config: MegatronConfig,
+    padded_vocab_size: int,
+    pre_process: bool = True,
+    post_process: bool = True,
+    vp_stage: int = 0,
+    *,
+    num_classes: int,
+) -> BertClassifier:
+    """The task model of `num_classes` logits (one stage: no pipeline parallelism)."""
+    return BertClassifier(config.model, padded_vocab_size, num_classes, **model_build_options(config))
+
+
+def cross_entropy_loss(
+    labels: torch.Tensor, logits: torch.Tensor
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Megatron's finetuning loss, logged under its name `lm loss`."""
+    loss = F.cross_entropy(logits.float(), labels)
+    return loss, {"lm loss": loss.detach()}
+
+
+def forward_step(data_iterator: Iterator, model: torch.nn.Module) -> tuple[torch.Tensor, LossFunc]:
+    batch = get_batch(data_iterator, get_device())
+    logits = model(batch["text"], batch["padding_mask"], batch["types"])
+    return logits, functools.partial(cross_entropy_loss, batch["label"])
+
+
+def classifier_terms(config: MegatronConfig, padded_vocab_size: int, *, num_classes: int) -> ModelTerms:
+    """BERT's encoder with token types and the pooler, and the task head on each sequence's pooled state."""
+    hidden = config.model.hidden_size
+    head = (WeightTerm("classification head", hidden * num_classes, 1), WeightTerm("head bias", num_classes))
+    return encoder_terms(config, padded_vocab_size, 2, pooler=True) + ModelTerms(head)
+
+
+# Finetuned checkpoints (`tasks.main --task MNLI|QQP|RACE --save`): trained and scored only by their task, which
+# gives `num_classes` to the provider and the terms.
+BERT_CLASSIFIER = ModelFamily(
+    name="bert_classifier",
+    model_provider=classifier_provider,
+    terms=classifier_terms,
+    layouts=Layouts(
+        frozenset({"tensor", "sequence"}),
+        {"pipeline": "finetuning runs without pipeline parallelism: pass --pipeline-model-parallel-size 1"},
+    ),
+    pipeline=ENCODER_PIPELINE,
+    forward_step=forward_step,
+    entry_module="megatron_train.tasks.main",
+)
+
+
 def check_bert_checkpoint(metadata: dict, where: str) -> None:
     """Refuse a checkpoint that holds no BERT encoder (a GPT's, say) before anything is built."""
-    kind = saved_model_type(metadata)
-    if kind not in ("bert", BertClassifier.model_type):
+    kind = saved_family_name(metadata)
+    if kind not in (BERT.name, BERT_CLASSIFIER.name):
         raise CheckpointError(
             f"--pretrained-checkpoint {where} holds a {kind} model; finetuning needs a BERT (pretrain_bert) checkpoint"
         )

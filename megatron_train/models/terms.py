@@ -1,0 +1,144 @@
+"""A model's parameters and FLOPs as terms: every weight counted once, with how many of a sample's tokens it
+multiplies, and every attention's query and key lengths.
+
+Each model family states its model as `ModelTerms` (`ModelFamily.terms`): the logs' TFLOP/s and MFU are
+computed from them (`training.flops`), and their parameter count equals the built model's, every bias, norm,
+position embedding and tied copy included (tested per family), which is what a memory planner needs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron_train.models.config import TransformerConfig
+
+
+@dataclass(frozen=True)
+class WeightTerm:
+    """`count` parameters of one kind (`name`), each multiplying `tokens` of a sample's tokens in a forward pass
+    (0 for weights looked up or added, never multiplied: embeddings, norms, biases). `stored=False`: weights of
+    another term used again (a tied output layer), multiplied but not stored twice."""
+
+    name: str
+    count: int
+    tokens: int = 0
+    stored: bool = True
+
+
+@dataclass(frozen=True)
+class AttentionTerm:
+    """`layers` attentions of `queries` query tokens over `keys` key tokens each, `width` (heads x kv channels)
+    wide."""
+
+    layers: int
+    queries: int
+    keys: int
+    width: int
+
+
+@dataclass(frozen=True)
+class ModelTerms:
+    """A model's weights and attentions for one sample (of the family's sequence lengths)."""
+
+    weights: tuple[WeightTerm, ...]
+    attention: tuple[AttentionTerm, ...] = ()
+
+    def num_parameters(self) -> int:
+        """Every stored parameter of the whole model (the padded vocabulary's rows included)."""
+        return sum(term.count for term in self.weights if term.stored)
+
+    def flops_per_sample(self) -> float:
+        """Forward + backward FLOPs of one sample (Megatron's `num_floating_point_operations`: the backward counts
+        twice the forward): 2 per multiply-add of a weight with a token, 4 x queries x keys x width per attention
+        (scores and their weighted sum), causal attention counted in full as Megatron does."""
+        matmuls = sum(term.count * term.tokens for term in self.weights)
+        attention = sum(a.layers * a.queries * a.keys * a.width for a in self.attention)
+        return 3 * (2 * matmuls + 4 * attention)
+
+    def __add__(self, other: ModelTerms) -> ModelTerms:
+        return ModelTerms(self.weights + other.weights, self.attention + other.attention)
+
+
+def norm_parameters(config: TransformerConfig) -> int:
+    """One norm layer's parameters: LayerNorm's weight and bias, RMSNorm's weight."""
+    return config.hidden_size * (1 if config.normalization == "RMSNorm" else 2)
+
+
+def attention_width(config: TransformerConfig) -> int:
+    return config.num_attention_heads * config.kv_channels
+
+
+def layer_stack_terms(
+    name: str,
+    config: TransformerConfig,
+    num_layers: int,
+    tokens: int,
+    final_norm: bool,
+    keys: int | None = None,
+) -> ModelTerms:
+    """`num_layers` transformer layers (`transformer.TransformerLayer`: self-attention and MLP with their norms)
+    over `tokens` tokens, each query attending to `keys` of them (default all: one sequence; causal attention is
+    counted in full, as Megatron does), and a final norm when `final_norm`. A layer's cross-attention is
+    `cross_attention_terms`."""
+    hidden, width, kv_width = config.hidden_size, attention_width(config), _kv_width(config)
+    fc1 = config.ffn_hidden_size * (2 if config.swiglu else 1)
+    biases = config.add_bias_linear
+    qkv_bias = width + 2 * kv_width if biases or config.add_qkv_bias else 0
+    layer_biases = qkv_bias + (hidden + fc1 + hidden if biases else 0)
+    matmuls = (
+        hidden * (width + 2 * kv_width) + width * hidden + hidden * fc1 + config.ffn_hidden_size * hidden
+    )
+    others = 2 * norm_parameters(config) + layer_biases
+    weights = (
+        WeightTerm(f"{name} attention and MLP weights", num_layers * matmuls, tokens),
+        WeightTerm(
+            f"{name} norms and biases", num_layers * others + (norm_parameters(config) if final_norm else 0)
+        ),
+    )
+    return ModelTerms(weights, (AttentionTerm(num_layers, tokens, tokens if keys is None else keys, width),))
+
+
+def cross_attention_terms(
+    name: str, config: TransformerConfig, layers: int, tokens: int, context_tokens: int, keys: int
+) -> ModelTerms:
+    """`layers` cross-attentions (`cross_attention.CrossAttention` and the norm before it): queries and output
+    projected over `tokens` tokens, keys and values over `context_tokens` context tokens, each query attending to
+    `keys` of them."""
+    hidden, width, kv_width = config.hidden_size, attention_width(config), _kv_width(config)
+    biases = width + 2 * kv_width + hidden if config.add_bias_linear else 0
+    weights = (
+        WeightTerm(f"{name} cross-attention query and output weights", layers * 2 * hidden * width, tokens),
+        WeightTerm(
+            f"{name} cross-attention key and value weights", layers * hidden * 2 * kv_width, context_tokens
+        ),
+        WeightTerm(f"{name} cross-attention norms and biases", layers * (norm_parameters(config) + biases)),
+    )
+    return ModelTerms(weights, (AttentionTerm(layers, tokens, keys, width),))
+
+
+def _kv_width(config: TransformerConfig) -> int:
+    return config.num_query_groups_effective * config.kv_channels
+
+
+def embedding_terms(config: TransformerConfig, padded_vocab_size: int, num_tokentypes: int = 0) -> ModelTerms:
+    """`models.language_module.LanguageModelEmbedding`: word, learned position and token type tables (looked up,
+    never multiplied), and the post-LN embedding norm."""
+    hidden = config.hidden_size
+    count = padded_vocab_size * hidden + num_tokentypes * hidden
+    if config.position_embedding_type == "learned_absolute":
+        count += config.max_position_embeddings * hidden
+    if config.post_ln:
+        count += norm_parameters(config)
+    return ModelTerms((WeightTerm("embeddings", count),))
+
+
+def output_layer_terms(
+    config: TransformerConfig, padded_vocab_size: int, tokens: int, bias: bool = False
+) -> ModelTerms:
+    """`models.language_module.build_output_layer` over `tokens` tokens: its own weight, or the word embedding's
+    again when tied; a bias (BERT's, T5's) of the padded vocabulary."""
+    tied = not config.untie_embeddings_and_output_weights
+    weights = [WeightTerm("output layer", padded_vocab_size * config.hidden_size, tokens, stored=not tied)]
+    if bias:
+        weights.append(WeightTerm("output layer bias", padded_vocab_size))
+    return ModelTerms(tuple(weights))
