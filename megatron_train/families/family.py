@@ -22,6 +22,7 @@ from megatron_train.models.config import TransformerConfig
 from megatron_train.models.terms import ModelTerms
 from megatron_train.models.transformer import get_layer_range
 from megatron_train.parallel.schedules import ForwardStepFunc
+from megatron_train.parallel.state import process_groups
 from megatron_train.tokenizer import MegatronTokenizer
 
 # model_provider(config, padded_vocab_size, pre_process, post_process, vp_stage): one pipeline stage (or virtual
@@ -36,12 +37,13 @@ CorpusKind = Literal["document", "sentence"]
 
 
 def model_build_options(config: MegatronConfig) -> dict[str, Any]:
-    """The keyword arguments every family's model classes take from the run's flags: `--sequence-parallel`, and
-    with `--use-cpu-initialization` the seed each part's weights are drawn from (the same full weights under every
-    parallel layout)."""
+    """The keyword arguments every family's model classes take from the run: `--sequence-parallel`, with
+    `--use-cpu-initialization` the seed each part's weights are drawn from (the same full weights under every
+    parallel layout), and the process groups its layers communicate over (`parallel.state.process_groups()`)."""
     return {
         "sequence_parallel": config.parallel.sequence_parallel,
         "init_seed": config.training.seed if config.training.use_cpu_initialization else None,
+        "pg_collection": process_groups(),
     }
 
 

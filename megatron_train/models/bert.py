@@ -10,6 +10,7 @@ pooler with the binary (sentence order / next sentence) head. Megatron's pre-nor
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -30,6 +31,7 @@ from megatron_train.models.transformer import (
 )
 from megatron_train.parallel.mappings import gather_from_sequence_parallel_region
 from megatron_train.parallel.random import initialization_stream
+from megatron_train.parallel.state import ProcessGroupCollection
 
 
 def linear_layer(config: TransformerConfig, in_features: int, out_features: int) -> nn.Linear:
@@ -55,17 +57,23 @@ class BertLMHead(nn.Module):
 
 
 class Pooler(nn.Module):
-    """tanh(dense(hidden state of the first token, [CLS])) -> [b, h]; gathers the sequence under SP."""
+    """tanh(dense(hidden state of the first token, [CLS])) -> [b, h]; gathers the sequence over `tp_group` under
+    SP."""
 
-    def __init__(self, config: TransformerConfig, sequence_parallel: bool) -> None:
+    def __init__(
+        self, config: TransformerConfig, sequence_parallel: bool, tp_group: dist.ProcessGroup | None
+    ) -> None:
         super().__init__()
         self.sequence_parallel = sequence_parallel
+        self.tp_group = tp_group
         self.dense = linear_layer(config, config.hidden_size, config.hidden_size)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:
             # every TP rank runs the pooler on the whole sequence: the backward keeps its own slice, no sum
-            hidden = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False)
+            hidden = gather_from_sequence_parallel_region(
+                hidden, tensor_parallel_output_grad=False, group=self.tp_group
+            )
         return torch.tanh(self.dense(hidden[0]))
 
 
@@ -95,8 +103,17 @@ class BertModel(LanguageModule):
         sequence_parallel: bool = False,
         init_seed: int | None = None,
         vp_stage: int = 0,
+        pg_collection: ProcessGroupCollection | None = None,
     ) -> None:
-        super().__init__(config, vocab_size, pre_process, post_process, has_output_layer=add_lm_head)
+        super().__init__(
+            config,
+            vocab_size,
+            pre_process,
+            post_process,
+            has_output_layer=add_lm_head,
+            pg_collection=pg_collection,
+        )
+        tp_group = self.pg_collection.tp
         if config.position_embedding_type != "learned_absolute":
             raise ValueError(
                 f"BERT uses learned absolute positions; got --position-embedding-type "
@@ -107,22 +124,24 @@ class BertModel(LanguageModule):
         if num_tokentypes is None:
             num_tokentypes = 2 if add_binary_head else 0
         self.embedding = (
-            LanguageModelEmbedding(config, vocab_size, sequence_parallel, init_seed, num_tokentypes)
+            LanguageModelEmbedding(config, vocab_size, sequence_parallel, init_seed, num_tokentypes, tp_group)
             if pre_process
             else None
         )
         self.mark_first_stage_embedding_copy()
-        self.encoder = TransformerBlock(config, sequence_parallel, post_process, init_seed, vp_stage)
+        self.encoder = TransformerBlock(
+            config, sequence_parallel, post_process, init_seed, vp_stage, pg_collection=self.pg_collection
+        )
         self.lm_head = self.output_layer = self.pooler = self.binary_head = None
         if post_process and add_lm_head:
             with initialization_stream(init_seed, LM_HEAD_INIT_STREAM):
                 self.lm_head = BertLMHead(config, sequence_parallel)
             self.output_layer = build_output_layer(
-                config, vocab_size, pre_process, sequence_parallel, init_seed, bias=True
+                config, vocab_size, pre_process, sequence_parallel, init_seed, bias=True, tp_group=tp_group
             )
         if post_process and (add_binary_head or add_pooler):
             with initialization_stream(init_seed, POOLER_INIT_STREAM):
-                self.pooler = Pooler(config, sequence_parallel)
+                self.pooler = Pooler(config, sequence_parallel, tp_group)
         if post_process and add_binary_head:
             with initialization_stream(init_seed, BINARY_HEAD_INIT_STREAM):
                 self.binary_head = linear_layer(config, config.hidden_size, 2)
@@ -191,7 +210,7 @@ class BertModel(LanguageModule):
         masked = labels >= 0
         logits = self.output_logits(hidden[masked].unsqueeze(1))  # [n, 1, v / TP]
         masked_losses = compute_language_model_loss(
-            labels[masked].unsqueeze(0), logits, self.config.true_vocab_size
+            labels[masked].unsqueeze(0), logits, self.config.true_vocab_size, tp_group=self.pg_collection.tp
         )  # [1, n]
         losses = masked_losses.new_zeros(labels.shape).index_put((masked,), masked_losses.squeeze(0))
         return losses.transpose(0, 1).contiguous(), binary_logits

@@ -12,6 +12,7 @@ rows each (Megatron-Core's layout, which checkpoint conversion relies on).
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from megatron_train.models.config import TransformerConfig
@@ -21,18 +22,24 @@ from megatron_train.parallel.layers import ColumnParallelLinear, divide
 
 
 class CrossAttention(nn.Module):
-    """softmax(q(hidden) k(context)^T) v(context), bidirectional over the context (or over `context_mask`)."""
+    """softmax(q(hidden) k(context)^T) v(context), bidirectional over the context (or over `context_mask`); the
+    heads split over `tp_group`."""
 
-    def __init__(self, config: TransformerConfig, sequence_parallel: bool) -> None:
+    def __init__(
+        self, config: TransformerConfig, sequence_parallel: bool, tp_group: dist.ProcessGroup | None = None
+    ) -> None:
         super().__init__()
-        world_size = state.get_tensor_model_parallel_world_size()
+        world_size = state.group_size(state.tensor_group_or_default(tp_group))
         groups = config.num_query_groups_effective
         self.head_dim = config.kv_channels
         self.num_heads = divide(config.num_attention_heads, world_size, "--num-attention-heads")
         self.num_groups = divide(groups, world_size, "number of query groups")
         init = init_method_normal(config.init_method_std)
         column = dict(
-            bias=config.add_bias_linear, sequence_parallel=sequence_parallel, params_dtype=config.params_dtype
+            bias=config.add_bias_linear,
+            sequence_parallel=sequence_parallel,
+            params_dtype=config.params_dtype,
+            tp_group=tp_group,
         )
         self.linear_q = ColumnParallelLinear(
             config.hidden_size, config.num_attention_heads * self.head_dim, init_method=init, **column
@@ -41,7 +48,7 @@ class CrossAttention(nn.Module):
             config.hidden_size, 2 * groups * self.head_dim, init_method=init, **column
         )
         self.core_attention = CoreAttention(config, sequence_parallel, causal=False)
-        self.linear_proj = attention_output_projection(config, sequence_parallel)
+        self.linear_proj = attention_output_projection(config, sequence_parallel, tp_group)
 
     def forward(
         self, hidden: torch.Tensor, context: torch.Tensor, context_mask: torch.Tensor | None = None

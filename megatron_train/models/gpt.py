@@ -16,6 +16,7 @@ from megatron_train.models.kv_cache import KVCache
 from megatron_train.models.language_module import LanguageModelEmbedding, LanguageModule, build_output_layer
 from megatron_train.models.rotary import RotaryEmbedding
 from megatron_train.models.transformer import TransformerBlock, document_causal_mask
+from megatron_train.parallel.state import ProcessGroupCollection
 
 
 class GPTModel(LanguageModule):
@@ -29,7 +30,8 @@ class GPTModel(LanguageModule):
     the rank's stage under the interleaved schedule (it picks the layers). `init_seed` (--use-cpu-initialization)
     draws each part's weights from its own stream of that seed, the same full weights under every layout.
     `cross_attention_for(global layer number)` gives layers a cross-attention module (Retro's chunked
-    cross-attention), which attends to the `context` passed to forward.
+    cross-attention), which attends to the `context` passed to forward. `pg_collection`: the process groups the
+    layers communicate over (the model provider's; default parallel.state's).
     """
 
     model_type = "gpt"  # recorded in checkpoints (checkpointing.save)
@@ -45,14 +47,18 @@ class GPTModel(LanguageModule):
         init_seed: int | None = None,
         vp_stage: int = 0,
         cross_attention_for: Callable[[int], nn.Module | None] | None = None,
+        pg_collection: ProcessGroupCollection | None = None,
     ) -> None:
-        super().__init__(config, vocab_size, pre_process, post_process)
+        super().__init__(config, vocab_size, pre_process, post_process, pg_collection=pg_collection)
+        tp_group = self.pg_collection.tp
         if config.position_embedding_type == "relative":
             raise ValueError(
                 "--position-embedding-type relative is T5's attention bias; GPT takes learned_absolute or rope"
             )
         self.embedding = (
-            LanguageModelEmbedding(config, vocab_size, sequence_parallel, init_seed) if pre_process else None
+            LanguageModelEmbedding(config, vocab_size, sequence_parallel, init_seed, tp_group=tp_group)
+            if pre_process
+            else None
         )
         self.mark_first_stage_embedding_copy()
         self.rotary_pos_emb = None
@@ -64,10 +70,18 @@ class GPTModel(LanguageModule):
                 config.rope_scaling_factor if config.use_rope_scaling else None,
             )
         self.decoder = TransformerBlock(
-            config, sequence_parallel, post_process, init_seed, vp_stage, cross_attention_for
+            config,
+            sequence_parallel,
+            post_process,
+            init_seed,
+            vp_stage,
+            cross_attention_for,
+            pg_collection=self.pg_collection,
         )
         self.output_layer = (
-            build_output_layer(config, vocab_size, pre_process, sequence_parallel, init_seed)
+            build_output_layer(
+                config, vocab_size, pre_process, sequence_parallel, init_seed, tp_group=tp_group
+            )
             if post_process
             else None
         )

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from megatron_train.models.config import TransformerConfig
@@ -28,6 +29,7 @@ from megatron_train.parallel.mappings import (
     scatter_to_sequence_parallel_region,
 )
 from megatron_train.parallel.random import get_rng_tracker, initialization_stream
+from megatron_train.parallel.state import ProcessGroupCollection, process_groups
 
 
 def vocab_init_method(config: TransformerConfig) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -44,9 +46,11 @@ def vocab_init_method(config: TransformerConfig) -> Callable[[torch.Tensor], tor
     return init_rows
 
 
-def gathered_logits(logits: torch.Tensor, true_vocab_size: int | None) -> torch.Tensor:
+def gathered_logits(
+    logits: torch.Tensor, true_vocab_size: int | None, tp_group: dist.ProcessGroup | None
+) -> torch.Tensor:
     """[s, b, v / TP] logits of this TP rank -> [b, s, v], -inf on the padding rows (never predicted)."""
-    logits = gather_from_tensor_model_parallel_region(logits).transpose(0, 1)
+    logits = gather_from_tensor_model_parallel_region(logits, tp_group).transpose(0, 1)
     if true_vocab_size is None or true_vocab_size >= logits.shape[-1]:  # no padding rows: no extra pass
         return logits.contiguous()
     padding = torch.arange(logits.shape[-1], device=logits.device) >= true_vocab_size
@@ -54,19 +58,24 @@ def gathered_logits(logits: torch.Tensor, true_vocab_size: int | None) -> torch.
 
 
 def compute_language_model_loss(
-    labels: torch.Tensor, logits: torch.Tensor, true_vocab_size: int | None
+    labels: torch.Tensor,
+    logits: torch.Tensor,
+    true_vocab_size: int | None,
+    tp_group: dist.ProcessGroup | None,
 ) -> torch.Tensor:
-    """Per-token fp32 loss [b, s] of this TP rank's logits [s, b, v / TP] against `labels` [b, s] (Megatron-Core's
-    `LanguageModule.compute_language_model_loss`). A label < 0 marks a position outside the loss (BERT's unmasked
-    tokens, T5's decoder padding): its loss is 0. The padding rows of the vocabulary are left out of the softmax."""
+    """Per-token fp32 loss [b, s] of this TP rank's logits [s, b, v / TP] (the vocabulary split over `tp_group`)
+    against `labels` [b, s] (Megatron-Core's `LanguageModule.compute_language_model_loss`). A label < 0 marks a
+    position outside the loss (BERT's unmasked tokens, T5's decoder padding): its loss is 0. The padding rows of
+    the vocabulary are left out of the softmax."""
     targets = labels.transpose(0, 1)
-    losses = vocab_parallel_cross_entropy(logits, targets.clamp(min=0), true_vocab_size)
+    losses = vocab_parallel_cross_entropy(logits, targets.clamp(min=0), true_vocab_size, tp_group)
     return (losses * (targets >= 0)).transpose(0, 1).contiguous()
 
 
 class LanguageModelEmbedding(nn.Module):
     """Word (+ learned position) (+ token type) embeddings -> [s, b, h], scattered along the sequence under SP,
-    normalised with post-LN layers (`config.post_ln`, as BERT), dropout."""
+    normalised with post-LN layers (`config.post_ln`, as BERT), dropout. The vocabulary is split over
+    `tp_group`."""
 
     def __init__(
         self,
@@ -75,15 +84,18 @@ class LanguageModelEmbedding(nn.Module):
         sequence_parallel: bool,
         init_seed: int | None = None,
         num_tokentypes: int = 0,
+        tp_group: dist.ProcessGroup | None = None,
     ) -> None:
         super().__init__()
         self.sequence_parallel = sequence_parallel
+        self.tp_group = tp_group
         with initialization_stream(init_seed, WORD_EMBEDDING_INIT_STREAM):
             self.word_embeddings = VocabParallelEmbedding(
                 vocab_size,
                 config.hidden_size,
                 init_method=vocab_init_method(config),
                 params_dtype=config.params_dtype,
+                tp_group=tp_group,
             )
         self.position_embeddings = None
         if config.position_embedding_type == "learned_absolute":
@@ -117,7 +129,7 @@ class LanguageModelEmbedding(nn.Module):
                 raise ValueError("this model has token type embeddings: pass tokentype_ids ([b, s] of 0/1)")
             embeddings = embeddings + self.tokentype_embeddings(tokentype_ids.transpose(0, 1))
         if self.sequence_parallel:
-            embeddings = scatter_to_sequence_parallel_region(embeddings)
+            embeddings = scatter_to_sequence_parallel_region(embeddings, self.tp_group)
         if self.layernorm is not None:
             embeddings = self.layernorm(embeddings)
         if not self.sequence_parallel:
@@ -133,8 +145,9 @@ def build_output_layer(
     sequence_parallel: bool,
     init_seed: int | None,
     bias: bool = False,
+    tp_group: dist.ProcessGroup | None = None,
 ) -> ColumnParallelLinear:
-    """The last stage's vocab-parallel output layer; tied to the word embedding unless
+    """The last stage's output layer, its vocabulary split over `tp_group`; tied to the word embedding unless
     `config.untie_embeddings_and_output_weights` (no weight of its own when this stage also holds the embedding)."""
     tied = not config.untie_embeddings_and_output_weights
     with initialization_stream(init_seed, OUTPUT_LAYER_INIT_STREAM):
@@ -146,6 +159,7 @@ def build_output_layer(
             sequence_parallel=sequence_parallel,
             skip_weight_param_allocation=pre_process and tied,
             params_dtype=config.params_dtype,
+            tp_group=tp_group,
         )
     if tied and not pre_process:
         # Megatron: the last stage's copy starts at zero; the pipeline engine all-reduces it with the
@@ -160,7 +174,7 @@ def build_output_layer(
 class LanguageModule(nn.Module):
     """What every language model shares (Megatron-Core's LanguageModule): the word embedding on the first
     pipeline stage, tied to the output layer on the last, and the loss or logits of the output layer.
-    Subclasses set `embedding` and `output_layer`."""
+    Subclasses set `embedding` and `output_layer`, built over the groups of `pg_collection`."""
 
     embedding: LanguageModelEmbedding | None
     output_layer: ColumnParallelLinear | None
@@ -172,12 +186,15 @@ class LanguageModule(nn.Module):
         pre_process: bool,
         post_process: bool,
         has_output_layer: bool = True,
+        pg_collection: ProcessGroupCollection | None = None,
     ) -> None:
         """`vocab_size` is the padded vocabulary; `pre_process` / `post_process` say whether this pipeline stage
         holds the embedding / the output end; the output layer (when the model has one) is tied to the word
-        embedding unless --untie-embeddings-and-output-weights."""
+        embedding unless --untie-embeddings-and-output-weights. `pg_collection`: the process groups the model
+        communicates over (default parallel.state's, `process_groups()`)."""
         super().__init__()
         self.config = config
+        self.pg_collection = pg_collection or process_groups()
         self.vocab_size = vocab_size
         self.pre_process = pre_process
         self.post_process = post_process
@@ -207,7 +224,7 @@ class LanguageModule(nn.Module):
     def language_model_output(self, hidden: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor:
         """The output end of every LM here: per-token fp32 losses [b, s] with `labels` (< 0: outside the loss),
         else the logits [b, s, vocab] gathered across TP with -inf on the padding rows."""
-        logits = self.output_logits(hidden)
+        logits, tp_group = self.output_logits(hidden), self.pg_collection.tp
         if labels is None:
-            return gathered_logits(logits, self.config.true_vocab_size)
-        return compute_language_model_loss(labels, logits, self.config.true_vocab_size)
+            return gathered_logits(logits, self.config.true_vocab_size, tp_group)
+        return compute_language_model_loss(labels, logits, self.config.true_vocab_size, tp_group)

@@ -35,6 +35,7 @@ import dataclasses
 import math
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -50,6 +51,7 @@ from megatron_train.parallel.mappings import (
     gather_from_sequence_parallel_region,
     scatter_to_sequence_parallel_region,
 )
+from megatron_train.parallel.state import ProcessGroupCollection
 
 
 def retro_decoder_layer_numbers(num_layers: int) -> list[int]:
@@ -86,25 +88,35 @@ def from_chunks(chunked: torch.Tensor, batch: int) -> torch.Tensor:
     )
 
 
-def _split_sequence(x: torch.Tensor, sequence_parallel: bool) -> torch.Tensor:
-    return scatter_to_sequence_parallel_region(x) if sequence_parallel else x
+def _split_sequence(
+    x: torch.Tensor, sequence_parallel: bool, tp_group: dist.ProcessGroup | None
+) -> torch.Tensor:
+    return scatter_to_sequence_parallel_region(x, tp_group) if sequence_parallel else x
 
 
-def _whole_sequence(x: torch.Tensor, sequence_parallel: bool) -> torch.Tensor:
+def _whole_sequence(
+    x: torch.Tensor, sequence_parallel: bool, tp_group: dist.ProcessGroup | None
+) -> torch.Tensor:
     """The whole tensor from its sequence-parallel shards; the gradient of the (replicated) result is split."""
-    return (
-        gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=False) if sequence_parallel else x
-    )
+    if not sequence_parallel:
+        return x
+    return gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=False, group=tp_group)
 
 
 class RetroEncoderCrossAttention(nn.Module):
     """The encoder's first-layer cross-attention: each neighbour of chunk c (queries) attends to the decoder's
     hidden states of chunk c (keys, values); Megatron's RetroEncoderCrossAttention run for all k at once."""
 
-    def __init__(self, config: TransformerConfig, num_neighbors: int, sequence_parallel: bool) -> None:
+    def __init__(
+        self,
+        config: TransformerConfig,
+        num_neighbors: int,
+        sequence_parallel: bool,
+        tp_group: dist.ProcessGroup | None,
+    ) -> None:
         super().__init__()
         self.num_neighbors = num_neighbors
-        self.attn = CrossAttention(config, sequence_parallel)
+        self.attn = CrossAttention(config, sequence_parallel, tp_group)
 
     def forward(
         self, hidden: torch.Tensor, context: torch.Tensor, context_mask: torch.Tensor | None = None
@@ -117,7 +129,10 @@ class RetroEncoderCrossAttention(nn.Module):
 
 
 def build_retro_encoder(
-    config: TransformerConfig, retro: RetroConfig, sequence_parallel: bool
+    config: TransformerConfig,
+    retro: RetroConfig,
+    sequence_parallel: bool,
+    pg_collection: ProcessGroupCollection,
 ) -> TransformerBlock:
     """Megatron's Retro encoder: `--retro-encoder-layers` bidirectional layers with the encoder's dropouts, the
     first with `RetroEncoderCrossAttention`, no final norm."""
@@ -133,10 +148,13 @@ def build_retro_encoder(
         sequence_parallel,
         post_process=False,
         cross_attention_for=lambda layer: (
-            RetroEncoderCrossAttention(encoder_config, retro.retro_num_neighbors, sequence_parallel)
+            RetroEncoderCrossAttention(
+                encoder_config, retro.retro_num_neighbors, sequence_parallel, pg_collection.tp
+            )
             if layer == 0
             else None
         ),
+        pg_collection=pg_collection,
     )
 
 
@@ -149,6 +167,7 @@ class RetroDecoderCrossAttention(nn.Module):
         config: TransformerConfig,
         retro: RetroConfig,
         sequence_parallel: bool,
+        tp_group: dist.ProcessGroup | None,
         encoder: TransformerBlock | None = None,
     ) -> None:
         super().__init__()
@@ -156,7 +175,8 @@ class RetroDecoderCrossAttention(nn.Module):
         self.num_neighbors = retro.retro_num_neighbors
         self.retrieved_length = retro.retro_retrieved_length
         self.sequence_parallel = sequence_parallel
-        self.attn = CrossAttention(config, sequence_parallel)
+        self.tp_group = tp_group
+        self.attn = CrossAttention(config, sequence_parallel, tp_group)
         self.encoder = encoder
         self.encoder_rotary = None
         if encoder is not None and config.position_embedding_type == "rope":
@@ -173,17 +193,17 @@ class RetroDecoderCrossAttention(nn.Module):
         """hidden [ns, b, h] (normalised); context: the embedded neighbours [r, B * k, h] for the layer with
         the encoder, else the encoded ones [r * k, B, h] (first dimensions / TP under SP). Returns the output
         [ns, b, h] and the encoded neighbours for the following Retro layers."""
-        sp, m = self.sequence_parallel, self.chunk_length
-        hidden = _whole_sequence(hidden, sp)
+        sp, group, m = self.sequence_parallel, self.tp_group, self.chunk_length
+        hidden = _whole_sequence(hidden, sp, group)
         ns, batch, _ = hidden.shape
         if self.encoder is not None:
             context = self._encode(hidden, context)
         pad = (ns - 1) % m
         shifted = F.pad(hidden[pad:], (0, 0, 0, 0, 0, m - 1))  # chunk j starts at chunk j's last token
-        output = self.attn(_split_sequence(to_chunks(shifted, m), sp), context)  # [m, B, h]
-        output = from_chunks(_whole_sequence(output, sp), batch)
+        output = self.attn(_split_sequence(to_chunks(shifted, m), sp, group), context)  # [m, B, h]
+        output = from_chunks(_whole_sequence(output, sp, group), batch)
         output = F.pad(output, (0, 0, 0, 0, pad, 0))[:ns]
-        return _split_sequence(output, sp), context
+        return _split_sequence(output, sp, group), context
 
     def _encode(self, hidden: torch.Tensor, neighbours: torch.Tensor) -> torch.Tensor:
         """The encoder over the embedded neighbours, conditioned on each chunk's decoder states; returns
@@ -192,7 +212,7 @@ class RetroDecoderCrossAttention(nn.Module):
         first = hidden.shape[0] % m  # a sequence of part chunks (generation): the first chunk is padded
         if first:
             hidden = torch.cat((F.pad(hidden[:first], (0, 0, 0, 0, 0, m - first)), hidden[first:]))
-        chunks = _split_sequence(to_chunks(hidden, m), self.sequence_parallel)
+        chunks = _split_sequence(to_chunks(hidden, m), self.sequence_parallel, self.tp_group)
         rotary = None
         if self.encoder_rotary is not None:
             positions = torch.arange(self.retrieved_length, device=hidden.device).unsqueeze(0)
@@ -226,8 +246,10 @@ class RetroModel(GPTModel):
         sequence_parallel: bool = False,
         init_seed: int | None = None,
         vp_stage: int = 0,
+        pg_collection: ProcessGroupCollection | None = None,
     ) -> None:
-        if not (pre_process and post_process) or state.get_pipeline_model_parallel_world_size() > 1:
+        pg_collection = pg_collection or state.process_groups()
+        if not (pre_process and post_process) or state.group_size(pg_collection.pp) > 1:
             raise ValueError(
                 "Retro does not support pipeline parallelism (its encoder runs inside a decoder layer, as in "
                 "Megatron): use --pipeline-model-parallel-size 1"
@@ -242,16 +264,18 @@ class RetroModel(GPTModel):
                 f"neighbour ({retro.retro_retrieved_length} tokens: --retro-num-retrieved-chunks x chunk length)"
             )
         if sequence_parallel:
-            _check_sequence_parallel_sizes(retro)
+            _check_sequence_parallel_sizes(retro, state.group_size(pg_collection.tp))
         numbers = retro_decoder_layer_numbers(config.num_layers)
 
         def cross_attention_for(layer: int) -> nn.Module | None:
             if layer + 1 not in numbers:
                 return None
             encoder = (
-                build_retro_encoder(config, retro, sequence_parallel) if layer + 1 == numbers[0] else None
+                build_retro_encoder(config, retro, sequence_parallel, pg_collection)
+                if layer + 1 == numbers[0]
+                else None
             )
-            return RetroDecoderCrossAttention(config, retro, sequence_parallel, encoder)
+            return RetroDecoderCrossAttention(config, retro, sequence_parallel, pg_collection.tp, encoder)
 
         super().__init__(
             config,
@@ -262,6 +286,7 @@ class RetroModel(GPTModel):
             init_seed=init_seed,
             vp_stage=vp_stage,
             cross_attention_for=cross_attention_for,
+            pg_collection=pg_collection,
         )
         self.retro = retro
 
@@ -301,8 +326,7 @@ def is_retro_parameter(name: str) -> bool:
     return ".cross_attention." in name or ".pre_cross_attn_layernorm." in name
 
 
-def _check_sequence_parallel_sizes(retro: RetroConfig) -> None:
-    tp = state.get_tensor_model_parallel_world_size()
+def _check_sequence_parallel_sizes(retro: RetroConfig, tp: int) -> None:
     for what, size in (
         ("the chunk length", retro.retro_chunk_length),
         ("the retrieved length (--retro-num-retrieved-chunks x chunk length)", retro.retro_retrieved_length),

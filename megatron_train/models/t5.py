@@ -14,6 +14,7 @@ import dataclasses
 import math
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from megatron_train.models.config import TransformerConfig
@@ -29,6 +30,7 @@ from megatron_train.models.transformer import (
 from megatron_train.parallel import state
 from megatron_train.parallel.layers import sharded_master_weight
 from megatron_train.parallel.random import initialization_stream
+from megatron_train.parallel.state import ProcessGroupCollection
 
 
 def relative_position_bucket(
@@ -60,11 +62,13 @@ def relative_position_bucket(
 class RelativePositionBias(nn.Module):
     """T5's learned bias per (bucket, head) added to the attention scores of every layer of one block.
 
-    `weight` [buckets, heads] is split over TP along the heads (partition_dim 1): each rank holds the columns
-    of its own attention heads, initialised on the full master weight like every TP layer.
+    `weight` [buckets, heads] is split over `tp_group` along the heads (partition_dim 1): each rank holds the
+    columns of its own attention heads, initialised on the full master weight like every TP layer.
     """
 
-    def __init__(self, config: TransformerConfig, bidirectional: bool) -> None:
+    def __init__(
+        self, config: TransformerConfig, bidirectional: bool, tp_group: dist.ProcessGroup | None = None
+    ) -> None:
         super().__init__()
         self.bidirectional = bidirectional
         self.num_buckets = config.relative_attention_num_buckets
@@ -75,6 +79,7 @@ class RelativePositionBias(nn.Module):
             1,
             init_method_normal(config.init_method_std),
             config.params_dtype,
+            tp_group,
         )
 
     def forward(self, query_length: int, key_length: int) -> torch.Tensor:
@@ -114,22 +119,28 @@ class T5Model(LanguageModule):
         *,
         sequence_parallel: bool = False,
         init_seed: int | None = None,
+        pg_collection: ProcessGroupCollection | None = None,
     ) -> None:
-        super().__init__(config, vocab_size, pre_process, post_process)
-        if not (pre_process and post_process) or state.get_pipeline_model_parallel_world_size() > 1:
+        super().__init__(config, vocab_size, pre_process, post_process, pg_collection=pg_collection)
+        tp_group = self.pg_collection.tp
+        if not (pre_process and post_process) or state.group_size(self.pg_collection.pp) > 1:
             raise ValueError(
                 "T5 is not split across pipeline stages: use --pipeline-model-parallel-size 1 (TP, SP and DP apply)"
             )
         if config.position_embedding_type == "rope":
             raise ValueError("T5 takes --position-embedding-type learned_absolute or relative, not rope")
-        self.embedding = LanguageModelEmbedding(config, vocab_size, sequence_parallel, init_seed)
+        self.embedding = LanguageModelEmbedding(
+            config, vocab_size, sequence_parallel, init_seed, tp_group=tp_group
+        )
         self.encoder_relative_position = self.decoder_relative_position = None
         if config.position_embedding_type == "relative":
             with initialization_stream(init_seed, ENCODER_RELATIVE_BIAS_INIT_STREAM):
-                self.encoder_relative_position = RelativePositionBias(config, bidirectional=True)
+                self.encoder_relative_position = RelativePositionBias(config, True, tp_group)
             with initialization_stream(init_seed, DECODER_RELATIVE_BIAS_INIT_STREAM):
-                self.decoder_relative_position = RelativePositionBias(config, bidirectional=False)
-        self.encoder = TransformerBlock(config, sequence_parallel, True, init_seed)
+                self.decoder_relative_position = RelativePositionBias(config, False, tp_group)
+        self.encoder = TransformerBlock(
+            config, sequence_parallel, True, init_seed, pg_collection=self.pg_collection
+        )
         decoder_config = dataclasses.replace(
             config, num_layers=config.num_decoder_layers, encoder_num_layers=None
         )
@@ -138,11 +149,12 @@ class T5Model(LanguageModule):
             sequence_parallel,
             True,
             init_seed,
-            cross_attention_for=lambda _: CrossAttention(decoder_config, sequence_parallel),
+            cross_attention_for=lambda _: CrossAttention(decoder_config, sequence_parallel, tp_group),
             first_init_stream=FIRST_LAYER_INIT_STREAM + config.num_layers,
+            pg_collection=self.pg_collection,
         )
         self.output_layer = build_output_layer(
-            config, vocab_size, True, sequence_parallel, init_seed, bias=True
+            config, vocab_size, True, sequence_parallel, init_seed, bias=True, tp_group=tp_group
         )
 
     def set_input_tensor(self, input_tensor: torch.Tensor | list[torch.Tensor] | None) -> None:

@@ -15,6 +15,7 @@ import contextlib
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -184,9 +185,11 @@ def _load_flash_attn() -> Callable[..., torch.Tensor]:
     return flash_attn_func
 
 
-def attention_output_projection(config: TransformerConfig, sequence_parallel: bool) -> RowParallelLinear:
-    """The attention's output projection (all heads -> hidden, row-parallel over the heads), its init scaled by
-    the depth as Megatron's output layers are; self- and cross-attention share it."""
+def attention_output_projection(
+    config: TransformerConfig, sequence_parallel: bool, tp_group: dist.ProcessGroup | None
+) -> RowParallelLinear:
+    """The attention's output projection (all heads -> hidden, row-parallel over the heads of `tp_group`), its
+    init scaled by the depth as Megatron's output layers are; self- and cross-attention share it."""
     return RowParallelLinear(
         config.num_attention_heads * config.kv_channels,
         config.hidden_size,
@@ -194,16 +197,23 @@ def attention_output_projection(config: TransformerConfig, sequence_parallel: bo
         bias=config.add_bias_linear,
         sequence_parallel=sequence_parallel,
         params_dtype=config.params_dtype,
+        tp_group=tp_group,
     )
 
 
 class SelfAttention(nn.Module):
     """Self-attention with this TP rank's query groups (causal, or over `attention_mask`); optional RoPE and KV
-    cache."""
+    cache. The heads are split over `tp_group`."""
 
-    def __init__(self, config: TransformerConfig, layer_index: int, sequence_parallel: bool) -> None:
+    def __init__(
+        self,
+        config: TransformerConfig,
+        layer_index: int,
+        sequence_parallel: bool,
+        tp_group: dist.ProcessGroup | None = None,
+    ) -> None:
         super().__init__()
-        world_size = state.get_tensor_model_parallel_world_size()
+        world_size = state.group_size(state.tensor_group_or_default(tp_group))
         groups = config.num_query_groups_effective
         self.layer_index = layer_index  # position within this stage, the KV cache's layer slot
         self.head_dim = config.kv_channels
@@ -219,9 +229,10 @@ class SelfAttention(nn.Module):
             bias=config.add_bias_linear or config.add_qkv_bias,
             sequence_parallel=sequence_parallel,
             params_dtype=config.params_dtype,
+            tp_group=tp_group,
         )
         self.core_attention = CoreAttention(config, sequence_parallel)
-        self.linear_proj = attention_output_projection(config, sequence_parallel)
+        self.linear_proj = attention_output_projection(config, sequence_parallel, tp_group)
 
     def forward(
         self,
@@ -249,9 +260,12 @@ class SelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    """h -> ffn (GELU, or ReLU as T5 v1.0) -> h, or SwiGLU: fc1 computes [gate; up] (TP stride 2: each rank has its slice of both)."""
+    """h -> ffn (GELU, or ReLU as T5 v1.0) -> h, or SwiGLU: fc1 computes [gate; up] (TP stride 2: each rank has its slice of both).
+    The ffn dimension is split over `tp_group`."""
 
-    def __init__(self, config: TransformerConfig, sequence_parallel: bool) -> None:
+    def __init__(
+        self, config: TransformerConfig, sequence_parallel: bool, tp_group: dist.ProcessGroup | None = None
+    ) -> None:
         super().__init__()
         self.swiglu = config.swiglu
         self.relu = config.activation_func == "relu"
@@ -265,6 +279,7 @@ class MLP(nn.Module):
             stride=2 if config.swiglu else 1,
             sequence_parallel=sequence_parallel,
             params_dtype=config.params_dtype,
+            tp_group=tp_group,
         )
         self.linear_fc2 = RowParallelLinear(
             config.ffn_hidden_size,
@@ -273,6 +288,7 @@ class MLP(nn.Module):
             bias=config.add_bias_linear,
             sequence_parallel=sequence_parallel,
             params_dtype=config.params_dtype,
+            tp_group=tp_group,
         )
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -305,12 +321,13 @@ class TransformerLayer(nn.Module):
         layer_index: int,
         sequence_parallel: bool,
         cross_attention: nn.Module | None = None,
+        tp_group: dist.ProcessGroup | None = None,
     ) -> None:
         super().__init__()
         self.post_ln = config.post_ln
         if not self.post_ln:
             self.input_layernorm = build_norm(config, sequence_parallel)
-        self.self_attention = SelfAttention(config, layer_index, sequence_parallel)
+        self.self_attention = SelfAttention(config, layer_index, sequence_parallel, tp_group)
         if self.post_ln:
             self.post_attention_layernorm = build_norm(config, sequence_parallel)
         self.cross_attention = cross_attention
@@ -319,7 +336,7 @@ class TransformerLayer(nn.Module):
             setattr(self, norm_name, build_norm(config, sequence_parallel))
         if not self.post_ln:
             self.pre_mlp_layernorm = build_norm(config, sequence_parallel)
-        self.mlp = MLP(config, sequence_parallel)
+        self.mlp = MLP(config, sequence_parallel, tp_group)
         if self.post_ln:
             self.post_mlp_layernorm = build_norm(config, sequence_parallel)
         self.hidden_dropout = nn.Dropout(config.hidden_dropout)
@@ -360,7 +377,8 @@ class TransformerBlock(nn.Module):
 
     `cross_attention_for(global_layer_number)` gives a layer its cross-attention module (or None): every layer
     of T5's decoder, Retro's chunked cross-attention layers. `first_init_stream`: the --use-cpu-initialization
-    stream of layer 0 (T5's decoder starts after the encoder's layers)."""
+    stream of layer 0 (T5's decoder starts after the encoder's layers). `pg_collection`: the groups the layers
+    are split over (the stage's layers from its pipeline group; default parallel.state's)."""
 
     def __init__(
         self,
@@ -371,14 +389,16 @@ class TransformerBlock(nn.Module):
         vp_stage: int = 0,
         cross_attention_for: Callable[[int], nn.Module | None] | None = None,
         first_init_stream: int = FIRST_LAYER_INIT_STREAM,
+        pg_collection: state.ProcessGroupCollection | None = None,
     ) -> None:
         super().__init__()
         self.config = config
         self.sequence_parallel = sequence_parallel
+        pg_collection = pg_collection or state.process_groups()
         self.layer_range = get_layer_range(
             config.num_layers,
-            state.get_pipeline_model_parallel_rank(),
-            state.get_pipeline_model_parallel_world_size(),
+            state.group_rank(pg_collection.pp),
+            state.group_size(pg_collection.pp),
             vp_stage,
             state.get_virtual_pipeline_model_parallel_world_size(),
         )
@@ -386,7 +406,9 @@ class TransformerBlock(nn.Module):
         for index, global_index in enumerate(self.layer_range):
             with initialization_stream(init_seed, first_init_stream + global_index):
                 cross_attention = cross_attention_for(global_index) if cross_attention_for else None
-                layers.append(TransformerLayer(config, index, sequence_parallel, cross_attention))
+                layers.append(
+                    TransformerLayer(config, index, sequence_parallel, cross_attention, pg_collection.tp)
+                )
         self.layers = nn.ModuleList(layers)
         self.final_layernorm = (
             build_norm(config, sequence_parallel) if post_process and not config.post_ln else None

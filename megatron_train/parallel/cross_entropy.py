@@ -13,16 +13,22 @@ import torch.distributed as dist
 from megatron_train.parallel import state
 
 
-def _all_reduce(x: torch.Tensor, op: dist.ReduceOp) -> None:
-    if state.get_tensor_model_parallel_world_size() > 1:
-        dist.all_reduce(x, op=op, group=state.get_tensor_model_parallel_group())
+def _all_reduce(x: torch.Tensor, op: dist.ReduceOp, group: dist.ProcessGroup | None) -> None:
+    if state.group_size(group) > 1:
+        dist.all_reduce(x, op=op, group=group)
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, target: torch.Tensor, vocab_size: int | None) -> torch.Tensor:
+    def forward(
+        ctx,
+        logits: torch.Tensor,
+        target: torch.Tensor,
+        vocab_size: int | None,
+        group: dist.ProcessGroup | None,
+    ) -> torch.Tensor:
         vocab_per_rank = logits.shape[-1]
-        vocab_start = state.get_tensor_model_parallel_rank() * vocab_per_rank
+        vocab_start = state.group_rank(group) * vocab_per_rank
         # Columns of padding rows (ids >= vocab_size) this rank owns: they take no part in the softmax.
         valid = (
             vocab_per_rank if vocab_size is None else min(max(vocab_size - vocab_start, 0), vocab_per_rank)
@@ -31,7 +37,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             logits_max = logits[..., :valid].max(dim=-1, keepdim=True).values.float()
         else:
             logits_max = torch.full((*logits.shape[:-1], 1), -torch.inf, device=logits.device)
-        _all_reduce(logits_max, dist.ReduceOp.MAX)
+        _all_reduce(logits_max, dist.ReduceOp.MAX, group)
         # Type promotion makes this the loss's one fp32 buffer, upcasting bf16/fp16 logits in the same pass.
         shifted = logits - logits_max
         shifted[..., valid:] = -torch.inf
@@ -39,11 +45,11 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         outside = (target < vocab_start) | (target >= vocab_start + vocab_per_rank)
         local_target = (target - vocab_start).masked_fill(outside, 0)
         target_logit = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
-        _all_reduce(target_logit, dist.ReduceOp.SUM)
+        _all_reduce(target_logit, dist.ReduceOp.SUM, group)
 
         exp_logits = shifted.exp_()  # in place from here on
         sum_exp = exp_logits.sum(dim=-1, keepdim=True)
-        _all_reduce(sum_exp, dist.ReduceOp.SUM)
+        _all_reduce(sum_exp, dist.ReduceOp.SUM, group)
 
         loss = sum_exp.squeeze(-1).log() - target_logit
         softmax = exp_logits.div_(sum_exp)
@@ -56,16 +62,22 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         # d loss / d logits = softmax - one_hot(target), built in the saved softmax's buffer (single backward).
         grad, local_target, outside = ctx.saved_tensors
         grad.scatter_add_(-1, local_target.unsqueeze(-1), -(~outside).to(grad.dtype).unsqueeze(-1))
-        return grad.mul_(grad_loss.unsqueeze(-1)).to(ctx.logits_dtype), None, None
+        return grad.mul_(grad_loss.unsqueeze(-1)).to(ctx.logits_dtype), None, None, None
 
 
 def vocab_parallel_cross_entropy(
-    logits: torch.Tensor, target: torch.Tensor, vocab_size: int | None = None
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    vocab_size: int | None = None,
+    tp_group: dist.ProcessGroup | None = None,
 ) -> torch.Tensor:
     """Per-token fp32 loss [...] from this rank's logits [..., padded vocab / TP] (any float dtype) and global
     target ids [...]. Computed in fp32 whatever the logits' dtype, as Megatron does; the gradient has the logits'
     dtype. Given the true `vocab_size`, the padding columns are left out of the softmax (they get zero
     probability and zero gradient), so the loss does not depend on how much padding the TP size adds
-    (docs/architecture.md, vocabulary padding).
+    (docs/architecture.md, vocabulary padding). The vocabulary is split over `tp_group` (default
+    parallel.state's tensor-parallel group).
     """
-    return _VocabParallelCrossEntropy.apply(logits, target, vocab_size)
+    return _VocabParallelCrossEntropy.apply(
+        logits, target, vocab_size, state.tensor_group_or_default(tp_group)
+    )

@@ -5,6 +5,8 @@ Every rank builds the full master weight from the default (CPU) generator, then 
 model's weights, split. Sharded parameters carry `tensor_model_parallel=True`, `partition_dim` and
 `partition_stride`; replicated parameters that see only a sequence shard under sequence parallelism carry
 `sequence_parallel=True`, and their gradients are summed over TP by `allreduce_sequence_parallel_grads`.
+Each layer communicates over the tensor-parallel group it is given (`tp_group`, from its model's
+ProcessGroupCollection); none given, over parallel.state's.
 """
 
 from __future__ import annotations
@@ -46,7 +48,12 @@ def set_tensor_model_parallel_attributes(param: torch.Tensor, partition_dim: int
 
 
 def sharded_master_weight(
-    full_shape: tuple[int, int], partition_dim: int, stride: int, init_method: InitMethod, dtype: torch.dtype
+    full_shape: tuple[int, int],
+    partition_dim: int,
+    stride: int,
+    init_method: InitMethod,
+    dtype: torch.dtype,
+    tp_group: dist.ProcessGroup | None = None,
 ) -> nn.Parameter:
     """Initialise the full weight on the CPU, keep this rank's `stride` interleaved chunks along the dim.
 
@@ -55,7 +62,8 @@ def sharded_master_weight(
     """
     master = torch.empty(full_shape, dtype=torch.float32)
     init_method(master)
-    world_size, rank = state.get_tensor_model_parallel_world_size(), state.get_tensor_model_parallel_rank()
+    tp_group = state.tensor_group_or_default(tp_group)
+    world_size, rank = state.group_size(tp_group), state.group_rank(tp_group)
     chunk = divide(full_shape[partition_dim], world_size * stride, "partitioned weight dimension")
     pieces = torch.split(master, chunk, dim=partition_dim)
     weight = nn.Parameter(torch.cat(pieces[rank::world_size], dim=partition_dim).to(dtype).contiguous())
@@ -83,16 +91,19 @@ class ColumnParallelLinear(nn.Module):
         sequence_parallel: bool = False,
         skip_weight_param_allocation: bool = False,
         params_dtype: torch.dtype = torch.float32,
+        tp_group: dist.ProcessGroup | None = None,
     ) -> None:
         super().__init__()
         self.gather_output = gather_output
         self.sequence_parallel = sequence_parallel
-        world_size = state.get_tensor_model_parallel_world_size()
-        self.output_size_per_partition = divide(output_size, world_size, "output size")
+        self.tp_group = state.tensor_group_or_default(tp_group)
+        self.output_size_per_partition = divide(output_size, state.group_size(self.tp_group), "output size")
         self.weight = (
             None
             if skip_weight_param_allocation
-            else sharded_master_weight((output_size, input_size), 0, stride, init_method, params_dtype)
+            else sharded_master_weight(
+                (output_size, input_size), 0, stride, init_method, params_dtype, self.tp_group
+            )
         )
         self.bias = None
         if bias:
@@ -104,11 +115,11 @@ class ColumnParallelLinear(nn.Module):
         if weight is None:
             raise ValueError("this ColumnParallelLinear holds no weight (tied output layer): pass weight=")
         if self.sequence_parallel:
-            x = gather_from_sequence_parallel_region(x)
+            x = gather_from_sequence_parallel_region(x, group=self.tp_group)
         else:
-            x = copy_to_tensor_model_parallel_region(x)
+            x = copy_to_tensor_model_parallel_region(x, self.tp_group)
         y = F.linear(x, weight, self.bias)
-        return gather_from_tensor_model_parallel_region(y) if self.gather_output else y
+        return gather_from_tensor_model_parallel_region(y, self.tp_group) if self.gather_output else y
 
 
 class RowParallelLinear(nn.Module):
@@ -128,15 +139,18 @@ class RowParallelLinear(nn.Module):
         input_is_parallel: bool = True,
         sequence_parallel: bool = False,
         params_dtype: torch.dtype = torch.float32,
+        tp_group: dist.ProcessGroup | None = None,
     ) -> None:
         super().__init__()
         if sequence_parallel and not input_is_parallel:
             raise ValueError("RowParallelLinear with sequence_parallel needs input_is_parallel=True")
         self.input_is_parallel = input_is_parallel
         self.sequence_parallel = sequence_parallel
-        world_size = state.get_tensor_model_parallel_world_size()
-        self.input_size_per_partition = divide(input_size, world_size, "input size")
-        self.weight = sharded_master_weight((output_size, input_size), 1, 1, init_method, params_dtype)
+        self.tp_group = state.tensor_group_or_default(tp_group)
+        self.input_size_per_partition = divide(input_size, state.group_size(self.tp_group), "input size")
+        self.weight = sharded_master_weight(
+            (output_size, input_size), 1, 1, init_method, params_dtype, self.tp_group
+        )
         self.bias = None
         if bias:
             self.bias = nn.Parameter(torch.zeros(output_size, dtype=params_dtype))
@@ -144,14 +158,14 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
-            x = scatter_to_tensor_model_parallel_region(x)
-        if state.get_tensor_model_parallel_world_size() == 1:  # nothing to reduce: the GEMM adds the bias
+            x = scatter_to_tensor_model_parallel_region(x, self.tp_group)
+        if state.group_size(self.tp_group) == 1:  # nothing to reduce: the GEMM adds the bias
             return F.linear(x, self.weight, self.bias)
         partial = F.linear(x, self.weight)
         if self.sequence_parallel:
-            y = reduce_scatter_to_sequence_parallel_region(partial)
+            y = reduce_scatter_to_sequence_parallel_region(partial, self.tp_group)
         else:
-            y = reduce_from_tensor_model_parallel_region(partial)
+            y = reduce_from_tensor_model_parallel_region(partial, self.tp_group)
         return y if self.bias is None else y + self.bias
 
 
@@ -166,31 +180,33 @@ class VocabParallelEmbedding(nn.Module):
         *,
         init_method: InitMethod,
         params_dtype: torch.dtype = torch.float32,
+        tp_group: dist.ProcessGroup | None = None,
     ) -> None:
         super().__init__()
-        world_size, rank = (
-            state.get_tensor_model_parallel_world_size(),
-            state.get_tensor_model_parallel_rank(),
-        )
-        per_partition = divide(num_embeddings, world_size, "padded vocabulary size")
-        self.vocab_start_index = rank * per_partition
+        self.tp_group = state.tensor_group_or_default(tp_group)
+        per_partition = divide(num_embeddings, state.group_size(self.tp_group), "padded vocabulary size")
+        self.vocab_start_index = state.group_rank(self.tp_group) * per_partition
         self.vocab_end_index = self.vocab_start_index + per_partition
-        self.weight = sharded_master_weight((num_embeddings, embedding_dim), 0, 1, init_method, params_dtype)
+        self.weight = sharded_master_weight(
+            (num_embeddings, embedding_dim), 0, 1, init_method, params_dtype, self.tp_group
+        )
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        if state.get_tensor_model_parallel_world_size() == 1:
+        if state.group_size(self.tp_group) == 1:
             return F.embedding(input_ids, self.weight)
         outside = (input_ids < self.vocab_start_index) | (input_ids >= self.vocab_end_index)
         local_ids = (input_ids - self.vocab_start_index).masked_fill(outside, 0)
         partial = F.embedding(local_ids, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
-        return reduce_from_tensor_model_parallel_region(partial)
+        return reduce_from_tensor_model_parallel_region(partial, self.tp_group)
 
 
-def allreduce_sequence_parallel_grads(model: nn.Module) -> None:
-    """Sum over the TP group the gradients of parameters marked `sequence_parallel` (norm weights and
-    row-parallel biases): each TP rank saw only its sequence shard. Call after backward, before the
-    data-parallel reduction and the optimizer step. Uses `param.main_grad` (fp32 gradient buffers) when set."""
-    if state.get_tensor_model_parallel_world_size() == 1:
+def allreduce_sequence_parallel_grads(model: nn.Module, tp_group: dist.ProcessGroup | None = None) -> None:
+    """Sum over the TP group (`tp_group`, default parallel.state's) the gradients of parameters marked
+    `sequence_parallel` (norm weights and row-parallel biases): each TP rank saw only its sequence shard. Call
+    after backward, before the data-parallel reduction and the optimizer step. Uses `param.main_grad` (fp32
+    gradient buffers) when set."""
+    tp_group = state.tensor_group_or_default(tp_group)
+    if state.group_size(tp_group) == 1:
         return
     marked = [p for p in model.parameters() if getattr(p, "sequence_parallel", False)]
     grads = [p.main_grad if hasattr(p, "main_grad") else p.grad for p in marked]
@@ -198,6 +214,6 @@ def allreduce_sequence_parallel_grads(model: nn.Module) -> None:
     if not grads:
         return
     flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, group=state.get_tensor_model_parallel_group())
+    dist.all_reduce(flat, group=tp_group)
     for grad, reduced in zip(grads, torch.split(flat, [g.numel() for g in grads]), strict=True):
         grad.copy_(reduced.view_as(grad))

@@ -6,6 +6,10 @@ TP groups [0, 1], [2, 3], ...; DP groups [0, 2], [1, 3], [4, 6], ...; PP groups 
 
 Before `initialize_model_parallel` (or with torch.distributed uninitialised) every size is 1 and
 every rank 0, so single-process code runs unchanged; asking for a group then raises.
+
+The layers do not read these globals: the model provider gives a model its `ProcessGroupCollection`
+(`process_groups()`, Megatron-Core's pg_collection), which it passes down to the parallel layers, the attention
+and the cross entropy; a layer given no group takes this state's (`tensor_group_or_default`) as the default.
 """
 
 from __future__ import annotations
@@ -60,6 +64,53 @@ class _ParallelState:
 
 
 _STATE: _ParallelState | None = None
+
+
+@dataclass(frozen=True)
+class ProcessGroupCollection:
+    """The process groups a model communicates over (Megatron-Core's ProcessGroupCollection): tensor parallel
+    (`tp`), pipeline (`pp`), data parallel (`dp`), model parallel (`mp`: TP x PP) and the tied embedding's first
+    and last stage (`embd`). None: no group, this process alone (a model built without process groups). A new
+    parallel dimension adds its groups here (context parallel, expert parallel and its data-parallel group), made
+    by `initialize_model_parallel` and handed to the layers that use them the same way."""
+
+    tp: dist.ProcessGroup | None = None
+    pp: dist.ProcessGroup | None = None
+    dp: dist.ProcessGroup | None = None
+    mp: dist.ProcessGroup | None = None
+    embd: dist.ProcessGroup | None = None
+
+
+def process_groups() -> ProcessGroupCollection:
+    """This rank's groups (Megatron-Core's `ProcessGroupCollection.use_mpu_process_groups`); all None before
+    `initialize_model_parallel`."""
+    if _STATE is None:
+        return ProcessGroupCollection()
+    groups = _STATE.groups
+    return ProcessGroupCollection(
+        tp=groups["tensor"],
+        pp=groups["pipeline"],
+        dp=groups["data"],
+        mp=groups["model"],
+        embd=groups.get("embedding"),  # only the first and last pipeline stages are in one
+    )
+
+
+def tensor_group_or_default(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
+    """`group`, else this state's tensor-parallel group (None before `initialize_model_parallel`: alone)."""
+    if group is not None or _STATE is None:
+        return group
+    return _STATE.groups["tensor"]
+
+
+def group_size(group: dist.ProcessGroup | None) -> int:
+    """Ranks in `group`; 1 for None (this process alone)."""
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def group_rank(group: dist.ProcessGroup | None) -> int:
+    """This process's rank in `group`; 0 for None."""
+    return 0 if group is None else dist.get_rank(group)
 
 
 def initialize_model_parallel(

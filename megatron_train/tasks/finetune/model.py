@@ -33,6 +33,7 @@ from megatron_train.models.transformer import BINARY_HEAD_INIT_STREAM
 from megatron_train.parallel import state
 from megatron_train.parallel.random import initialization_stream
 from megatron_train.parallel.schedules import LossFunc
+from megatron_train.parallel.state import ProcessGroupCollection
 from megatron_train.training.loop import get_batch
 
 logger = logging.getLogger(__name__)
@@ -58,6 +59,7 @@ class BertClassifier(BertModel):
         *,
         sequence_parallel: bool = False,
         init_seed: int | None = None,
+        pg_collection: ProcessGroupCollection | None = None,
     ) -> None:
         super().__init__(
             config,
@@ -68,6 +70,7 @@ class BertClassifier(BertModel):
             add_pooler=True,
             sequence_parallel=sequence_parallel,
             init_seed=init_seed,
+            pg_collection=pg_collection,
         )
         self.num_classes = num_classes
         self.classification_dropout = nn.Dropout(config.hidden_dropout)
