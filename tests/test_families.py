@@ -15,7 +15,7 @@ from megatron_train.families import checkpoint_family, get_family
 from megatron_train.families.registry import BUILTIN_FAMILIES, checkpoint_record
 from megatron_train.models.retro_config import RetroConfig
 from megatron_train.training.entry import check_family_config
-from tests.tiny import tiny_config, tiny_llama_config
+from tests.helpers.tiny import tiny_config, tiny_llama_config
 
 PADDED_VOCAB = 128
 
