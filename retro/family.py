@@ -51,9 +51,8 @@ from megatron_train.families.family import (
     Layouts,
     ModelFamily,
     ModelProvider,
-    model_build_options,
 )
-from megatron_train.families.gpt import DECODER_PIPELINE, GPT, forward_step, gpt_model_provider, gpt_terms
+from megatron_train.families.gpt import DECODER_PIPELINE, GPT, forward_step, gpt_terms
 from megatron_train.families.registry import saved_family_name
 from megatron_train.models.retro import RetroModel, is_retro_parameter, retro_decoder_layer_numbers
 from megatron_train.models.terms import ModelTerms, cross_attention_terms, layer_stack_terms
@@ -162,30 +161,18 @@ def with_project_settings(argv: list[str]) -> list[str]:
     return [*argv, *extra]
 
 
-def retro_model_provider(
-    config: MegatronConfig,
-    padded_vocab_size: int,
-    pre_process: bool = True,
-    post_process: bool = True,
-    vp_stage: int = 0,
-    gpt_checkpoint: SavedCheckpoint | None = None,
-) -> torch.nn.Module:
-    """The Retro model, retro-fitted from `gpt_checkpoint` when given, its decoder frozen with
-    --retro-fit-freeze-decoder."""
-    model = RetroModel(
-        config.model,
-        config.retro,
-        padded_vocab_size,
-        pre_process,
-        post_process,
-        vp_stage=vp_stage,
-        **model_build_options(config),
-    )
-    if gpt_checkpoint is not None:
-        load_gpt_decoder(model, config, padded_vocab_size, gpt_checkpoint)
-    if config.retro.retro_fit_freeze_decoder:
-        for name, param in model.named_parameters():
-            param.requires_grad = is_retro_parameter(name)
+def retro_model_options(config: MegatronConfig) -> dict[str, Any]:
+    """RetroModel's settings: the run's Retro flags (chunk length, neighbours, encoder, decoder freezing)."""
+    return {"retro": config.retro}
+
+
+def retrofitted(
+    gpt_checkpoint: SavedCheckpoint, config: MegatronConfig, padded_vocab_size: int, *stage: Any, **options: Any
+) -> RetroModel:
+    """Retro-fitting: this stage of the Retro model with the weights of `gpt_checkpoint` loaded into its decoder
+    as it is built (`load_gpt_decoder`)."""
+    model = RETRO.model_provider(config, padded_vocab_size, *stage, **options)
+    load_gpt_decoder(model, config, padded_vocab_size, gpt_checkpoint)
     return model
 
 
@@ -300,14 +287,14 @@ def sft_datasets(
 def run_model_provider(config: MegatronConfig) -> ModelProvider:
     """The provider of a pretrain_retro run: without --retro-add-retriever the GPT baseline's; retro-fitting from
     the GPT checkpoint `--load` names (whose weights load into the model as it is built, so the run loads nothing
-    more); else `retro_model_provider`."""
+    more); else the Retro family's."""
     if not config.retro.retro_add_retriever:
-        return gpt_model_provider
+        return GPT.model_provider
     gpt_checkpoint = gpt_checkpoint_to_retrofit(config)
     if gpt_checkpoint is None:
-        return retro_model_provider
+        return RETRO.model_provider
     config.checkpoint.load = None
-    return functools.partial(retro_model_provider, gpt_checkpoint=gpt_checkpoint)
+    return functools.partial(retrofitted, gpt_checkpoint)
 
 
 def check_retro_config(config: MegatronConfig) -> None:
@@ -369,7 +356,8 @@ def retrieving_model(
 
 RETRO = ModelFamily(
     name="retro",
-    model_provider=retro_model_provider,
+    model_class=RetroModel,
+    model_options=retro_model_options,
     terms=retro_terms,
     layouts=Layouts(ALL_DIMENSIONS),
     pipeline=DECODER_PIPELINE,

@@ -262,10 +262,11 @@ def test_model_shardings_builds_the_model_once_per_config() -> None:
     from megatron_train.data.config import DataConfig
     from megatron_train.families.gpt import GPT
     from megatron_train.models.config import TransformerConfig
+    from megatron_train.models.gpt import GPTModel
 
     builds = []
     counted = dataclasses.replace(
-        GPT, model_provider=lambda *args: builds.append(args) or GPT.model_provider(*args)
+        GPT, model_class=lambda *args, **options: builds.append(args) or GPTModel(*args, **options)
     )
     model = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16)
     config = MegatronConfig(model=model, data=DataConfig())

@@ -41,12 +41,12 @@ def test_retro_layers_are_megatrons(num_layers, expected):
 
 def test_a_decoder_without_a_retro_layer_is_refused():
     with pytest.raises(ValueError, match="at least 6 layers"):
-        RetroModel(tiny_config(num_layers=5), _retro_config(), VOCAB)
+        RetroModel(tiny_config(num_layers=5), VOCAB, retro=_retro_config())
 
 
 def test_only_the_retro_layers_have_cross_attention_and_the_first_has_the_encoder():
     model = RetroModel(
-        tiny_config(num_layers=9, seq_length=SEQ), _retro_config(retro_encoder_layers=3), VOCAB
+        tiny_config(num_layers=9, seq_length=SEQ), VOCAB, retro=_retro_config(retro_encoder_layers=3)
     )
     names = list(model.state_dict())
     with_cross = {int(n.split(".")[2]) for n in names if ".cross_attention." in n}
@@ -80,7 +80,7 @@ def test_chunked_cross_attention_shows_no_token_its_future():
     on (Megatron's shift by chunk_length - 1): neighbours are retrieved with the whole chunk."""
     torch.manual_seed(0)
     retro = _retro_config()
-    model = RetroModel(tiny_config(num_layers=6, seq_length=SEQ), retro, VOCAB).eval()
+    model = RetroModel(tiny_config(num_layers=6, seq_length=SEQ), VOCAB, retro=retro).eval()
     ids, neighbours = _inputs(retro)
     reference = _logits(model, ids, neighbours)
     for position in (3, 9, 15):
@@ -103,7 +103,7 @@ def test_the_encoder_output_is_the_context_of_the_later_retro_layers():
     torch.manual_seed(0)
     retro = _retro_config()
     config = tiny_config(num_layers=9, seq_length=SEQ)
-    model = RetroModel(config, retro, VOCAB).eval()
+    model = RetroModel(config, VOCAB, retro=retro).eval()
     seen = {}
     for number in (5, 8):
         model.decoder.layers[number].cross_attention.attn.register_forward_hook(
@@ -119,7 +119,7 @@ def test_the_encoder_output_is_the_context_of_the_later_retro_layers():
 def test_generation_lengths_that_are_not_whole_chunks_run():
     torch.manual_seed(0)
     retro = _retro_config()
-    model = RetroModel(tiny_config(num_layers=6, seq_length=SEQ), retro, VOCAB).eval()
+    model = RetroModel(tiny_config(num_layers=6, seq_length=SEQ), VOCAB, retro=retro).eval()
     ids, neighbours = _inputs(retro)
     logits = _logits(model, ids[:, :7], neighbours[:, :2])
     assert logits.shape == (BATCH, 7, VOCAB) and torch.isfinite(logits).all()
@@ -146,7 +146,7 @@ def test_retro_learns_to_read_the_continuation_of_its_neighbours():
     config = tiny_config(num_layers=6, seq_length=chunk * chunks)
     chance = math.log(vocab)
     torch.manual_seed(0)
-    models = {"retro": RetroModel(config, retro, vocab), "gpt": GPTModel(config, vocab)}
+    models = {"retro": RetroModel(config, vocab, retro=retro), "gpt": GPTModel(config, vocab)}
     losses = {}
     for name, model in models.items():
         optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
@@ -189,7 +189,7 @@ def test_a_fork_inside_a_fork_of_the_same_stream_continues_it():
 
 
 def _loss_and_grads(config, retro, sequence_parallel: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    model = RetroModel(config, retro, VOCAB, sequence_parallel=sequence_parallel, init_seed=1234)
+    model = RetroModel(config, VOCAB, retro=retro, sequence_parallel=sequence_parallel, init_seed=1234)
     ids, neighbours = _inputs(retro)
     losses = model(ids, labels=torch.roll(ids, -1, dims=1), neighbor_tokens=neighbours)
     loss = (losses * torch.linspace(0.5, 1.5, losses.numel()).view_as(losses)).mean()

@@ -40,7 +40,7 @@ def save_tiny_retro_checkpoint(directory: str) -> str:
         retro_encoder_hidden_dropout=0.0,
         retro_encoder_attention_dropout=0.0,
     )
-    model = RetroModel(model_config, retro, vocab_size=128)
+    model = RetroModel(model_config, 128, retro=retro)
     config = MegatronConfig(
         model=model_config,
         retro=retro,

@@ -157,7 +157,7 @@ def two_losses_worker(rank: int, world_size: int, argv: list[str]) -> list[dict]
     padded_vocab_size = padded_vocab_size_for(config, tokenizer)
     pretrain(
         config,
-        gpt.gpt_model_provider,
+        gpt.GPT.model_provider,
         functools.partial(gpt.datasets_provider, config, tokenizer),
         forward_step,
         padded_vocab_size,

@@ -21,7 +21,6 @@ from megatron_train.families.family import (
     MegatronNames,
     ModelFamily,
     PipelineSplit,
-    model_build_options,
 )
 from megatron_train.models.bert import BertModel
 from megatron_train.models.hf_bert import export_bert
@@ -53,24 +52,9 @@ ENCODER_PIPELINE = PipelineSplit(
 )
 
 
-def model_provider(
-    config: MegatronConfig,
-    padded_vocab_size: int,
-    pre_process: bool = True,
-    post_process: bool = True,
-    vp_stage: int = 0,
-) -> BertModel:
-    """This rank's pipeline stage (or its model chunk `vp_stage`) of the BERT model; token types only with the
-    binary head, as Megatron's pretrain_bert."""
-    return BertModel(
-        config.model,
-        padded_vocab_size,
-        pre_process,
-        post_process,
-        add_binary_head=config.model.bert_binary_head,
-        vp_stage=vp_stage,
-        **model_build_options(config),
-    )
+def bert_model_options(config: MegatronConfig) -> dict[str, bool]:
+    """The binary head unless --bert-no-binary-head (token types only with it, as Megatron's pretrain_bert)."""
+    return {"add_binary_head": config.model.bert_binary_head}
 
 
 def loss_func(
@@ -147,7 +131,8 @@ def bert_terms(config: MegatronConfig, padded_vocab_size: int) -> ModelTerms:
 
 BERT = ModelFamily(
     name="bert",
-    model_provider=model_provider,
+    model_class=BertModel,
+    model_options=bert_model_options,
     terms=bert_terms,
     layouts=Layouts(ALL_DIMENSIONS),
     pipeline=ENCODER_PIPELINE,

@@ -163,7 +163,9 @@ class ModelFamily:
     """One model family. `name` is what checkpoints record (`model_type` in metadata.json, the model class's
     `model_type`).
 
-    Training: `model_provider(config, padded_vocab_size, pre_process, post_process, vp_stage)` builds a stage;
+    Training: `model_class` is the model (`GPTModel`, ...): every family's model takes the model config, the
+    padded vocabulary, the stage's ends and, as keywords, `vp_stage` and the run's `model_build_options`, plus
+    what `model_options(config)` adds (BERT's binary head, Retro's config); `model_provider` builds a stage of it;
     `forward_step(data_iterator, model)` (with `per_token_loss=` when `per_token_loss`, for
     --calculate-per-token-loss) runs a micro-batch; `datasets_provider` builds the data; `layouts` and
     `check_config` refuse what the family cannot do; `prepare_argv` adds flags its files imply (Retro's project);
@@ -177,11 +179,12 @@ class ModelFamily:
     """
 
     name: str
-    model_provider: ModelProvider
+    model_class: Callable[..., nn.Module]
     terms: Callable[..., ModelTerms]
     layouts: Layouts
     pipeline: PipelineSplit
     forward_step: ForwardStepFunc
+    model_options: Callable[[MegatronConfig], dict[str, Any]] = lambda config: {}
     datasets_provider: DatasetsProvider | None = None
     per_token_loss: bool = False
     check_config: Callable[[MegatronConfig], None] | None = None
@@ -193,6 +196,30 @@ class ModelFamily:
     megatron_names: MegatronNames | None = None
     hf: HFConversion | None = None
     inference: InferenceHooks | None = None
+
+    def model_provider(
+        self,
+        config: MegatronConfig,
+        padded_vocab_size: int,
+        pre_process: bool = True,
+        post_process: bool = True,
+        vp_stage: int = 0,
+        **options: Any,
+    ) -> nn.Module:
+        """This rank's pipeline stage (or its model chunk `vp_stage`) of the family's model, with the run's
+        options (`model_build_options`: sequence parallelism, the init seed, the process groups), the family's
+        (`model_options`) and `options` (a task's: the classifier's `num_classes`). The training loop, the
+        checkpoint loaders and the converter all build the model here."""
+        return self.model_class(
+            config.model,
+            padded_vocab_size,
+            pre_process,
+            post_process,
+            vp_stage=vp_stage,
+            **model_build_options(config),
+            **self.model_options(config),
+            **options,
+        )
 
     @property
     def entry(self) -> str:

@@ -23,7 +23,6 @@ from megatron_train.families.family import (
     MegatronNames,
     ModelFamily,
     PipelineSplit,
-    model_build_options,
 )
 from megatron_train.models.gpt import GPTModel
 from megatron_train.models.hf_gpt import (
@@ -38,24 +37,6 @@ from megatron_train.training.per_token_loss import language_model_loss
 
 # A decoder-only model's stages: the embedding on the first, the final norm and output layer on the last.
 DECODER_PIPELINE = PipelineSplit(("embedding.",), ("decoder.final_layernorm.", "output_layer."))
-
-
-def gpt_model_provider(
-    config: MegatronConfig,
-    padded_vocab_size: int,
-    pre_process: bool = True,
-    post_process: bool = True,
-    vp_stage: int = 0,
-) -> GPTModel:
-    """This rank's pipeline stage (or its model chunk `vp_stage`) of the GPT model."""
-    return GPTModel(
-        config.model,
-        padded_vocab_size,
-        pre_process,
-        post_process,
-        vp_stage=vp_stage,
-        **model_build_options(config),
-    )
 
 
 def forward_step(
@@ -105,7 +86,7 @@ def gpt_terms(config: MegatronConfig, padded_vocab_size: int) -> ModelTerms:
 
 GPT = ModelFamily(
     name="gpt",
-    model_provider=gpt_model_provider,
+    model_class=GPTModel,
     terms=gpt_terms,
     layouts=Layouts(ALL_DIMENSIONS),
     pipeline=DECODER_PIPELINE,

@@ -14,7 +14,7 @@ from megatron_train.arguments import MegatronConfig
 from megatron_train.data.builder import build_masked_train_valid_test_datasets
 from megatron_train.data.t5_dataset import T5DatasetConfig
 from megatron_train.device import get_device
-from megatron_train.families.family import Layouts, ModelFamily, PipelineSplit, model_build_options
+from megatron_train.families.family import Layouts, ModelFamily, PipelineSplit
 from megatron_train.models.t5 import T5Model
 from megatron_train.models.terms import (
     ModelTerms,
@@ -28,17 +28,6 @@ from megatron_train.parallel.schedules import LossFunc
 from megatron_train.tokenizer import MegatronTokenizer
 from megatron_train.training.loop import get_batch
 from megatron_train.training.per_token_loss import language_model_loss
-
-
-def model_provider(
-    config: MegatronConfig,
-    padded_vocab_size: int,
-    pre_process: bool = True,
-    post_process: bool = True,
-    vp_stage: int = 0,
-) -> T5Model:
-    """The whole T5 model on every rank (no pipeline stages, so `vp_stage` is always 0)."""
-    return T5Model(config.model, padded_vocab_size, pre_process, post_process, **model_build_options(config))
 
 
 def forward_step(data_iterator: Iterator, model: torch.nn.Module) -> tuple[torch.Tensor, LossFunc]:
@@ -101,7 +90,7 @@ _NO_PIPELINE = (
 
 T5 = ModelFamily(
     name="t5",
-    model_provider=model_provider,
+    model_class=T5Model,
     terms=t5_terms,
     layouts=Layouts(
         frozenset({"tensor", "sequence"}), {"pipeline": _NO_PIPELINE, "virtual pipeline": _NO_PIPELINE}

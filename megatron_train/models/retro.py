@@ -230,7 +230,9 @@ class RetroModel(GPTModel):
     forward(input_ids [b, ns], position_ids, labels, neighbor_tokens [b, l, k, r]) as `GPTModel.forward`, the
     neighbours embedded by the decoder's embedding at positions 0 .. r - 1. No KV cache: generation runs the
     whole sequence each step, as Megatron's Retro generation did. `document_ids` cut the decoder's
-    self-attention at document ends (the chunked cross-attention, as Megatron's, is not cut).
+    self-attention at document ends (the chunked cross-attention, as Megatron's, is not cut). The arguments are
+    GPTModel's and the `retro` settings; with `retro.retro_fit_freeze_decoder` only the Retro parameters
+    (`is_retro_parameter`) train.
     """
 
     model_type = "retro"  # recorded in checkpoints
@@ -238,11 +240,11 @@ class RetroModel(GPTModel):
     def __init__(
         self,
         config: TransformerConfig,
-        retro: RetroConfig,
         vocab_size: int,
         pre_process: bool = True,
         post_process: bool = True,
         *,
+        retro: RetroConfig,
         sequence_parallel: bool = False,
         init_seed: int | None = None,
         vp_stage: int = 0,
@@ -289,6 +291,9 @@ class RetroModel(GPTModel):
             pg_collection=pg_collection,
         )
         self.retro = retro
+        if retro.retro_fit_freeze_decoder:
+            for name, param in self.named_parameters():
+                param.requires_grad = is_retro_parameter(name)
 
     def forward(
         self,

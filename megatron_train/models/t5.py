@@ -103,7 +103,7 @@ class T5Model(LanguageModule):
     """T5 for span-corruption pretraining: encoder input and padding mask, decoder input -> decoder LM output.
 
     The arguments are GPTModel's (`vocab_size` padded, `sequence_parallel`, `init_seed` for
-    --use-cpu-initialization). The encoder has `config.num_layers` layers, the decoder
+    --use-cpu-initialization, `vp_stage`, always 0 without pipeline stages). The encoder has `config.num_layers` layers, the decoder
     `config.num_decoder_layers`; parameter names are Megatron-Core's (`encoder.layers.N.`, `decoder.layers.N.`,
     `decoder.layers.N.cross_attention.`, `output_layer.bias`).
     """
@@ -117,6 +117,7 @@ class T5Model(LanguageModule):
         pre_process: bool = True,
         post_process: bool = True,
         *,
+        vp_stage: int = 0,
         sequence_parallel: bool = False,
         init_seed: int | None = None,
         pg_collection: ProcessGroupCollection | None = None,
@@ -139,7 +140,7 @@ class T5Model(LanguageModule):
             with initialization_stream(init_seed, DECODER_RELATIVE_BIAS_INIT_STREAM):
                 self.decoder_relative_position = RelativePositionBias(config, False, tp_group)
         self.encoder = TransformerBlock(
-            config, sequence_parallel, True, init_seed, pg_collection=self.pg_collection
+            config, sequence_parallel, True, init_seed, vp_stage, pg_collection=self.pg_collection
         )
         decoder_config = dataclasses.replace(
             config, num_layers=config.num_decoder_layers, encoder_num_layers=None
@@ -149,6 +150,7 @@ class T5Model(LanguageModule):
             sequence_parallel,
             True,
             init_seed,
+            vp_stage,
             cross_attention_for=lambda _: CrossAttention(decoder_config, sequence_parallel, tp_group),
             first_init_stream=FIRST_LAYER_INIT_STREAM + config.num_layers,
             pg_collection=self.pg_collection,

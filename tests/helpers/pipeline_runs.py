@@ -18,7 +18,7 @@ from megatron_train.checkpointing.layout import (
     merge_tp_shards,
     split_tp_shard,
 )
-from megatron_train.families.gpt import datasets_provider, forward_step, gpt_model_provider, gpt_terms
+from megatron_train.families.gpt import GPT, datasets_provider, forward_step, gpt_terms
 from megatron_train.models.gpt import GPTModel
 from megatron_train.parallel import state
 from megatron_train.tokenizer import tokenizer_from_config
@@ -70,7 +70,7 @@ def model_from_weights(
 ) -> GPTModel:
     """A model provider: this stage of the single-process model `initial` (its TP shard of its layers; the
     tied output copy is left for the pipeline to sync); records (stage, TP rank) in `built`."""
-    stage = gpt_model_provider(config, padded_vocab_size, pre_process, post_process, vp_stage)
+    stage = GPT.model_provider(config, padded_vocab_size, pre_process, post_process, vp_stage)
     tp_size, tp_rank = state.get_tensor_model_parallel_world_size(), state.get_tensor_model_parallel_rank()
     global_names = _global_names(stage)
     with torch.no_grad():

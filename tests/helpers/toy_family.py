@@ -21,7 +21,6 @@ from megatron_train.families.family import (
     Layouts,
     ModelFamily,
     PipelineSplit,
-    model_build_options,
 )
 from megatron_train.families.gpt import datasets_provider, forward_step
 from megatron_train.models.config import TransformerConfig
@@ -41,7 +40,7 @@ KERNEL = 4  # each position mixes itself and the 3 before it
 
 class ToyModel(LanguageModule):
     """Embedding -> GELU(causal convolution over the last KERNEL positions) + residual -> norm -> the tied output
-    layer. No KV cache: generation reruns the whole text."""
+    layer. One pipeline stage (`vp_stage` is always 0); no KV cache: generation reruns the whole text."""
 
     model_type = "toy"
     supports_kv_cache = False
@@ -53,6 +52,7 @@ class ToyModel(LanguageModule):
         pre_process: bool = True,
         post_process: bool = True,
         *,
+        vp_stage: int = 0,
         sequence_parallel: bool = False,
         init_seed: int | None = None,
         pg_collection: ProcessGroupCollection | None = None,
@@ -87,16 +87,6 @@ class ToyModel(LanguageModule):
         return self.language_model_output(hidden, labels)
 
 
-def toy_model_provider(
-    config: MegatronConfig,
-    padded_vocab_size: int,
-    pre_process: bool = True,
-    post_process: bool = True,
-    vp_stage: int = 0,
-) -> ToyModel:
-    return ToyModel(config.model, padded_vocab_size, pre_process, post_process, **model_build_options(config))
-
-
 def toy_terms(config: MegatronConfig, padded_vocab_size: int) -> ModelTerms:
     model, seq, hidden = config.model, config.model.seq_length, config.model.hidden_size
     mixer = (
@@ -112,7 +102,7 @@ def toy_terms(config: MegatronConfig, padded_vocab_size: int) -> ModelTerms:
 
 TOY = ModelFamily(
     name="toy",
-    model_provider=toy_model_provider,
+    model_class=ToyModel,
     terms=toy_terms,
     layouts=Layouts(
         frozenset({"tensor"}), {"pipeline": "the toy model is one stage: drop --pipeline-model-parallel-size"}

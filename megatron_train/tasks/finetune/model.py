@@ -24,7 +24,7 @@ from megatron_train.checkpointing.names import global_names
 from megatron_train.checkpointing.saved import SavedCheckpoint
 from megatron_train.device import get_device
 from megatron_train.families.bert import BERT, ENCODER_PIPELINE, encoder_terms
-from megatron_train.families.family import Layouts, ModelFamily, model_build_options
+from megatron_train.families.family import Layouts, ModelFamily
 from megatron_train.families.registry import saved_family_name
 from megatron_train.models.bert import BertModel, linear_layer
 from megatron_train.models.config import TransformerConfig
@@ -46,7 +46,8 @@ class BertClassifier(BertModel):
     """BERT (two token types, pooler, no LM head) with dropout and a linear head on the pooled [CLS] state.
 
     `num_classes` logits per sequence; for multiple choice `num_classes=1` and the input is [b, choices, s],
-    which returns [b, choices] logits (one per option).
+    which returns [b, choices] logits (one per option). One pipeline stage: `pre_process`, `post_process` and
+    `vp_stage` are BertModel's, always the whole model.
     """
 
     model_type = "bert_classifier"  # recorded in finetuned checkpoints, refused by pretrain_bert
@@ -55,8 +56,11 @@ class BertClassifier(BertModel):
         self,
         config: TransformerConfig,
         vocab_size: int,
-        num_classes: int,
+        pre_process: bool = True,
+        post_process: bool = True,
         *,
+        num_classes: int,
+        vp_stage: int = 0,
         sequence_parallel: bool = False,
         init_seed: int | None = None,
         pg_collection: ProcessGroupCollection | None = None,
@@ -64,6 +68,9 @@ class BertClassifier(BertModel):
         super().__init__(
             config,
             vocab_size,
+            pre_process,
+            post_process,
+            vp_stage=vp_stage,
             num_tokentypes=2,
             add_binary_head=False,
             add_lm_head=False,
@@ -95,19 +102,6 @@ class BertClassifier(BertModel):
         return logits.view(-1, choices) if choices is not None else logits
 
 
-def classifier_provider(
-    config: MegatronConfig,
-    padded_vocab_size: int,
-    pre_process: bool = True,
-    post_process: bool = True,
-    vp_stage: int = 0,
-    *,
-    num_classes: int,
-) -> BertClassifier:
-    """The task model of `num_classes` logits (one stage: no pipeline parallelism)."""
-    return BertClassifier(config.model, padded_vocab_size, num_classes, **model_build_options(config))
-
-
 def cross_entropy_loss(
     labels: torch.Tensor, logits: torch.Tensor
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -133,7 +127,7 @@ def classifier_terms(config: MegatronConfig, padded_vocab_size: int, *, num_clas
 # gives `num_classes` to the provider and the terms.
 BERT_CLASSIFIER = ModelFamily(
     name="bert_classifier",
-    model_provider=classifier_provider,
+    model_class=BertClassifier,
     terms=classifier_terms,
     layouts=Layouts(
         frozenset({"tensor", "sequence"}),
