@@ -65,6 +65,11 @@ def test_terms_count_every_parameter_of_the_built_model(case):
     assert terms.flops_per_sample() > 6 * terms.num_parameters()  # every weight multiplies at least a token
 
 
+def test_t5_stage_holds_every_layer_of_its_longer_stack():
+    _, config, _ = MODELS["t5"]  # 2 encoder layers, 3 decoder layers
+    assert get_family("t5").pipeline.stage_layers(config.model, 0, 1) == [0, 1, 2]
+
+
 def test_every_project_family_is_registered_under_its_checkpoint_name():
     for name in BUILTIN_FAMILIES:
         assert get_family(name).name == name

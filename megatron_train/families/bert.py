@@ -140,6 +140,7 @@ BERT = ModelFamily(
     datasets_provider=datasets_provider,
     entry_module="megatron_train.pretrain_bert",
     corpus="sentence",
+    finetune_data="--data-path <sentence-split token prefix> [training flags]",
     megatron_names=MegatronNames("encoder"),
     hf=HFConversion(
         ("bert",),

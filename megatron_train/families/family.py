@@ -49,11 +49,13 @@ def model_build_options(config: MegatronConfig) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class ParallelDimension:
-    """One way to split a model over ranks, as the flags give it: `size(config)` above 1 means the run uses it."""
+    """One way to split a model over ranks, as the flags give it: `size(config)` above 1 means the run uses it;
+    `sized`: the flag's value is that size (a refusal shows it), not a switch or another setting."""
 
     name: str
     flag: str
     size: Callable[[MegatronConfig], int]
+    sized: bool = True
 
 
 # Every dimension a family must declare (`Layouts.supported`) or is refused along. Data parallelism and the
@@ -62,7 +64,9 @@ PARALLEL_DIMENSIONS = (
     ParallelDimension(
         "tensor", "--tensor-model-parallel-size", lambda c: c.parallel.tensor_model_parallel_size
     ),
-    ParallelDimension("sequence", "--sequence-parallel", lambda c: 2 if c.parallel.sequence_parallel else 1),
+    ParallelDimension(
+        "sequence", "--sequence-parallel", lambda c: 2 if c.parallel.sequence_parallel else 1, sized=False
+    ),
     ParallelDimension(
         "pipeline", "--pipeline-model-parallel-size", lambda c: c.parallel.pipeline_model_parallel_size
     ),
@@ -70,6 +74,7 @@ PARALLEL_DIMENSIONS = (
         "virtual pipeline",
         "--num-layers-per-virtual-pipeline-stage",
         lambda c: 2 if c.parallel.num_layers_per_virtual_pipeline_stage is not None else 1,
+        sized=False,
     ),
 )
 ALL_DIMENSIONS = frozenset(dimension.name for dimension in PARALLEL_DIMENSIONS)
@@ -91,7 +96,7 @@ class Layouts:
                 reason = self.refusals.get(
                     dimension.name, f"the {family} model is not split along {dimension.name} parallelism"
                 )
-                value = "" if dimension.name in ("sequence", "virtual pipeline") else f" {size}"
+                value = f" {size}" if dimension.sized else ""
                 raise ValueError(f"{dimension.flag}{value}: {reason}")
 
 
@@ -174,7 +179,8 @@ class ModelFamily:
     Accounting: `terms(config, padded_vocab_size)`, the parameters and FLOPs of one sample.
     Checkpoints: `pipeline` cuts the model into stages; `megatron_names` and `hf` are the converter's.
     Pipeline: `corpus`, the token data the pretrain stage and flow build (None: the family does not pretrain on a
-    plain corpus), and `flow_flags`, Megatron flags the flow's small model needs for it.
+    plain corpus), and `flow_flags`, Megatron flags the flow's small model needs for it; `finetune_data`, the data
+    flags of the finetuning command `checkpoint_util` prints after a conversion.
     Serving: `inference` (None: its checkpoints are not served or scored as a language model).
     """
 
@@ -193,6 +199,7 @@ class ModelFamily:
     entry_module: str = "megatron_train.pretrain"
     corpus: CorpusKind | None = None
     flow_flags: tuple[str, ...] = ()
+    finetune_data: str = "--data-path <token prefix> [training flags]"
     megatron_names: MegatronNames | None = None
     hf: HFConversion | None = None
     inference: InferenceHooks | None = None

@@ -95,6 +95,8 @@ GPT = ModelFamily(
     per_token_loss=True,
     entry_module="megatron_train.pretrain_gpt",
     corpus="document",
+    finetune_data="--sft --train-data-path <conversations.jsonl> [training flags] (or, for more pretraining, "
+    "--data-path <token prefix> without --sft)",
     megatron_names=MegatronNames("decoder"),
     hf=HFConversion(
         ("gpt2", *LLAMA_TYPES),

@@ -15,6 +15,7 @@ from megatron_train.data.builder import build_masked_train_valid_test_datasets
 from megatron_train.data.t5_dataset import T5DatasetConfig
 from megatron_train.device import get_device
 from megatron_train.families.family import Layouts, ModelFamily, PipelineSplit
+from megatron_train.models.config import TransformerConfig
 from megatron_train.models.t5 import T5Model
 from megatron_train.models.terms import (
     ModelTerms,
@@ -83,6 +84,13 @@ def t5_terms(config: MegatronConfig, padded_vocab_size: int) -> ModelTerms:
     )
 
 
+def t5_layer_range(
+    model: TransformerConfig, pp_rank: int, pp_size: int, vp_rank: int = 0, vp_size: int | None = None
+) -> range:
+    """One stage holds both stacks: the layer numbers of the longer of encoder and decoder."""
+    return range(max(model.num_layers, model.num_decoder_layers))
+
+
 _NO_PIPELINE = (
     "T5's encoder and decoder are not split across pipeline stages (Megatron-Core's pretrain_t5 refuses it too); "
     "use --pipeline-model-parallel-size 1 with tensor, sequence and data parallelism"
@@ -98,11 +106,13 @@ T5 = ModelFamily(
     pipeline=PipelineSplit(
         ("embedding.", "encoder_relative_position.", "decoder_relative_position."),
         ("encoder.final_layernorm.", "decoder.final_layernorm.", "output_layer."),
+        t5_layer_range,
     ),
     forward_step=forward_step,
     datasets_provider=datasets_provider,
     check_config=check_t5_config,
     entry_module="megatron_train.pretrain_t5",
     corpus="sentence",
+    finetune_data="--data-path <sentence-split token prefix> [training flags]",
     flow_flags=("--vocab-extra-ids", "100", "--encoder-seq-length", "128", "--decoder-seq-length", "64"),
 )
