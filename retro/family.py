@@ -167,7 +167,11 @@ def retro_model_options(config: MegatronConfig) -> dict[str, Any]:
 
 
 def retrofitted(
-    gpt_checkpoint: SavedCheckpoint, config: MegatronConfig, padded_vocab_size: int, *stage: Any, **options: Any
+    gpt_checkpoint: SavedCheckpoint,
+    config: MegatronConfig,
+    padded_vocab_size: int,
+    *stage: Any,
+    **options: Any,
 ) -> RetroModel:
     """Retro-fitting: this stage of the Retro model with the weights of `gpt_checkpoint` loaded into its decoder
     as it is built (`load_gpt_decoder`)."""

@@ -15,7 +15,8 @@ ENGINE = tuple(
     for path in (ROOT / "megatron_train").iterdir()
     if path.suffix == ".py" or (path / "__init__.py").exists()
 )
-QUOTED = re.compile(r"`([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+)")
+# a dotted name right after a backtick, ending where a name ends (not `optimizer.state.<name>`, a key pattern)
+QUOTED = re.compile(r"`([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+)(?=[`(\[ ,:])")
 # `arguments.py`, `tokenizer.json`: file names, not modules and attributes
 FILE_SUFFIXES = (
     "py",

@@ -461,7 +461,9 @@ def _check_against_weights(
         for name, shape in model_shapes(config, model.true_vocab_size, family, where).items()
     }
     expected = {name: tuple(tensor.shape) for name, tensor in to_hf(meta, rules(model)).items()}
-    if model_type == "bert" and not model.bert_binary_head:  # a masked LM's token types are folded into positions
+    if (
+        model_type == "bert" and not model.bert_binary_head
+    ):  # a masked LM's token types are folded into positions
         token_types = "bert.embeddings.token_type_embeddings.weight"
         expected[token_types] = (shapes.get(token_types, (1,))[0] or 1, model.hidden_size)
     sizes = ", ".join(f"{key} {hf[key]}" for key in fields.values() if key in hf)
@@ -503,7 +505,9 @@ def _export(weights: ModelWeights) -> tuple[dict[str, Any], dict[str, torch.Tens
     lacks by its flag."""
     family = weights.family
     if family.hf is None:
-        raise ValueError(f"--saver hf: the {family.name} family has no Hugging Face mapping; pick another --saver")
+        raise ValueError(
+            f"--saver hf: the {family.name} family has no Hugging Face mapping; pick another --saver"
+        )
     return family.hf.export(weights.config.model, weights.tensors)
 
 

@@ -324,7 +324,9 @@ def usage_lines(saver: str, save_dir: str, weights: convert.ModelWeights) -> lis
     family = weights.family
     if saver == "hf":
         line = f"load it with transformers: {family.hf.auto_class}.from_pretrained({save_dir!r})"
-        return [line + (f"; serve it with vLLM: vllm serve {save_dir}" if family.inference is not None else "")]
+        return [
+            line + (f"; serve it with vLLM: vllm serve {save_dir}" if family.inference is not None else "")
+        ]
     if saver in MEGATRON_CKPT_FORMATS:
         return [
             f"load it in Megatron-LM: --load {save_dir} --ckpt-format {MEGATRON_CKPT_FORMATS[saver]} --use-checkpoint-args "
