@@ -103,12 +103,16 @@ def checked_saved_config(saved: SavedCheckpoint, where: str, family: ModelFamily
     except (ValueError, TypeError) as error:  # the config's own rules (they name flags), a missing size
         raise CheckpointError(f"{source} (args): {error}") from error
     records = {name: tuple(record["global_shape"]) for name, record in saved.params.items()}
-    stack = (
-        "encoder.layers."
-        if any(name.startswith("encoder.layers.") for name in records)
-        else "decoder.layers."
-    )
-    check_layers(config.model.num_layers, records, stack, "args.model.num_layers", source, "its shard files")
+    stacks = family.pipeline.layer_stacks
+    if stacks:  # the first stack holds --num-layers layers
+        check_layers(
+            config.model.num_layers,
+            records,
+            f"{stacks[0]}.layers.",
+            "args.model.num_layers",
+            source,
+            "its shard files",
+        )
     model = config.model
     expected = model_shapes(config, saved.padded_vocab_size, family, source)
     sizes = f"num_layers {model.num_layers}, hidden_size {model.hidden_size}, ffn_hidden_size {model.ffn_hidden_size}"

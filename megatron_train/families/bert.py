@@ -49,6 +49,7 @@ ENCODER_PIPELINE = PipelineSplit(
         "binary_head.",
         "classification_head.",
     ),
+    layer_stacks=("encoder",),
 )
 
 

@@ -111,11 +111,14 @@ def uniform_layer_range(
 class PipelineSplit:
     """How a family's model is cut into pipeline stages: the global layers a stage (or virtual stage) holds, and
     which tensors outside the layer stacks the first and the last stage hold. Checkpoint names, resharding and the
-    converters' savers cut a model with it (`checkpointing.layout.stage_tensor_names`)."""
+    converters' savers cut a model with it (`checkpointing.layout.stage_tensor_names`). `layer_stacks`: the
+    model's stacks of `<stack>.layers.<i>.` tensors, the first of --num-layers layers (none: a model without
+    transformer layers)."""
 
     first_stage_prefixes: tuple[str, ...]
     last_stage_prefixes: tuple[str, ...]
     layer_range: Callable[[TransformerConfig, int, int, int, int | None], range] = uniform_layer_range
+    layer_stacks: tuple[str, ...] = ("decoder",)
 
     def stage_layers(
         self, model: TransformerConfig, pp_rank: int, pp_size: int, vp_size: int | None = None

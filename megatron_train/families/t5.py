@@ -107,6 +107,7 @@ T5 = ModelFamily(
         ("embedding.", "encoder_relative_position.", "decoder_relative_position."),
         ("encoder.final_layernorm.", "decoder.final_layernorm.", "output_layer."),
         t5_layer_range,
+        ("encoder", "decoder"),
     ),
     forward_step=forward_step,
     datasets_provider=datasets_provider,

@@ -107,7 +107,7 @@ TOY = ModelFamily(
     layouts=Layouts(
         frozenset({"tensor"}), {"pipeline": "the toy model is one stage: drop --pipeline-model-parallel-size"}
     ),
-    pipeline=PipelineSplit(("embedding.",), ("mixer.", "final_norm.", "output_layer.")),
+    pipeline=PipelineSplit(("embedding.",), ("mixer.", "final_norm.", "output_layer."), layer_stacks=()),
     forward_step=functools.partial(forward_step, inputs=()),
     datasets_provider=datasets_provider,
     per_token_loss=True,
