@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from megatron_train.models.config import TransformerConfig
+from megatron_train.parallel.layers import merge_rank_slices, slice_for_rank
 
 if TYPE_CHECKING:  # the families import the checkpointing package; the type alone is needed here
     from megatron_train.families.family import PipelineSplit
@@ -33,24 +34,40 @@ class TensorSharding:
     """How one param is laid out across TP ranks: `partition_dim` -1 means replicated on every rank.
 
     With stride s the global dim is cut into TP * s equal chunks and TP rank r holds chunks r, r + TP, ...
-    (a SwiGLU fc1 [gate; up] has s = 2, so each rank holds [gate_r; up_r]).
+    (a SwiGLU fc1 [gate; up] has s = 2, so each rank holds [gate_r; up_r]). `partition_sizes`: the dim packs
+    parts of these sizes, each split over TP on its own (Mamba's in-projection [z, x, B, C, dt]).
     """
 
     partition_dim: int = -1
     partition_stride: int = 1
+    partition_sizes: tuple[int, ...] | None = None
 
     @property
     def is_split(self) -> bool:
         return self.partition_dim >= 0
 
 
+def sharding_of(record: dict) -> TensorSharding:
+    """The TP split a checkpoint's record of a tensor gives (records before `partition_sizes` have none)."""
+    sizes = record.get("partition_sizes")
+    return TensorSharding(
+        record["partition_dim"], record["partition_stride"], None if sizes is None else tuple(sizes)
+    )
+
+
+def param_sharding(param: torch.Tensor | None) -> TensorSharding:
+    """The TP split of a model's param, from Megatron's attributes (none: replicated)."""
+    if not getattr(param, "tensor_model_parallel", False):
+        return TensorSharding()
+    sizes = getattr(param, "partition_sizes", None)
+    return TensorSharding(int(param.partition_dim), int(getattr(param, "partition_stride", 1)), sizes)
+
+
 def merge_tp_shards(shards: Sequence[torch.Tensor], sharding: TensorSharding) -> torch.Tensor:
     """The global tensor from its TP shards, in TP rank order (inverse of `split_tp_shard`)."""
     if not sharding.is_split or len(shards) == 1:
         return shards[0]
-    dim, stride = sharding.partition_dim, sharding.partition_stride
-    pieces = [shard.chunk(stride, dim=dim) for shard in shards]
-    return torch.cat([rank_pieces[i] for i in range(stride) for rank_pieces in pieces], dim=dim)
+    return merge_rank_slices(shards, sharding.partition_dim, sharding.partition_stride, sharding.partition_sizes)
 
 
 def split_tp_shard(
@@ -59,14 +76,10 @@ def split_tp_shard(
     """TP rank `tp_rank`'s slice of a global tensor (the same cut `sharded_master_weight` makes at init)."""
     if not sharding.is_split or tp_size == 1:
         return tensor
-    dim, stride = sharding.partition_dim, sharding.partition_stride
-    if tensor.shape[dim] % (tp_size * stride):
-        raise ValueError(
-            f"{name}: dim {dim} of size {tensor.shape[dim]} cannot be split into {tp_size} TP ranks x stride "
-            f"{stride}; pick a tensor model parallel size that divides it"
-        )
-    pieces = tensor.chunk(tp_size * stride, dim=dim)
-    return torch.cat(pieces[tp_rank::tp_size], dim=dim).contiguous()
+    dim = sharding.partition_dim
+    return slice_for_rank(
+        tensor, dim, tp_size, tp_rank, sharding.partition_stride, sharding.partition_sizes, f"{name} dim {dim}"
+    )
 
 
 def resize_vocab(tensor: torch.Tensor, padded_vocab_size: int, replicate_last_row: bool) -> torch.Tensor:

@@ -20,6 +20,7 @@ from megatron_train.checkpointing.layout import (
     TensorSharding,
     global_param_name,
     layer_number,
+    param_sharding,
 )
 from megatron_train.families.registry import DEFAULT_FAMILY, get_family
 from megatron_train.parallel import state
@@ -94,6 +95,7 @@ def sharding_record(
         "tensor_model_parallel": sharding.is_split,
         "partition_dim": sharding.partition_dim,
         "partition_stride": sharding.partition_stride,
+        "partition_sizes": None if sharding.partition_sizes is None else list(sharding.partition_sizes),
         "sequence_parallel": sequence_parallel,
         "tp_rank": tp_rank,
         "tp_size": tp_size,
@@ -111,12 +113,9 @@ def sharding_records(model: torch.nn.Module, names: dict[str, str]) -> dict[str,
     records = {}
     for local, name in names.items():
         param = params.get(local)
-        split = bool(getattr(param, "tensor_model_parallel", False))
-        sharding = TensorSharding(
-            int(param.partition_dim) if split else -1, int(getattr(param, "partition_stride", 1))
-        )
+        sharding = param_sharding(param)
         global_shape = list(weights[local].shape)
-        if split:
+        if sharding.is_split:
             global_shape[sharding.partition_dim] *= tp_size
         records[name] = sharding_record(
             global_shape,

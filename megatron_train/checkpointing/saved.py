@@ -27,6 +27,7 @@ from megatron_train.checkpointing.layout import (
     merge_tp_shards,
     module_order,
     resize_vocab,
+    sharding_of,
     split_tp_shard,
     true_vocab_range,
 )
@@ -153,7 +154,7 @@ class SavedCheckpoint:
     def sharding(self, name: str, kind: str = "model") -> TensorSharding:
         """How a tensor (optimizer tensors: `<param>.<state>`, split like their param) is cut across TP."""
         record = self._record(param_of(name, kind))
-        return TensorSharding(record["partition_dim"], record["partition_stride"])
+        return sharding_of(record)
 
     def _repads(self, name: str, kind: str, padded_vocab_size: int) -> bool:
         param = param_of(name, kind)

@@ -79,6 +79,7 @@ from megatron_train.convert.weights import (
     trim_vocab,
 )
 from megatron_train.families.family import ModelFamily
+from megatron_train.parallel.layers import rank_pieces
 from storage.atomic import atomic_write_text
 
 CONFIG_FILE = "metadata.json"
@@ -444,14 +445,14 @@ def _tp_chunks(
     tensor: torch.Tensor, sharding: TensorSharding, tp: int, tp_rank: int
 ) -> list[tuple[torch.Tensor, list[int]]]:
     """TP rank `tp_rank`'s contiguous pieces of a global tensor with their offsets: one for a plain split, one
-    per stride for a strided one (fc1's gate and up halves); a replicated tensor is written by TP rank 0."""
+    per part for a strided or packed one (fc1's gate and up halves); a replicated tensor is written by TP rank 0."""
     if not sharding.is_split:
         return [(tensor, [0] * tensor.dim())] if tp_rank == 0 else []
-    dim, stride = sharding.partition_dim, sharding.partition_stride
-    size = tensor.shape[dim] // (tp * stride)
+    dim = sharding.partition_dim
     pieces = []
-    for part in range(stride):
-        start = (part * tp + tp_rank) * size
+    for start, size in rank_pieces(
+        tensor.shape[dim], tp, tp_rank, sharding.partition_stride, sharding.partition_sizes
+    ):
         offsets = [0] * tensor.dim()
         offsets[dim] = start
         pieces.append((tensor.narrow(dim, start, size).contiguous(), offsets))

@@ -14,7 +14,13 @@ from dataclasses import dataclass, field
 import torch
 
 from megatron_train.arguments import MegatronConfig
-from megatron_train.checkpointing.layout import VOCAB_PARAMS, TensorSharding, check_layout, resize_vocab
+from megatron_train.checkpointing.layout import (
+    VOCAB_PARAMS,
+    TensorSharding,
+    check_layout,
+    param_sharding,
+    resize_vocab,
+)
 from megatron_train.families.family import ModelFamily
 from megatron_train.families.registry import DEFAULT_FAMILY, get_family
 from megatron_train.parallel import state
@@ -64,14 +70,7 @@ def _meta_params(
                 f"{where}: its settings describe no model that can be built ({error})"
             ) from error
         _META_PARAMS[key] = {
-            name: (
-                TensorSharding(
-                    int(param.partition_dim) if getattr(param, "tensor_model_parallel", False) else -1,
-                    int(getattr(param, "partition_stride", 1)),
-                ),
-                tuple(param.shape),
-            )
-            for name, param in model.named_parameters()
+            name: (param_sharding(param), tuple(param.shape)) for name, param in model.named_parameters()
         }
     return _META_PARAMS[key]
 

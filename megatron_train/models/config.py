@@ -12,7 +12,9 @@ from typing import Literal, get_args
 
 import torch
 
-PositionEmbeddingType = Literal["learned_absolute", "rope", "relative"]
+from megatron_train.models.hybrid_pattern import hybrid_layer_count, pattern_from_ratios
+
+PositionEmbeddingType = Literal["learned_absolute", "rope", "relative", "none"]
 Normalization = Literal["LayerNorm", "RMSNorm"]
 ActivationFunc = Literal["gelu", "relu"]
 RecomputeGranularity = Literal["full", "selective"]
@@ -65,7 +67,8 @@ class TransformerConfig:
     position_embedding_type: PositionEmbeddingType = field(
         default="learned_absolute",
         metadata={
-            "help": "Position embedding: learned_absolute, rope, or relative (T5's bucketed attention bias)."
+            "help": "Position embedding: learned_absolute, rope, relative (T5's bucketed attention bias), or none "
+            "(Mamba and hybrid models: the Mamba layers see the order)."
         },
     )
     rotary_percent: float = field(
@@ -186,7 +189,43 @@ class TransformerConfig:
         metadata={"help": "Distance from which relative positions share the last bucket (T5: 128)."},
     )
 
+    hybrid_layer_pattern: str | None = field(
+        default=None,
+        metadata={
+            "help": "A hybrid (Mamba) model's layers, one symbol each: M Mamba, * attention, - MLP, E MoE; | "
+            "cuts pipeline stages (Megatron's pretrain_hybrid). The layer count comes from it."
+        },
+    )
+    hybrid_override_pattern: str | None = field(
+        default=None, metadata={"help": "Deprecated name of --hybrid-layer-pattern (Megatron's older flag)."}
+    )
+    hybrid_attention_ratio: float = field(
+        default=0.0,
+        metadata={
+            "help": "Deprecated: without a pattern, the share of --num-layers that are attention layers (evenly "
+            "spaced among Mamba layers, as Megatron's pattern_from_ratios)."
+        },
+    )
+    hybrid_mlp_ratio: float = field(
+        default=0.0,
+        metadata={"help": "Deprecated: without a pattern, the share of --num-layers that are MLP layers."},
+    )
+    mamba_state_dim: int = field(default=128, metadata={"help": "Mamba-2 SSM state size per head (d_state)."})
+    mamba_head_dim: int = field(default=64, metadata={"help": "Mamba-2 head dimension."})
+    mamba_num_groups: int = field(
+        default=8, metadata={"help": "Mamba-2 groups of heads sharing B and C (split across TP)."}
+    )
+    mamba_num_heads: int | None = field(
+        default=None,
+        metadata={"help": "Mamba-2 heads; default 2 * hidden-size / mamba-head-dim (expand 2, as Megatron)."},
+    )
+
     def __post_init__(self) -> None:
+        # Megatron: --hybrid-override-pattern is the older name of --hybrid-layer-pattern; the pattern sets the
+        # layer count (a different --num-layers is refused), the deprecated ratios make a pattern of it.
+        self.hybrid_layer_pattern = _hybrid_pattern(self)
+        if self.hybrid_layer_pattern is not None:
+            self.num_layers = hybrid_layer_count(self.hybrid_layer_pattern, self.num_layers)
         # Megatron: --encoder-num-layers / --encoder-seq-length are other names of --num-layers / --seq-length.
         self.num_layers = _one_of(
             self.num_layers, self.encoder_num_layers, "--num-layers", "--encoder-num-layers"
@@ -345,6 +384,24 @@ class TransformerConfig:
             seq_length=seq_length,
             **settings,
         )
+
+
+def _hybrid_pattern(config: TransformerConfig) -> str | None:
+    """The layer pattern the hybrid flags give: --hybrid-layer-pattern, its older name, or one made from
+    --num-layers and the deprecated ratios (None: not a hybrid model)."""
+    pattern = config.hybrid_layer_pattern
+    if config.hybrid_override_pattern is not None:
+        if pattern is not None and pattern != config.hybrid_override_pattern:
+            raise ValueError(
+                "--hybrid-override-pattern is the deprecated name of --hybrid-layer-pattern: give one of them"
+            )
+        pattern, config.hybrid_override_pattern = config.hybrid_override_pattern, None
+    ratios = config.hybrid_attention_ratio, config.hybrid_mlp_ratio
+    if pattern is None and any(ratios):
+        if config.num_layers is None:
+            raise ValueError("--hybrid-attention-ratio / --hybrid-mlp-ratio need --num-layers")
+        pattern = pattern_from_ratios(config.num_layers, *ratios)
+    return pattern
 
 
 def _one_of(value: int | None, alias: int | None, flag: str, alias_flag: str) -> int | None:

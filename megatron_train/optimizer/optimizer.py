@@ -241,7 +241,7 @@ class MegatronOptimizer:
 
 def copy_parallel_attributes(source: torch.Tensor, target: torch.Tensor) -> None:
     """Carry TP sharding and tied-weight marks over to an fp32 main param (the grad-norm rules read them)."""
-    for attr in ("tensor_model_parallel", "partition_dim", "partition_stride", "shared"):
+    for attr in ("tensor_model_parallel", "partition_dim", "partition_stride", "partition_sizes", "shared"):
         if hasattr(source, attr):
             setattr(target, attr, getattr(source, attr))
 

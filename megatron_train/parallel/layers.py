@@ -3,7 +3,8 @@
 Every rank builds the full master weight from the default (CPU) generator, then keeps its slice
 (Megatron's `_initialize_affine_weight_cpu`): with the same seed, a TP=N model holds exactly the TP=1
 model's weights, split. Sharded parameters carry `tensor_model_parallel=True`, `partition_dim` and
-`partition_stride`; replicated parameters that see only a sequence shard under sequence parallelism carry
+`partition_stride`, or `partition_sizes` when the dim packs parts of different sizes (Mamba's fused in-projection
+[z, x, B, C, dt]: each part is split over TP on its own, as Megatron-Core's `partition_sizes`); replicated parameters that see only a sequence shard under sequence parallelism carry
 `sequence_parallel=True`, and their gradients are summed over TP by `allreduce_sequence_parallel_grads`.
 Each layer communicates over the tensor-parallel group it is given (`tp_group`, from its model's
 ProcessGroupCollection); none given, over parallel.state's.
@@ -11,7 +12,7 @@ ProcessGroupCollection); none given, over parallel.state's.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -41,33 +42,86 @@ def divide(numerator: int, denominator: int, what: str) -> int:
     return numerator // denominator
 
 
-def set_tensor_model_parallel_attributes(param: torch.Tensor, partition_dim: int, stride: int = 1) -> None:
+def set_tensor_model_parallel_attributes(
+    param: torch.Tensor, partition_dim: int, stride: int = 1, partition_sizes: Sequence[int] | None = None
+) -> None:
     param.tensor_model_parallel = True
     param.partition_dim = partition_dim
     param.partition_stride = stride
+    if partition_sizes is not None:
+        param.partition_sizes = tuple(partition_sizes)
+
+
+def part_sizes(length: int, stride: int = 1, partition_sizes: Sequence[int] | None = None) -> list[int]:
+    """The parts a partitioned dim of `length` packs, each split over TP on its own: `partition_sizes`, or
+    `stride` equal parts (a SwiGLU fc1 [gate; up] has stride 2)."""
+    if partition_sizes is None:
+        return [length // stride] * stride
+    if sum(partition_sizes) != length:
+        raise ValueError(f"partition sizes {list(partition_sizes)} do not add up to the dim's {length}")
+    return list(partition_sizes)
+
+
+def rank_pieces(
+    length: int,
+    tp_size: int,
+    tp_rank: int,
+    stride: int = 1,
+    partition_sizes: Sequence[int] | None = None,
+    what: str = "partitioned weight dimension",
+) -> list[tuple[int, int]]:
+    """(start, length) along the partitioned dim of each piece TP rank `tp_rank` holds, in order: its share of
+    every part (with stride s: chunks r, r + TP, ... of TP * s equal chunks)."""
+    pieces, start = [], 0
+    for size in part_sizes(length, stride, partition_sizes):
+        share = divide(size, tp_size, what)
+        pieces.append((start + tp_rank * share, share))
+        start += size
+    return pieces
+
+
+def slice_for_rank(
+    tensor: torch.Tensor,
+    dim: int,
+    tp_size: int,
+    tp_rank: int,
+    stride: int = 1,
+    partition_sizes: Sequence[int] | None = None,
+    what: str = "partitioned weight dimension",
+) -> torch.Tensor:
+    """TP rank `tp_rank`'s slice of a whole tensor split along `dim` (see `rank_pieces`)."""
+    pieces = rank_pieces(tensor.shape[dim], tp_size, tp_rank, stride, partition_sizes, what)
+    return torch.cat([tensor.narrow(dim, start, size) for start, size in pieces], dim=dim).contiguous()
+
+
+def merge_rank_slices(
+    shards: Sequence[torch.Tensor], dim: int, stride: int = 1, partition_sizes: Sequence[int] | None = None
+) -> torch.Tensor:
+    """The whole tensor from every TP rank's slice, in rank order (inverse of `slice_for_rank`)."""
+    tp_size = len(shards)
+    sizes = part_sizes(shards[0].shape[dim] * tp_size, stride, partition_sizes)
+    per_rank = [shard.split([size // tp_size for size in sizes], dim=dim) for shard in shards]
+    return torch.cat([pieces[part] for part in range(len(sizes)) for pieces in per_rank], dim=dim)
 
 
 def sharded_master_weight(
-    full_shape: tuple[int, int],
+    full_shape: tuple[int, ...],
     partition_dim: int,
     stride: int,
     init_method: InitMethod,
     dtype: torch.dtype,
     tp_group: dist.ProcessGroup | None = None,
+    partition_sizes: Sequence[int] | None = None,
 ) -> nn.Parameter:
-    """Initialise the full weight on the CPU, keep this rank's `stride` interleaved chunks along the dim.
-
-    With stride s the full dim is cut into TP * s equal chunks and rank r keeps chunks r, r + TP, ...
-    (e.g. a SwiGLU fc1 [gate; up] gives each rank [gate_r; up_r]).
-    """
+    """Initialise the full weight on the CPU, keep this rank's slice along the dim (`slice_for_rank`: its share
+    of each of the `stride` equal parts, or of each of `partition_sizes`), as `split_tp_shard` cuts checkpoints."""
     master = torch.empty(full_shape, dtype=torch.float32)
     init_method(master)
     tp_group = state.tensor_group_or_default(tp_group)
     world_size, rank = state.group_size(tp_group), state.group_rank(tp_group)
-    chunk = divide(full_shape[partition_dim], world_size * stride, "partitioned weight dimension")
-    pieces = torch.split(master, chunk, dim=partition_dim)
-    weight = nn.Parameter(torch.cat(pieces[rank::world_size], dim=partition_dim).to(dtype).contiguous())
-    set_tensor_model_parallel_attributes(weight, partition_dim, stride)
+    local = slice_for_rank(master, partition_dim, world_size, rank, stride, partition_sizes)
+    weight = nn.Parameter(local.to(dtype))
+    set_tensor_model_parallel_attributes(weight, partition_dim, stride, partition_sizes)
     return weight
 
 
@@ -88,6 +142,7 @@ class ColumnParallelLinear(nn.Module):
         bias: bool = True,
         gather_output: bool = False,
         stride: int = 1,
+        partition_sizes: Sequence[int] | None = None,
         sequence_parallel: bool = False,
         skip_weight_param_allocation: bool = False,
         params_dtype: torch.dtype = torch.float32,
@@ -102,13 +157,13 @@ class ColumnParallelLinear(nn.Module):
             None
             if skip_weight_param_allocation
             else sharded_master_weight(
-                (output_size, input_size), 0, stride, init_method, params_dtype, self.tp_group
+                (output_size, input_size), 0, stride, init_method, params_dtype, self.tp_group, partition_sizes
             )
         )
         self.bias = None
         if bias:
             self.bias = nn.Parameter(torch.zeros(self.output_size_per_partition, dtype=params_dtype))
-            set_tensor_model_parallel_attributes(self.bias, 0, stride)
+            set_tensor_model_parallel_attributes(self.bias, 0, stride, partition_sizes)
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
         weight = self.weight if weight is None else weight

@@ -45,8 +45,8 @@ from megatron_train.checkpointing import (
     write_shard,
 )
 from megatron_train.checkpointing.layout import (
-    TensorSharding,
     check_layout,
+    sharding_of,
     split_tp_shard,
     stage_tensor_names,
 )
@@ -241,7 +241,7 @@ def _target_record(
     pp_size: int,
     name: str,
 ) -> dict:
-    sharding = TensorSharding(source["partition_dim"], source["partition_stride"])
+    sharding = sharding_of(source)
     global_shape = list(local_shape)
     if sharding.is_split:
         global_shape[sharding.partition_dim] *= tp_size
