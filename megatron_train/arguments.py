@@ -74,6 +74,7 @@ ACCEPTED_FLAG_NOTES: dict[str, str] = {
     "mmap_bin_files": ".bin files are always memory-mapped (read-only, nothing is loaded up front)",
     "ckpt_format": "checkpoints are always the run-directory format that reshards across TP/PP/DP",
     "context_parallel_size": "context parallel size 1 is no context parallelism",
+    "spec": "the model family builds its own layers (Megatron-Core's local spec names); no spec is imported",
     "log_throughput": "every log line already carries 'throughput per GPU (TFLOP/s/GPU)'",
     "use_pytorch_profiler": "--profile always uses torch's profiler here",
 }

@@ -67,7 +67,9 @@ def merge_tp_shards(shards: Sequence[torch.Tensor], sharding: TensorSharding) ->
     """The global tensor from its TP shards, in TP rank order (inverse of `split_tp_shard`)."""
     if not sharding.is_split or len(shards) == 1:
         return shards[0]
-    return merge_rank_slices(shards, sharding.partition_dim, sharding.partition_stride, sharding.partition_sizes)
+    return merge_rank_slices(
+        shards, sharding.partition_dim, sharding.partition_stride, sharding.partition_sizes
+    )
 
 
 def split_tp_shard(
@@ -78,7 +80,13 @@ def split_tp_shard(
         return tensor
     dim = sharding.partition_dim
     return slice_for_rank(
-        tensor, dim, tp_size, tp_rank, sharding.partition_stride, sharding.partition_sizes, f"{name} dim {dim}"
+        tensor,
+        dim,
+        tp_size,
+        tp_rank,
+        sharding.partition_stride,
+        sharding.partition_sizes,
+        f"{name} dim {dim}",
     )
 
 

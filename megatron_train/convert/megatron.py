@@ -55,7 +55,6 @@ from megatron_train.convert.weights import (
 from megatron_train.data.config import DataConfig
 from megatron_train.families.family import MegatronNames, ModelFamily
 from megatron_train.models.config import TransformerConfig
-from megatron_train.models.transformer import get_layer_range
 from megatron_train.training.config import TokenizerConfig
 from storage.atomic import atomic_path, atomic_write_text
 
@@ -216,10 +215,11 @@ def _legacy_qkv(tensor: torch.Tensor, version: float, heads: int, where: str) ->
 
 
 def _our_names(
-    state: dict[str, Any], version: float, local_heads: int, stack: str, where: str
+    state: dict[str, Any], version: float, local_heads: int, names: MegatronNames, where: str
 ) -> dict[str, torch.Tensor]:
     """One rank's model state under our names (layer numbers still local); TE extra state dropped. The older
-    names are renamed only in an older model's state (one holding `language_model`)."""
+    names are renamed only in an older model's state (one holding `language_model`); the family's own
+    (`MegatronNames.renames`) after TransformerEngine's."""
     tensors = {}
     renames = _LEGACY_NAMES if "language_model" in state else []
     for name, value in _flatten(state).items():
@@ -228,9 +228,9 @@ def _our_names(
         if not isinstance(value, torch.Tensor):
             raise CheckpointError(f"{where}: {name} is a {type(value).__name__}, not a tensor")
         for pattern, replacement in renames:
-            name = re.sub(pattern, replacement.format(stack=stack), name)
-        for te_name, ours in TE_NAMES.items():
-            name = name.replace(te_name, ours)
+            name = re.sub(pattern, replacement.format(stack=names.layer_stack), name)
+        for theirs, ours in (*TE_NAMES.items(), *names.renames.items()):
+            name = name.replace(theirs, ours)
         if name.endswith(("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias")):
             value = _legacy_qkv(value, version, local_heads, where)
         tensors[name] = value
@@ -348,19 +348,21 @@ class LegacyCheckpoint:
     def rank_tensors(self, tp_rank: int, pp_rank: int, family: ModelFamily) -> list[tuple[str, torch.Tensor]]:
         """A rank's model tensors in the order its file holds them (its parameters' order), under our global
         names (Megatron-LM's files split the layers evenly over the stages); the last stage's copy of a tied
-        output layer keeps the name `output_layer.weight`."""
-        layer_stack = megatron_names(family, "--loader megatron").layer_stack
+        output layer keeps the name `output_layer.weight`; the stages hold the layers the family's split gives
+        them (Megatron-LM's even split, a hybrid pattern's cuts)."""
+        names = megatron_names(family, "--loader megatron")
         args = self.args
         chunks = self.model_chunks(tp_rank, pp_rank)
         virtual_size = len(chunks) if len(chunks) > 1 else None
         heads = args.num_attention_heads // args.tensor_model_parallel_size
         where = self.path(tp_rank, pp_rank)
+        model = config_from_args(args, args.padded_vocab_size, where).model  # what the family's split reads
         tensors = []
         for virtual_rank, chunk in enumerate(chunks):
-            layers = get_layer_range(
-                args.num_layers, pp_rank, args.pipeline_model_parallel_size, virtual_rank, virtual_size
+            layers = family.pipeline.layer_range(
+                model, pp_rank, args.pipeline_model_parallel_size, virtual_rank, virtual_size
             )
-            for name, tensor in _our_names(chunk, self.version, heads, layer_stack, where).items():
+            for name, tensor in _our_names(chunk, self.version, heads, names, where).items():
                 local = _LOCAL_LAYER.match(name)
                 if local:
                     name = f"{local.group(1)}.layers.{layers.start + int(local.group(2))}.{local.group(3)}"

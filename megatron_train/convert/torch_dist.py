@@ -78,7 +78,7 @@ from megatron_train.convert.weights import (
     padded_vocab_for_layout,
     trim_vocab,
 )
-from megatron_train.families.family import ModelFamily
+from megatron_train.families.family import MegatronNames, ModelFamily
 from megatron_train.parallel.layers import rank_pieces
 from storage.atomic import atomic_write_text
 
@@ -300,7 +300,7 @@ class DistCheckpoint:
     def weights(self, true_vocab_size: int | None, family: ModelFamily) -> ModelWeights:
         """The model of `family` at any saved layout, its vocabulary cut to `true_vocab_size`. The args are
         checked against DCP's index (`_check_index`) before a tensor is allocated."""
-        layer_stack = megatron_names(family, "--loader torch_dist").layer_stack
+        layer_stack = torch_dist_names(family, "--loader torch_dist").layer_stack
         config = config_from_args(self.args, true_vocab_size, self.iteration_dir)
         keys = {key: key for key in self._tensor_keys() if key.startswith(MODEL_PREFIXES)}
         items = self.metadata.state_dict_metadata
@@ -441,6 +441,14 @@ def _check_index(
             )
 
 
+def torch_dist_names(family: ModelFamily, flag: str) -> MegatronNames:
+    """The family's Megatron names, refused naming `flag` where its layers are not in the torch_dist mapping."""
+    names = megatron_names(family, flag)
+    if names.torch_dist is not None:
+        raise ValueError(f"{flag}: the {family.name} family: {names.torch_dist}")
+    return names
+
+
 def _tp_chunks(
     tensor: torch.Tensor, sharding: TensorSharding, tp: int, tp_rank: int
 ) -> list[tuple[torch.Tensor, list[int]]]:
@@ -495,7 +503,7 @@ def save(
     """Write `weights` as Megatron-Core would save them from (target_tp, target_pp) ranks, built beside
     `save_dir` and moved into place whole (`convert.target`); returns the iteration folder."""
     config = weights.config
-    megatron_names(weights.family, "--saver torch_dist")
+    torch_dist_names(weights.family, "--saver torch_dist")
     padded = padded_vocab_for_layout(weights, target_tp, target_pp)
     with output_folder(save_dir, overwrite, padded_size_of(weights, padded)) as out:
         config.tokenizer = copy_tokenizer(config.tokenizer, weights.tokenizer_files, out, save_dir)

@@ -135,9 +135,13 @@ class PipelineSplit:
 class MegatronNames:
     """What Megatron-LM's checkpoint formats (`--loader/--saver megatron|torch_dist`) need of a family: the
     layer stack its layers live in (GPT's `decoder`, BERT's `encoder`), which the older `language_model.*`
-    names map to and whose layers torch_dist stacks on a first axis."""
+    names map to and whose layers torch_dist stacks on a first axis; `renames`: Megatron's names of the family's
+    own tensors -> ours, read from its legacy files (the hybrid family's TransformerEngine-fused Mamba norms);
+    `torch_dist`: whether its layers are in the torch_dist mapping (None: why not)."""
 
     layer_stack: str
+    renames: Mapping[str, str] = field(default_factory=dict)
+    torch_dist: str | None = None
 
 
 @dataclass(frozen=True)

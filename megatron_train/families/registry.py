@@ -24,6 +24,7 @@ BUILTIN_FAMILIES = {
     "bert": "megatron_train.families.bert:BERT",
     "bert_classifier": "megatron_train.tasks.finetune.model:BERT_CLASSIFIER",
     "t5": "megatron_train.families.t5:T5",
+    "hybrid": "megatron_train.families.hybrid:HYBRID",
     "retro": "retro.family:RETRO",
 }
 # A checkpoint without a family record was written before it existed, when every checkpoint was GPT's.

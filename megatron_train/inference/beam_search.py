@@ -6,7 +6,8 @@ become finished hypotheses scored sum(logprobs) / generated_length ** length_pen
 the best `beam` others continue. Search stops when `beam` hypotheses are finished and the best running beam,
 scored at the current length, cannot beat the worst of them (`transformers`' `early_stopping=False`), or at
 `tokens_to_generate`, where the best continuations are finished as they are. Under pipeline parallelism the
-last stage decides and broadcasts its choices; every stage reorders its KV cache by them.
+last stage decides and broadcasts its choices; every stage reorders its cache by them (a hybrid model's conv and
+SSM states with its keys and values).
 """
 
 from __future__ import annotations
@@ -132,8 +133,7 @@ def beam_search(
             order = choice[:beam]
             tokens = tokens[order]
             tokens[:, context_length] = choice[beam : 2 * beam]
-            kv_cache.keys[:, :beam] = kv_cache.keys[:, order]
-            kv_cache.values[:, :beam] = kv_cache.values[:, order]
+            kv_cache.reorder(order)
             previous = context_length
     finally:
         model.train(was_training)

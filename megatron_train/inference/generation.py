@@ -134,7 +134,11 @@ def check_fits(model: torch.nn.Module, tokens: torch.Tensor) -> None:
 
 
 def allocate_kv_cache(model: torch.nn.Module, batch_size: int, max_seq_len: int) -> KVCache:
-    """An empty KV cache shaped for this model's attention on this tensor- and pipeline-parallel rank."""
+    """An empty KV cache shaped for this model's attention on this tensor- and pipeline-parallel rank; a model
+    whose past is more than keys and values allocates its own (a hybrid model's conv and SSM states:
+    `allocate_inference_cache`)."""
+    if hasattr(model, "allocate_inference_cache"):
+        return model.allocate_inference_cache(batch_size, max_seq_len)
     config = model.config
     weight = next(model.parameters())
     return KVCache(

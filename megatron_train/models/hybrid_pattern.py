@@ -27,7 +27,9 @@ def check_pattern(pattern: str) -> None:
     for position, symbol in enumerate(pattern):
         if symbol in LAYER_SYMBOLS and symbol not in _NOT_BUILT or symbol == PIPE:
             continue
-        reason = _NOT_BUILT.get(symbol, "it is none of M (Mamba), * (attention), - (MLP), E (MoE), | (stage cut)")
+        reason = _NOT_BUILT.get(
+            symbol, "it is none of M (Mamba), * (attention), - (MLP), E (MoE), | (stage cut)"
+        )
         raise ValueError(f"--hybrid-layer-pattern {pattern!r}: symbol {symbol!r} at {position}: {reason}")
     if any(not segment for segment in pattern.split(PIPE)):
         raise ValueError(f"--hybrid-layer-pattern {pattern!r}: a pipeline segment between | has no layers")

@@ -32,6 +32,12 @@ class KVCache:
     def reset(self) -> None:
         self.seq_len_offset = 0
 
+    def reorder(self, order: torch.Tensor) -> None:
+        """Row i continues from row `order[i]`'s past (beam search keeps the beams it extends)."""
+        rows = order.numel()
+        self.keys[:, :rows] = self.keys[:, order]
+        self.values[:, :rows] = self.values[:, order]
+
     def update(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store new key/value [b, s_new, kv_heads, d] at the offset; return all keys/values so far
         [b, offset + s_new, kv_heads, d]."""

@@ -35,7 +35,9 @@ def segment_sums(a: torch.Tensor) -> torch.Tensor:
     length = a.shape[-1]
     below = torch.ones(length, length, dtype=torch.bool, device=a.device).tril(-1)
     sums = a[..., :, None].expand(*a.shape, length).masked_fill(~below, 0.0).cumsum(-2)  # [.., m, j] = a[m]
-    return sums.masked_fill(~below.logical_or(torch.eye(length, dtype=torch.bool, device=a.device)), -torch.inf)
+    return sums.masked_fill(
+        ~below.logical_or(torch.eye(length, dtype=torch.bool, device=a.device)), -torch.inf
+    )
 
 
 def log_decays(dt: torch.Tensor, A: torch.Tensor, seq_idx: torch.Tensor | None) -> torch.Tensor:
@@ -49,9 +51,7 @@ def log_decays(dt: torch.Tensor, A: torch.Tensor, seq_idx: torch.Tensor | None) 
     return a.masked_fill(starts[..., None], -torch.inf)
 
 
-def discretize(
-    dt: torch.Tensor, dt_bias: torch.Tensor | None, dt_softplus: bool
-) -> torch.Tensor:
+def discretize(dt: torch.Tensor, dt_bias: torch.Tensor | None, dt_softplus: bool) -> torch.Tensor:
     """The step sizes in fp32: softplus(dt + dt_bias) as Mamba-2 does, or dt as given."""
     dt = dt.float()
     if dt_bias is not None:

@@ -37,11 +37,23 @@ class AttentionTerm:
 
 
 @dataclass(frozen=True)
+class ScanTerm:
+    """`layers` Mamba selective scans over `tokens` tokens, each `width` (heads x head dim) channels with a state
+    of `state_dim` per channel."""
+
+    layers: int
+    tokens: int
+    width: int
+    state_dim: int
+
+
+@dataclass(frozen=True)
 class ModelTerms:
-    """A model's weights and attentions for one sample (of the family's sequence lengths)."""
+    """A model's weights, attentions and selective scans for one sample (of the family's sequence lengths)."""
 
     weights: tuple[WeightTerm, ...]
     attention: tuple[AttentionTerm, ...] = ()
+    scans: tuple[ScanTerm, ...] = ()
 
     def num_parameters(self) -> int:
         """Every stored parameter of the whole model (the padded vocabulary's rows included)."""
@@ -50,13 +62,17 @@ class ModelTerms:
     def flops_per_sample(self) -> float:
         """Forward + backward FLOPs of one sample (Megatron's `num_floating_point_operations`: the backward counts
         twice the forward): 2 per multiply-add of a weight with a token, 4 x queries x keys x width per attention
-        (scores and their weighted sum), causal attention counted in full as Megatron does."""
+        (scores and their weighted sum), causal attention counted in full as Megatron does, and Megatron's 7 x
+        tokens x width x state per selective scan."""
         matmuls = sum(term.count * term.tokens for term in self.weights)
         attention = sum(a.layers * a.queries * a.keys * a.width for a in self.attention)
-        return 3 * (2 * matmuls + 4 * attention)
+        scans = sum(scan.layers * scan.tokens * scan.width * scan.state_dim for scan in self.scans)
+        return 3 * (2 * matmuls + 4 * attention + 7 * scans)
 
     def __add__(self, other: ModelTerms) -> ModelTerms:
-        return ModelTerms(self.weights + other.weights, self.attention + other.attention)
+        return ModelTerms(
+            self.weights + other.weights, self.attention + other.attention, self.scans + other.scans
+        )
 
 
 def norm_parameters(config: TransformerConfig) -> int:
@@ -80,22 +96,44 @@ def layer_stack_terms(
     over `tokens` tokens, each query attending to `keys` of them (default all: one sequence; causal attention is
     counted in full, as Megatron does), and a final norm when `final_norm`. A layer's cross-attention is
     `cross_attention_terms`."""
+    terms = self_attention_terms(name, config, num_layers, tokens, keys) + mlp_terms(
+        name, config, num_layers, tokens
+    )
+    return terms + final_norm_terms(name, config) if final_norm else terms
+
+
+def self_attention_terms(
+    name: str, config: TransformerConfig, layers: int, tokens: int, keys: int | None = None
+) -> ModelTerms:
+    """`layers` self-attentions with the norm before each (`transformer.SelfAttention`), over `tokens` tokens,
+    each query attending to `keys` of them (default all)."""
     hidden, width, kv_width = config.hidden_size, attention_width(config), _kv_width(config)
-    fc1 = config.ffn_hidden_size * (2 if config.swiglu else 1)
-    biases = config.add_bias_linear
-    qkv_bias = width + 2 * kv_width if biases or config.add_qkv_bias else 0
-    layer_biases = qkv_bias + (hidden + fc1 + hidden if biases else 0)
-    matmuls = (
-        hidden * (width + 2 * kv_width) + width * hidden + hidden * fc1 + config.ffn_hidden_size * hidden
-    )
-    others = 2 * norm_parameters(config) + layer_biases
+    qkv_bias = width + 2 * kv_width if config.add_bias_linear or config.add_qkv_bias else 0
+    biases = qkv_bias + (hidden if config.add_bias_linear else 0)
     weights = (
-        WeightTerm(f"{name} attention and MLP weights", num_layers * matmuls, tokens),
         WeightTerm(
-            f"{name} norms and biases", num_layers * others + (norm_parameters(config) if final_norm else 0)
+            f"{name} attention weights", layers * (hidden * (width + 2 * kv_width) + width * hidden), tokens
         ),
+        WeightTerm(f"{name} attention norms and biases", layers * (norm_parameters(config) + biases)),
     )
-    return ModelTerms(weights, (AttentionTerm(num_layers, tokens, tokens if keys is None else keys, width),))
+    return ModelTerms(weights, (AttentionTerm(layers, tokens, tokens if keys is None else keys, width),))
+
+
+def mlp_terms(name: str, config: TransformerConfig, layers: int, tokens: int) -> ModelTerms:
+    """`layers` MLPs with the norm before each (`transformer.MLP`) over `tokens` tokens."""
+    hidden, ffn = config.hidden_size, config.ffn_hidden_size
+    fc1 = ffn * (2 if config.swiglu else 1)
+    biases = fc1 + hidden if config.add_bias_linear else 0
+    return ModelTerms(
+        (
+            WeightTerm(f"{name} MLP weights", layers * (hidden * fc1 + ffn * hidden), tokens),
+            WeightTerm(f"{name} MLP norms and biases", layers * (norm_parameters(config) + biases)),
+        )
+    )
+
+
+def final_norm_terms(name: str, config: TransformerConfig) -> ModelTerms:
+    return ModelTerms((WeightTerm(f"{name} final norm", norm_parameters(config)),))
 
 
 def cross_attention_terms(

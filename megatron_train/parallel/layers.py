@@ -157,7 +157,13 @@ class ColumnParallelLinear(nn.Module):
             None
             if skip_weight_param_allocation
             else sharded_master_weight(
-                (output_size, input_size), 0, stride, init_method, params_dtype, self.tp_group, partition_sizes
+                (output_size, input_size),
+                0,
+                stride,
+                init_method,
+                params_dtype,
+                self.tp_group,
+                partition_sizes,
             )
         )
         self.bias = None

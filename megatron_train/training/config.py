@@ -286,6 +286,13 @@ class CompatibilityConfig:
         default="torch_dist", metadata=_help("Checkpoint format; here always the reshardable run directory.")
     )
     context_parallel_size: int = field(default=1, metadata=_help("Context parallelism (only 1 here)."))
+    spec: list[str] | None = field(
+        default=None,
+        metadata={
+            "help": "Megatron-Core's module spec (`<module> <function>`); here the family builds its own layers.",
+            "nargs": "*",
+        },
+    )
     fp8_format: Literal["e4m3", "hybrid"] | None = field(
         default=None, metadata=_help("FP8 training (needs Transformer Engine and an FP8 GPU).")
     )

@@ -33,9 +33,15 @@ def sequential_scan(
         for h in range(heads):
             g = h // per_group
             decay = torch.exp(dt[:, t, h] * A[h])[:, None, None]
-            state[:, h] = decay * state[:, h] + dt[:, t, h, None, None] * x[:, t, h, :, None] * B[:, t, g, None, :]
+            state[:, h] = (
+                decay * state[:, h] + dt[:, t, h, None, None] * x[:, t, h, :, None] * B[:, t, g, None, :]
+            )
         y = torch.stack(
-            [(state[:, h] * C[:, t, h // per_group, None, :]).sum(-1) + D[h] * x[:, t, h] for h in range(heads)], dim=1
+            [
+                (state[:, h] * C[:, t, h // per_group, None, :]).sum(-1) + D[h] * x[:, t, h]
+                for h in range(heads)
+            ],
+            dim=1,
         )
         ys.append(y)
     return torch.stack(ys, dim=1), state
