@@ -60,7 +60,14 @@ def test_chunked_scan_equals_the_sequential_recurrence(length, chunk) -> None:
 def test_the_scan_keeps_an_fp32_state_under_bf16() -> None:
     inputs = {k: v.bfloat16() for k, v in random_scan_inputs(1, 20, 2, 4, 1, 4).items()}
     y, final = ssd_chunk_scan(
-        inputs["x"], inputs["dt"], inputs["A"], inputs["B"], inputs["C"], 8, D=inputs["D"], return_final_states=True
+        inputs["x"],
+        inputs["dt"],
+        inputs["A"],
+        inputs["B"],
+        inputs["C"],
+        8,
+        D=inputs["D"],
+        return_final_states=True,
     )
     assert (y.dtype, final.dtype) == (torch.bfloat16, torch.float32)
     expected, _ = sequential_scan(**inputs)
@@ -95,7 +102,9 @@ def test_the_state_cache_gives_the_logits_and_tokens_of_full_recomputation(patte
     prompts = ["1 2 3", "7 8 9 10 11 12 13", "40"]  # per-row prompt lengths, as the server's batches
     params = GenerationParams(tokens_to_generate=12, top_k=1, use_eod_token_for_early_termination=False)
     cached = generate(model, tokenizer, prompts, params)
-    recomputed = generate(model, tokenizer, prompts, GenerationParams(**{**params.__dict__, "use_kv_cache": False}))
+    recomputed = generate(
+        model, tokenizer, prompts, GenerationParams(**{**params.__dict__, "use_kv_cache": False})
+    )
     assert cached.tokens == recomputed.tokens
     assert [len(row) for row in cached.tokens] == [15, 19, 13]
 
@@ -131,7 +140,9 @@ def test_pattern_flags_layer_count_and_refusals() -> None:
     assert parse_args([*base, "--hybrid-layer-pattern", "M-M*|M-"]).model.num_layers == 6
     old = parse_args([*base, "--hybrid-override-pattern", "MM*"]).model
     assert (old.hybrid_layer_pattern, old.num_layers, old.hybrid_override_pattern) == ("MM*", 3, None)
-    ratios = parse_args([*base, "--num-layers", "10", "--hybrid-attention-ratio", "0.2", "--hybrid-mlp-ratio", "0.3"])
+    ratios = parse_args(
+        [*base, "--num-layers", "10", "--hybrid-attention-ratio", "0.2", "--hybrid-mlp-ratio", "0.3"]
+    )
     assert ratios.model.hybrid_layer_pattern == pattern_from_ratios(10, 0.2, 0.3) == "MM-*M-*MM-"
     refusals = {
         "--num-layers 5 disagrees with --hybrid-layer-pattern 'MM*M', which has 4 layers: drop --num-layers": {
@@ -148,7 +159,9 @@ def test_pattern_flags_layer_count_and_refusals() -> None:
 
 
 def _hybrid_config(pattern: str, **parallel) -> MegatronConfig:
-    config = MegatronConfig(model=TransformerConfig(**{**TINY_HYBRID, "hybrid_layer_pattern": pattern}), data=DataConfig())
+    config = MegatronConfig(
+        model=TransformerConfig(**{**TINY_HYBRID, "hybrid_layer_pattern": pattern}), data=DataConfig()
+    )
     for name, value in parallel.items():
         setattr(config.parallel, name, value)
     return config
@@ -180,7 +193,12 @@ def test_terms_count_the_model_and_a_scan_per_mamba_layer() -> None:
 
 def test_a_log_d_and_dt_bias_get_no_weight_decay() -> None:
     model = tiny_hybrid()
-    exempt = {name.rsplit(".", 1)[-1] for name, param in model.named_parameters() if no_weight_decay(name, param)}
+    exempt = {
+        name.rsplit(".", 1)[-1] for name, param in model.named_parameters() if no_weight_decay(name, param)
+    }
     assert {"A_log", "D", "dt_bias"} <= exempt
     decayed = {name for name, param in model.named_parameters() if not no_weight_decay(name, param)}
-    assert "decoder.layers.0.mixer.in_proj.weight" in decayed and "decoder.layers.0.mixer.conv1d.weight" in decayed
+    assert (
+        "decoder.layers.0.mixer.in_proj.weight" in decayed
+        and "decoder.layers.0.mixer.conv1d.weight" in decayed
+    )

@@ -1,0 +1,153 @@
+"""pretrain_hybrid on gloo: a hybrid model continues a one-process checkpoint with the same losses under TP=2 + SP,
+DP=2 with the distributed optimizer and PP=2 at the pattern's cut; a TP=2 checkpoint loads at TP=1; a SIGKILLed
+run resumes bitwise; Megatron's examples/mamba scripts parse as written and train (pretrain_mamba) tiny."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from megatron_train.arguments import build_parser, parse_args
+from megatron_train.checkpointing import load_model_for_inference
+from megatron_train.models.hybrid import MambaModel
+from megatron_train.pretrain_mamba import main as pretrain_mamba
+from megatron_train.tools import run_text_generation_server as server_tool
+from tests.helpers.distributed import run_distributed
+from tests.helpers.megatron_examples import example_argv
+from tests.helpers.training import (
+    pretrain_worker,
+    read_marker,
+    sigkill_and_resume,
+    tiny_args,
+    train_losses,
+    write_corpus,
+)
+
+# A hybrid of every layer kind, cut into two pipeline stages; Mamba heads 8 and groups 2 split over TP=2.
+HYBRID_FLAGS = [
+    "--model-family", "hybrid", "--hybrid-layer-pattern", "M*|M-", "--mamba-state-dim", "8", "--mamba-head-dim",
+    "8", "--mamba-num-groups", "2", "--position-embedding-type", "none", "--normalization", "RMSNorm",
+    "--split", "90,10,0", "--hidden-dropout", "0.0", "--attention-dropout", "0.0", "--reset-attention-mask",
+]  # fmt: skip
+LAYOUTS = {  # continued from the one-process checkpoint at iteration 2
+    "tp1": (1, []),
+    "tp2-sp": (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+    "dp2-distributed-optimizer": (2, ["--use-distributed-optimizer"]),
+    "pp2": (2, ["--pipeline-model-parallel-size", "2"]),
+}
+
+
+def hybrid_argv(run_dir: str, data: str, *extra: str) -> list[str]:
+    argv = tiny_args(run_dir, "--data-path", data, *HYBRID_FLAGS, *extra)
+    layers = argv.index("--num-layers")  # the pattern sets the layer count
+    return argv[:layers] + argv[layers + 2 :]
+
+
+@pytest.fixture(scope="module")
+def continued(tmp_path_factory) -> tuple[str, dict[str, list[float]]]:
+    """(the one-process run, 2 iterations saved; the losses of iterations 3..5 continuing it per layout)."""
+    tmp = tmp_path_factory.mktemp("hybrid")
+    data = write_corpus(str(tmp))
+    base = str(tmp / "base")
+    base_argv = hybrid_argv(base, data, "--train-iters", "5", "--exit-interval", "2")  # the same schedule
+    run_distributed(pretrain_worker, 1, [base_argv], timeout=300)
+    losses = {}
+    for world_size in (1, 2):
+        names = [name for name, (size, _) in LAYOUTS.items() if size == world_size]
+        runs = [
+            hybrid_argv(
+                str(tmp / name),
+                data,
+                "--train-iters",
+                "5",
+                *LAYOUTS[name][1],
+                "--load",
+                base,
+                "--no-load-rng",
+            )
+            for name in names
+        ]
+        last_rank = run_distributed(pretrain_worker, world_size, runs, timeout=300)[-1]
+        for name, records in zip(names, last_rank, strict=True):
+            losses[name] = [r["lm loss"] for r in records if "split" not in r]
+    return str(tmp), losses
+
+
+@pytest.mark.parametrize("name", [name for name in LAYOUTS if name != "tp1"])
+def test_a_hybrid_model_continues_a_one_process_checkpoint_with_the_same_losses(continued, name) -> None:
+    _, losses = continued
+    reference = losses["tp1"]
+    assert len(reference) == 3 and len(set(reference)) == 3
+    np.testing.assert_allclose(losses[name], reference, rtol=1e-5, err_msg=name)
+
+
+def test_a_tp2_checkpoint_loads_at_tp1_with_the_tp1_runs_logits(continued) -> None:
+    tmp, _ = continued
+    split, config = load_model_for_inference(f"{tmp}/tp2-sp", device="cpu")
+    whole, _ = load_model_for_inference(f"{tmp}/tp1", device="cpu")
+    assert isinstance(split, MambaModel) and config.model.hybrid_layer_pattern == "M*|M-"
+    tokens = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(split(tokens), whole(tokens), rtol=1e-4, atol=1e-4)
+    assert read_marker(f"{tmp}/pp2") == 5
+
+
+def test_a_sigkilled_hybrid_run_resumes_bitwise(tmp_path) -> None:
+    data = write_corpus(str(tmp_path))
+
+    def argv_for(run_dir: str, *flags: str) -> list[str]:
+        return [
+            word for word in hybrid_argv(run_dir, data, *flags) if word not in ("--model-family", "hybrid")
+        ]
+
+    _, reference, resumed = sigkill_and_resume("megatron_train.pretrain_hybrid", argv_for, tmp_path, 8)
+    assert [r["lm loss"] for r in resumed] == [r["lm loss"] for r in reference]
+    assert len(reference) == 8
+
+
+def test_every_flag_of_megatrons_mamba_examples_is_known(tmp_path) -> None:
+    train = example_argv("mamba_train.sh", tmp_path, "data_text_document", "tokenizer.model",
+                         entry="../../pretrain_hybrid.py")  # fmt: skip
+    parser = build_parser()
+    assert [
+        word for word in train if word.startswith("--") and word not in parser._option_string_actions
+    ] == []
+    config = parse_args(train, world_size=8)
+    assert (config.model.num_layers, config.model.position_embedding_type) == (48, "none")
+    assert config.compat.spec == ["megatron.core.models.hybrid.hybrid_layer_specs", "hybrid_stack_spec"]
+
+    serve = example_argv("mamba_run_text_gen_server_8b.sh", tmp_path, "ckpt", "tokenizer.model",
+                         entry="../../tools/run_hybrid_text_generation_server.py")  # fmt: skip
+    args = server_tool.build_parser(serve).parse_args(serve)
+    assert (args.load, args.hybrid_layer_pattern.count("*"), args.seed) == ("ckpt", 4, 42)
+
+
+def test_megatrons_mamba_example_trains_tiny_under_pretrain_mamba(tmp_path) -> None:
+    """examples/mamba/train.sh with its sizes shrunk (and the tokenizer, data and batch to this machine's): every
+    other flag as the script passes it."""
+    train = example_argv(
+        "mamba_train.sh", tmp_path, "data", "tokenizer.model", entry="../../pretrain_hybrid.py"
+    )
+    shrink = {
+        "--hybrid-layer-pattern": "M-*M", "--hidden-size": "32", "--num-attention-heads": "4",
+        "--num-query-groups": "2", "--seq-length": "16", "--max-position-embeddings": "16",
+        "--train-samples": "16", "--lr-warmup-samples": "4", "--lr-decay-samples": "12", "--micro-batch-size": "2",
+        "--global-batch-size": "4", "--log-interval": "1", "--save-interval": "4", "--eval-interval": "4", "--eval-iters": "1",
+        "--data-path": write_corpus(str(tmp_path)), "--save": str(tmp_path / "ckpt"),
+        "--load": str(tmp_path / "ckpt"), "--tokenizer-type": "NullTokenizer",
+        "--tokenizer-model": None, "--distributed-backend": "gloo",
+    }  # fmt: skip
+    argv = []
+    for index, word in enumerate(train):
+        if word.startswith("--"):
+            if word in shrink and shrink[word] is None:
+                continue
+            argv += [word, shrink[word]] if word in shrink else [word]
+        elif not (index and train[index - 1] in shrink):
+            argv.append(word)
+    argv += ["--vocab-size", "127", "--mamba-state-dim", "8", "--mamba-head-dim", "8", "--mamba-num-groups", "2",
+             "--tensorboard-dir", str(tmp_path / "tb"), "--data-cache-path", str(tmp_path / "cache")]  # fmt: skip
+    pretrain_mamba(argv)
+    losses = train_losses(str(tmp_path / "ckpt"))
+    assert len(losses) == 4 and all(np.isfinite(losses))
