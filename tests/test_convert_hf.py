@@ -16,17 +16,9 @@ from megatron_train.convert.weights import trim_vocab
 from megatron_train.inference.generation import GenerationParams, generate_tokens
 from megatron_train.tokenizer.build import tokenizer_from_config
 from megatron_train.tools.checkpoint_util import main
-from tests.helpers.convert_models import VOCAB, hf_logits, ids, our_llama, shard_tensors
+from tests.helpers.convert_models import VOCAB, hf_logits, ids, our_llama, save_word_tokenizer, shard_tensors
 
 transformers = pytest.importorskip("transformers")
-
-
-def _save_tokenizer(folder: str) -> None:
-    """A real (word-level) tokenizer.json, so the copy can be checked byte for byte."""
-    from tokenizers import Tokenizer, models
-
-    vocab = {f"w{i}": i for i in range(VOCAB)}
-    Tokenizer(models.WordLevel(vocab, unk_token="w0")).save(os.path.join(folder, "tokenizer.json"))
 
 
 def _hf_gpt2() -> torch.nn.Module:
@@ -103,7 +95,7 @@ def test_hf_model_converted_in_gives_transformers_logits_and_back_out_loads_clea
     # GPT-2 has 16 positions; Llama's run far enough that Llama-3.1's rope scaling changes the logits
     hf_model, tokens = HF_MODELS[name](), ids(16 if name == "gpt2" else 1024)
     hf_model.save_pretrained(tmp_path / "hf")
-    _save_tokenizer(str(tmp_path / "hf"))
+    save_word_tokenizer(str(tmp_path / "hf"))
     if name.startswith("qwen2"):  # released Qwen2 config.json files name the sliding window they leave off
         hf_config = json.loads((tmp_path / "hf" / "config.json").read_text())
         (tmp_path / "hf" / "config.json").write_text(json.dumps(hf_config | {"sliding_window": 32768}))
@@ -142,7 +134,7 @@ def test_hf_model_converted_in_generates_transformers_greedy_tokens(name, tmp_pa
     """The generation engine the server runs, on the converted checkpoint, against `transformers` `generate`."""
     hf_model = HF_MODELS[name]()
     hf_model.save_pretrained(tmp_path / "hf")
-    _save_tokenizer(str(tmp_path / "hf"))
+    save_word_tokenizer(str(tmp_path / "hf"))
     _convert("--loader", "hf", "--load-dir", str(tmp_path / "hf"), "--save-dir", str(tmp_path / "flow"))
     model, config = load_model_for_inference(str(tmp_path / "flow"), device="cpu")
     prompts = ids(4)

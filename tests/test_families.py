@@ -51,6 +51,11 @@ MODELS = {
         {},
     ),
     "bert classifier": ("bert_classifier", _config(), {"num_classes": 3}),
+    "hybrid": (
+        "hybrid",
+        _config(hybrid_layer_pattern="M-", mamba_head_dim=8, mamba_num_groups=2, mamba_state_dim=8),
+        {},
+    ),
 }
 
 

@@ -20,7 +20,6 @@ from megatron_train.families.family import (
     MegatronNames,
     ModelFamily,
     PipelineSplit,
-    model_build_options,
 )
 from megatron_train.families.gpt import datasets_provider, forward_step
 from megatron_train.models.hf_mamba import export_mamba2, mamba2_config, mamba2_tensors
@@ -45,19 +44,6 @@ _NO_VIRTUAL = (
     "built for it: drop the flag"
 )
 _NO_CONTEXT = "context parallelism is not built for Mamba layers (their state runs along the whole sequence)"
-
-
-def hybrid_model_provider(
-    config: MegatronConfig,
-    padded_vocab_size: int,
-    pre_process: bool = True,
-    post_process: bool = True,
-    vp_stage: int = 0,
-) -> MambaModel:
-    """This rank's pipeline stage of the Mamba / hybrid model."""
-    return MambaModel(
-        config.model, padded_vocab_size, pre_process, post_process, **model_build_options(config)
-    )
 
 
 def check_hybrid_config(config: MegatronConfig) -> None:
@@ -105,7 +91,7 @@ def hybrid_terms(config: MegatronConfig, padded_vocab_size: int) -> ModelTerms:
 
 HYBRID = ModelFamily(
     name="hybrid",
-    model_provider=hybrid_model_provider,
+    model_class=MambaModel,
     terms=hybrid_terms,
     layouts=Layouts(
         frozenset({"tensor", "sequence", "pipeline"}),

@@ -136,7 +136,8 @@ class HybridStack(nn.Module):
 class MambaModel(LanguageModule):
     """A Mamba or hybrid language model: `vocab_size` the padded vocabulary, `pre_process` / `post_process`
     whether this stage holds the embedding / the final norm and output layer, `init_seed` (--use-cpu-
-    initialization) each part's own stream, `pg_collection` the groups its layers communicate over."""
+    initialization) each part's own stream, `pg_collection` the groups its layers communicate over. `vp_stage` is
+    always 0: a hybrid model's stages are its pattern's segments, never split into virtual stages."""
 
     model_type = "hybrid"  # recorded in checkpoints
 
@@ -147,6 +148,7 @@ class MambaModel(LanguageModule):
         pre_process: bool = True,
         post_process: bool = True,
         *,
+        vp_stage: int = 0,
         sequence_parallel: bool = False,
         init_seed: int | None = None,
         pg_collection: state.ProcessGroupCollection | None = None,

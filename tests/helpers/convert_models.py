@@ -38,6 +38,16 @@ def our_llama(untied: bool, qkv_bias: bool = False) -> tuple[MegatronConfig, GPT
     return MegatronConfig(model=model_config, data=DataConfig()), model
 
 
+def save_word_tokenizer(folder: str) -> None:
+    """A real word-level tokenizer.json of VOCAB words `w0 w1 ...` split on whitespace, so its copy can be checked
+    byte for byte and prompts written as words."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tokenizer = Tokenizer(models.WordLevel({f"w{i}": i for i in range(VOCAB)}, unk_token="w0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.save(os.path.join(folder, "tokenizer.json"))
+
+
 def shard_tensors(iteration_dir: str) -> dict[tuple[str, str], torch.Tensor]:
     tensors = {}
     for shard in sorted(os.listdir(iteration_dir)):
