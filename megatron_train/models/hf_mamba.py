@@ -40,12 +40,17 @@ MIXER_TENSORS = (
 DEFAULT_SEQ_LENGTH = 4096
 
 
+def _json_float(value: Any) -> float:
+    """A float of config.json; transformers 5 writes infinity as {"__float__": "Infinity"}."""
+    return float(value["__float__"] if isinstance(value, dict) else value)
+
+
 def mamba2_config(hf: dict[str, Any], where: str) -> TransformerConfig:
     """Our config of a `Mamba2ForCausalLM` config.json, refusing what our mixer does not have (Megatron-Core's
     mixer: kernel 4, no projection biases, a convolution bias, SiLU, no dt limit, its norms' epsilon 1e-5)."""
     hidden, heads, head_dim = hf["hidden_size"], hf["num_heads"], hf["head_dim"]
     expand, epsilon = hf.get("expand", 2), hf.get("layer_norm_epsilon", 1e-5)
-    limit = tuple(hf.get("time_step_limit") or (0.0, float("inf")))
+    limit = tuple(_json_float(value) for value in hf.get("time_step_limit") or (0.0, float("inf")))
     refuse_unless(
         [
             (hf.get("conv_kernel", CONV_KERNEL) == CONV_KERNEL, f"conv_kernel {hf.get('conv_kernel')} is not {CONV_KERNEL}"),
@@ -100,7 +105,7 @@ def mamba2_tensors(
 
 def export_mamba2(model: TransformerConfig, tensors: StateDict) -> tuple[dict[str, Any], StateDict]:
     """Mamba2ForCausalLM, refusing what it lacks by the flag: attention or MLP layers, positions, LayerNorm."""
-    pattern = model.hybrid_layer_pattern or ""
+    pattern, heads = model.hybrid_layer_pattern or "", mamba_heads(model)
     refuse_unless(
         export_checks(model, "Mamba-2", post_ln=False) + [
             (set(layer_symbols(pattern)) == {MAMBA}, f"Mamba2ForCausalLM has Mamba layers only, but "
@@ -110,10 +115,11 @@ def export_mamba2(model: TransformerConfig, tensors: StateDict) -> tuple[dict[st
             (model.normalization == "RMSNorm", "Mamba2ForCausalLM's norms are RMSNorm: train with --normalization RMSNorm"),
             (model.norm_epsilon == GATED_NORM_EPS, f"Mamba2ForCausalLM uses one epsilon for every norm, the mixer's "
              f"{GATED_NORM_EPS}: train with --norm-epsilon {GATED_NORM_EPS}"),
+            (heads * model.mamba_head_dim % model.hidden_size == 0, f"Mamba2ForCausalLM's width is a whole multiple "
+             f"(expand) of --hidden-size, not --mamba-num-heads x --mamba-head-dim = {heads * model.mamba_head_dim}"),
         ],
         EXPORT,
     )  # fmt: skip
-    heads = mamba_heads(model)
     config = {
         "architectures": ["Mamba2ForCausalLM"],
         "model_type": "mamba2",
@@ -121,7 +127,7 @@ def export_mamba2(model: TransformerConfig, tensors: StateDict) -> tuple[dict[st
         "hidden_size": model.hidden_size,
         "num_heads": heads,
         "head_dim": model.mamba_head_dim,
-        "expand": heads * model.mamba_head_dim / model.hidden_size,
+        "expand": heads * model.mamba_head_dim // model.hidden_size,
         "state_size": model.mamba_state_dim,
         "n_groups": model.mamba_num_groups,
         "conv_kernel": CONV_KERNEL,

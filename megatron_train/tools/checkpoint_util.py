@@ -55,7 +55,7 @@ from megatron_train.convert.target import check_target, output_folder
 from megatron_train.convert.tokenizer_files import copy_tokenizer, tokenizer_sources
 from megatron_train.convert.weights import trim_vocab
 from megatron_train.families.family import PipelineSplit
-from megatron_train.families.registry import checkpoint_family, get_family
+from megatron_train.families.registry import BUILTIN_FAMILIES, checkpoint_family, get_family
 from megatron_train.tokenizer import vocab_size_with_padding
 
 logger = logging.getLogger("megatron_train.tools.checkpoint_util")
@@ -369,9 +369,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--model-type",
         default="GPT",
-        choices=["GPT", "BERT"],
-        help="Model family (Megatron's flag): how to read --loader megatron/torch_dist; checked against what "
-        "flow and hf sources record.",
+        choices=[name.upper() for name in BUILTIN_FAMILIES],
+        help="Model family (Megatron's flag: GPT, BERT; HYBRID for Mamba and hybrid models): how to read --loader "
+        "megatron/torch_dist; checked against what flow and hf sources record.",
     )
     parser.add_argument(
         "--model-family",
