@@ -9,8 +9,10 @@ STAMP := $(VENV)/.installed
 UV ?= $(shell command -v uv 2>/dev/null || echo $(VENV)/bin/uv)
 LOCK_EXTRAS := --extra dev --extra bench --extra retro
 STORE ?= ./artifacts
-# make pretrain MODEL=bert|t5|gpt: the model family (BERT and T5 get sentence-split WordPiece data)
+# make pretrain MODEL=bert|t5|hybrid|gpt: the model family (BERT and T5 get sentence-split WordPiece data)
 MODEL ?= gpt
+# make eval MODEL=hybrid: the report puts the GPT of the same flags and data beside it (BASELINE= for none)
+BASELINE ?= $(if $(filter gpt,$(MODEL)),,gpt)
 PYTEST_ARGS ?=
 
 .PHONY: setup lock test lint bench corpus pretrain eval demo retro clean
@@ -50,7 +52,7 @@ pretrain: setup
 	$(PY) -m flows.pretrain --store $(STORE) --model $(MODEL)
 
 eval: setup
-	$(PY) -m flows.eval --store $(STORE)
+	$(PY) -m flows.eval --store $(STORE) --model $(MODEL) $(if $(BASELINE),--baseline $(BASELINE))
 
 demo: setup
 	$(PY) -m flows.demo --store $(STORE)

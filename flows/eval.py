@@ -2,6 +2,7 @@
 
 python -m flows.eval                                       # the whole path on the embedded corpus
 python -m flows.eval --wikitext wiki.test.tokens --lambada lambada_test.jsonl -- --train-iters 2000
+python -m flows.eval --model hybrid --baseline gpt          # a hybrid Mamba model beside the GPT of the same flags
 """
 
 from __future__ import annotations
@@ -16,7 +17,15 @@ from pydantic import BaseModel, ConfigDict
 
 from flows.corpus_plan import CorpusConfig
 from flows.failures import command_line
-from flows.pretrain import PretrainFlowConfig, add_pretrain_flags, pretrain_config, pretrain_flow, split_argv
+from flows.pretrain import (
+    PretrainFlowConfig,
+    add_model_flag,
+    add_pretrain_flags,
+    check_model_flag,
+    pretrain_config,
+    pretrain_flow,
+    split_argv,
+)
 from flows.publish import publish_report, publish_stages
 from flows.server import prefect_api
 from flows.tasks import make_task_runner, stage_ref
@@ -28,13 +37,21 @@ class EvalFlowConfig(BaseModel):
 
     pretrain: PretrainFlowConfig = PretrainFlowConfig()
     evaluate: EvaluateParams = EvaluateParams()
+    baseline: str | None = (
+        None  # a model family trained with the same flags and data, reported beside the model
+    )
 
 
 def evaluate_run(
-    flow_name: str, refs: dict[str, Any], params: EvaluateParams, corpus: CorpusConfig
+    flow_name: str,
+    refs: dict[str, Any],
+    params: EvaluateParams,
+    corpus: CorpusConfig,
+    baseline: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The evaluate stage on `refs`' trained run; then the flow's summary, artifact links and report in the UI."""
-    inputs = [refs["pretrain"], refs["tokenize"]]
+    """The evaluate stage on `refs`' trained run (beside the `baseline` run's pretrain artifact, when given); then
+    the flow's summary, artifact links and report in the UI."""
+    inputs = [refs["pretrain"], refs["tokenize"], *([baseline] if baseline is not None else [])]
     refs = {**refs, "evaluate": stage_ref("evaluate", dataclasses.asdict(params), inputs, corpus)}
     get_run_logger().info("report: %s/report.md", refs["evaluate"]["url"])
     publish_stages(flow_name, refs, corpus.store)
@@ -45,7 +62,17 @@ def evaluate_run(
 @flow(name="eval")
 def eval_flow(config: EvalFlowConfig = EvalFlowConfig()) -> dict[str, Any]:
     """Everything from raw text to the evaluation report; returns every stage's artifact reference."""
-    return evaluate_run("eval", pretrain_flow(config.pretrain), config.evaluate, config.pretrain.corpus)
+    refs = pretrain_flow(config.pretrain)
+    baseline = None
+    if config.baseline is not None and config.baseline != config.pretrain.model:
+        baseline_refs = pretrain_flow(config.pretrain.model_copy(update={"model": config.baseline}))
+        if baseline_refs["tokenize"]["url"] != refs["tokenize"]["url"]:
+            raise ValueError(
+                f"--baseline {config.baseline} trains on other token data than --model {config.pretrain.model} "
+                "(sentence-split or another tokenizer): pick a baseline of the same corpus kind"
+            )
+        baseline = baseline_refs["pretrain"]
+    return evaluate_run("eval", refs, config.evaluate, config.pretrain.corpus, baseline)
 
 
 def parse(argv: list[str] | None) -> EvalFlowConfig:
@@ -54,10 +81,19 @@ def parse(argv: list[str] | None) -> EvalFlowConfig:
     add_pretrain_flags(parser)
     parser.add_argument("--wikitext", default=None, help="a WikiText-103 wiki.test.tokens file to score")
     parser.add_argument("--lambada", default=None, help="a LAMBADA lambada_test.jsonl file to score")
+    add_model_flag(parser)
+    parser.add_argument(
+        "--baseline",
+        default=None,
+        help="a model family to train with the same flags and data and report beside --model (e.g. gpt)",
+    )
     args = parser.parse_args(own)
+    for flag in ("model", "baseline"):
+        check_model_flag(parser, flag, getattr(args, flag))
     return EvalFlowConfig(
         pretrain=pretrain_config(args, megatron),
         evaluate=EvaluateParams(wikitext_path=args.wikitext, lambada_path=args.lambada),
+        baseline=args.baseline,
     )
 
 

@@ -5,7 +5,8 @@
     python -m flows.pretrain --model bert                      # BERT: sentence-split data, a trained WordPiece
     python -m flows.pretrain --nproc-per-node 8 --nnodes 4 --launcher slurm --store /shared/artifacts
 
-`--model bert|t5` (a model family whose corpus is sentence-split) tokenizes the corpus with `--split-sentences`
+`--model hybrid` trains a Mamba-Transformer hybrid (its family's flags: the pattern M*M-, no position embeddings)
+with the same flags and data as the GPT. `--model bert|t5` (a model family whose corpus is sentence-split) tokenizes the corpus with `--split-sentences`
 and a WordPiece vocabulary the flow trains (unless the corpus config names a vocabulary), and launches the
 family's entry point (`pretrain_bert` / `pretrain_t5`); `--model pkg.module:ATTR` trains a family defined outside
 the project.
@@ -173,20 +174,30 @@ def pretrain_config(args: argparse.Namespace, megatron: list[str]) -> PretrainFl
     )
 
 
-def parse(argv: list[str] | None) -> PretrainFlowConfig:
-    own, megatron = split_argv(argv)
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    add_pretrain_flags(parser)
+def add_model_flag(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model",
         default="gpt",
         help=f"model family to pretrain: {', '.join(corpus_families())}, or pkg.module:ATTR (default: gpt)",
     )
-    args = parser.parse_args(own)
+
+
+def check_model_flag(parser: argparse.ArgumentParser, flag: str, model: str | None) -> None:
+    """Exit with a usage error naming `--<flag>` when `model` is not a family that pretrains on a corpus."""
     try:
-        pretrain_family(args.model)
+        if model is not None:
+            pretrain_family(model)
     except ValueError as error:
-        parser.error(f"--model: {error}")
+        parser.error(f"--{flag}: {error}")
+
+
+def parse(argv: list[str] | None) -> PretrainFlowConfig:
+    own, megatron = split_argv(argv)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_pretrain_flags(parser)
+    add_model_flag(parser)
+    args = parser.parse_args(own)
+    check_model_flag(parser, "model", args.model)
     return pretrain_config(args, megatron)
 
 

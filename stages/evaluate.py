@@ -1,9 +1,11 @@
 """The evaluate stage: a trained run's report, as JSON, Markdown and PNG loss curves.
 
-Inputs: the pretrain artifact (the run directory) and the tokenize artifact it was trained on. The report
-holds the run's training and validation losses (from its metrics file, plotted), the perplexity of the whole
-held-out validation split (the `--split` the run used, every sample once), sample generations, and, when
-their files are given, WikiText-103 perplexity and LAMBADA accuracy computed as Megatron's tasks do.
+Inputs: the pretrain artifact (the run directory) and the tokenize artifact it was trained on, and optionally a
+baseline's pretrain artifact trained on the same data (the eval flow's `--baseline`: a hybrid model beside the GPT
+of the same flags). The report holds the run's training and validation losses (from its metrics file, plotted),
+the perplexity of the whole held-out validation split (the `--split` the run used, every sample once), sample
+generations, and, when their files are given, WikiText-103 perplexity and LAMBADA accuracy computed as Megatron's
+tasks do; with a baseline, both models' families, parameter counts and validation losses side by side.
 """
 
 from __future__ import annotations
@@ -123,14 +125,60 @@ def markdown_report(report: dict) -> str:
     ]
     for name, value in report["metrics"].items():
         lines.append(f"| {name} | {value:.4f} |" if isinstance(value, float) else f"| {name} | {value} |")
+    if "baseline" in report:
+        lines += [
+            "",
+            "## Beside the baseline (same data and steps)",
+            "",
+            "| | this model | baseline |",
+            "| --- | --- | --- |",
+        ]
+        for row in COMPARED:
+            ours, theirs = report["run"][row], report["baseline"][row]
+            cells = (
+                f"{v:,}" if isinstance(v, int) else f"{v:.4f}" if isinstance(v, float) else str(v)
+                for v in (ours, theirs)
+            )
+            lines.append(f"| {row.replace('_', ' ')} | {' | '.join(cells)} |")
     lines += ["", "## Sample generations", ""]
     for sample in report["generations"]:
         lines += [f"**{sample['prompt']}**{sample['completion']}", ""]
     return "\n".join(lines) + "\n"
 
 
+# What the report shows of the model and its baseline side by side.
+COMPARED = ("family", "parameters", "iteration", "end_of_training_validation_loss", "held_out_loss")
+
+
+def run_summary(pretrained: ArtifactRef, model: torch.nn.Module, end_of_training: dict | None) -> dict:
+    """What the report says of a trained run: where it is, its family, size, progress and end-of-training loss."""
+    manifest = pretrained.manifest()
+    return {
+        "checkpoint": pretrained.url,
+        "family": model.model_type,
+        "iteration": manifest.get("iteration"),
+        "consumed_train_samples": manifest.get("consumed_train_samples", 0),
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "end_of_training_validation_loss": None if end_of_training is None else end_of_training["lm loss"],
+    }
+
+
+def baseline_summary(baseline: ArtifactRef, valid, params: EvaluateParams) -> dict:
+    """The baseline run's summary and its held-out loss on the model's validation samples."""
+    run_dir = run_directory(baseline)
+    model, _ = load_model_for_inference(run_dir)
+    end_of_training = read_metrics(os.path.join(run_dir, "metrics.jsonl"))[2]
+    summary = run_summary(baseline, model.eval(), end_of_training)
+    held_out = held_out_loss(model, valid, params.micro_batch_size, params.max_validation_samples)
+    return {**summary, "held_out_loss": held_out["lm_loss"]}
+
+
 def _evaluate(
-    params: EvaluateParams, pretrained: ArtifactRef, tokenized: ArtifactRef, writer: ArtifactWriter
+    params: EvaluateParams,
+    pretrained: ArtifactRef,
+    tokenized: ArtifactRef,
+    writer: ArtifactWriter,
+    baseline: ArtifactRef | None = None,
 ) -> dict:
     started = time.time()
     run_dir = run_directory(pretrained)
@@ -181,18 +229,17 @@ def _evaluate(
             random_seed=params.seed,
         ),
     )
+    run = run_summary(pretrained, model, end_of_training)
+    run["held_out_loss"] = metrics.get("held-out loss (whole validation split)")
     report = {
-        "run": {
-            "checkpoint": pretrained.url,
-            "iteration": pretrained.manifest().get("iteration"),
-            "consumed_train_samples": pretrained.manifest().get("consumed_train_samples", 0),
-            "parameters": sum(p.numel() for p in model.parameters()),
-        },
+        "run": run,
         "metrics": metrics,
         "generations": [
             {"prompt": p, "completion": c} for p, c in zip(params.prompts, output.completions, strict=True)
         ],
     }
+    if baseline is not None:
+        report["baseline"] = baseline_summary(baseline, valid, params)
     for filename, text in (
         ("report.json", json.dumps(report, indent=2)),
         ("report.md", markdown_report(report)),
@@ -218,10 +265,15 @@ class EvaluateStage(Stage):
     Params = EvaluateParams
 
     def run(self, params: EvaluateParams, inputs: Inputs, store: ArtifactStore) -> ArtifactRef:
-        """Evaluate the trained model of `inputs` ([pretrain artifact, tokenize artifact])."""
-        pretrained, tokenized = expect_inputs(self, inputs, 2, "[pretrain artifact, tokenize artifact]")
+        """Evaluate the trained model of `inputs` ([pretrain artifact, tokenize artifact], and a baseline's
+        pretrain artifact on the same data to report beside it)."""
+        what = "[pretrain artifact, tokenize artifact] (and a baseline pretrain artifact)"
+        pretrained, tokenized, *baseline = expect_inputs(self, inputs, 3 if len(inputs) == 3 else 2, what)
         return self.build_artifact(
-            params, inputs, store, lambda writer: _evaluate(params, pretrained, tokenized, writer)
+            params,
+            inputs,
+            store,
+            lambda writer: _evaluate(params, pretrained, tokenized, writer, *baseline),
         )
 
 

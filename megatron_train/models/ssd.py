@@ -40,17 +40,6 @@ def segment_sums(a: torch.Tensor) -> torch.Tensor:
     )
 
 
-def log_decays(dt: torch.Tensor, A: torch.Tensor, seq_idx: torch.Tensor | None) -> torch.Tensor:
-    """a = dt * A [b, l, h], -inf at the first position of every document after the first: there the state
-    forgets everything before."""
-    a = dt * A
-    if seq_idx is None:
-        return a
-    starts = torch.zeros_like(seq_idx, dtype=torch.bool)
-    starts[:, 1:] = seq_idx[:, 1:] != seq_idx[:, :-1]
-    return a.masked_fill(starts[..., None], -torch.inf)
-
-
 def discretize(dt: torch.Tensor, dt_bias: torch.Tensor | None, dt_softplus: bool) -> torch.Tensor:
     """The step sizes in fp32: softplus(dt + dt_bias) as Mamba-2 does, or dt as given."""
     dt = dt.float()
@@ -88,7 +77,7 @@ def ssd_chunk_scan(
     pad = chunks * chunk - length
 
     dt = discretize(dt, dt_bias, dt_softplus)
-    a = log_decays(dt, A.float(), seq_idx)
+    a = dt * A.float()  # [b, l, h]: log of each step's decay
     xf = x.float()
     x_dt = xf * dt[..., None]
 
@@ -102,8 +91,18 @@ def ssd_chunk_scan(
     Xc = chunked(x_dt).reshape(batch, chunks, chunk, groups, per_group, head_dim).permute(0, 1, 3, 4, 2, 5)
     ac = chunked(a).reshape(batch, chunks, chunk, groups, per_group).permute(0, 1, 3, 4, 2)  # [b, c, g, e, Q]
 
+    # Decays are exp(a_{j+1} + ... + a_i): differences of the running sums within a chunk (as mamba-ssm's kernels),
+    # taken in fp64 so the subtraction loses nothing; a document boundary between j and i masks the pair.
+    running = ac.double().cumsum(-1)  # [b, c, g, e, Q]
+    keep = torch.ones(chunk, chunk, dtype=torch.bool, device=x.device).tril()
+    documents = None
+    if seq_idx is not None:
+        padded = torch.cat((seq_idx, seq_idx[:, -1:].expand(-1, pad)), dim=1)  # padding: the last document
+        documents = padded.reshape(batch, chunks, chunk)
+        keep = keep & (documents[..., :, None] == documents[..., None, :])[:, :, None, None]
+
     # 1. Within each chunk: y_i += sum_{j <= i} (C_i . B_j) exp(a_{j+1} + ... + a_i) dt_j x_j.
-    decay = torch.exp(segment_sums(ac))  # [b, c, g, e, Q, Q]
+    decay = torch.exp((running[..., :, None] - running[..., None, :]).float().masked_fill(~keep, -torch.inf))
     scores = Cc @ Bc.transpose(-1, -2)  # [b, c, g, Q, Q]
     y = (decay * scores[:, :, :, None]) @ Xc  # [b, c, g, e, Q, p]
 
@@ -111,19 +110,29 @@ def ssd_chunk_scan(
     to_end = decay[..., -1, :]  # [b, c, g, e, Q]
     chunk_states = (Xc * to_end[..., None]).transpose(-1, -2) @ Bc[:, :, :, None]  # [b, c, g, e, p, n]
 
-    # 3. The state each chunk starts with: the states passed on from chunk to chunk, decayed by whole chunks.
+    # 3. The state each chunk starts with: the states passed on from chunk to chunk, decayed by whole chunks (not
+    # at all through a chunk where a document starts).
+    from_start = torch.exp(running.float())  # [b, c, g, e, Q]: exp(a_first + ... + a_i)
+    totals = running[..., -1].float()  # [b, c, g, e]
+    if documents is not None:
+        before = torch.cat(
+            (documents[:, :1, :1], documents[:, :-1, -1:]), dim=1
+        )  # the document entering each chunk
+        carries = (
+            documents == before
+        )  # [b, c, Q]: position i still in the document the chunk's state belongs to
+        from_start = from_start * carries[:, :, None, None]
+        totals = totals.masked_fill(~carries[:, :, -1:, None], -torch.inf)
     if initial_states is None:
         first = chunk_states.new_zeros(batch, 1, groups, per_group, head_dim, state_dim)
     else:
         first = initial_states.float().reshape(batch, 1, groups, per_group, head_dim, state_dim)
     states = torch.cat((first, chunk_states), dim=1)  # [b, c + 1, g, e, p, n]
-    chunk_totals = F.pad(ac.sum(-1).permute(0, 2, 3, 1), (1, 0))  # [b, g, e, c + 1]
-    passing = torch.exp(segment_sums(chunk_totals))  # [b, g, e, c + 1, c + 1]
+    passing = torch.exp(segment_sums(F.pad(totals.permute(0, 2, 3, 1), (1, 0))))  # [b, g, e, c + 1, c + 1]
     states = (passing @ states.permute(0, 2, 3, 1, 4, 5).flatten(-2)).unflatten(-1, (head_dim, state_dim))
     start_states, final_state = states[:, :, :, :-1], states[:, :, :, -1]  # [b, g, e, c, p, n]
 
     # 4. What each position reads of its chunk's start state: exp(a_first + ... + a_i) C_i . state.
-    from_start = torch.exp(ac.cumsum(-1))  # [b, c, g, e, Q]
     carried = (Cc[:, :, :, None] @ start_states.permute(0, 3, 1, 2, 5, 4)) * from_start[..., None]
     y = (y + carried).permute(0, 1, 4, 2, 3, 5).reshape(batch, chunks * chunk, heads, head_dim)[:, :length]
 
