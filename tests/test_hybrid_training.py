@@ -4,14 +4,19 @@ run resumes bitwise; Megatron's examples/mamba scripts parse as written and trai
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
 
 from megatron_train.arguments import build_parser, parse_args
 from megatron_train.checkpointing import load_model_for_inference
+from megatron_train.evaluation.wikitext import evaluate_wikitext
 from megatron_train.models.hybrid import MambaModel
 from megatron_train.pretrain_mamba import main as pretrain_mamba
+from megatron_train.tasks import main as tasks_main
+from megatron_train.tokenizer import tokenizer_from_config
 from megatron_train.tools import run_text_generation_server as server_tool
 from tests.helpers.distributed import run_distributed
 from tests.helpers.megatron_examples import example_argv
@@ -91,6 +96,22 @@ def test_a_tp2_checkpoint_loads_at_tp1_with_the_tp1_runs_logits(continued) -> No
     with torch.no_grad():
         torch.testing.assert_close(split(tokens), whole(tokens), rtol=1e-4, atol=1e-4)
     assert read_marker(f"{tmp}/pp2") == 5
+
+
+@pytest.mark.parametrize("task", ["WIKITEXT103", "LAMBADA"])
+def test_zero_shot_tasks_score_a_hybrid_checkpoint(continued, tmp_path, task) -> None:
+    tmp, _ = continued
+    model, config = load_model_for_inference(f"{tmp}/tp2-sp", device="cpu")
+    tokenizer = tokenizer_from_config(config.tokenizer)
+    counting = " ".join(str(i % 100) for i in range(40, 100))  # the corpus' counting documents
+    data = tmp_path / "data"
+    data.write_text(json.dumps({"text": counting}) + "\n" if task == "LAMBADA" else counting + "\n")
+    metrics = tasks_main.main(["--task", task, "--valid-data", str(data), "--load", f"{tmp}/tp2-sp"])
+    if task == "WIKITEXT103":
+        expected = evaluate_wikitext(model, tokenizer, str(data), config.model.seq_length, None)
+        assert metrics["avg_loss"] == pytest.approx(expected.avg_loss, rel=1e-6)
+    else:
+        assert metrics["total"] == 1 and metrics["accuracy"] in (0.0, 1.0)
 
 
 def test_a_sigkilled_hybrid_run_resumes_bitwise(tmp_path) -> None:
