@@ -17,6 +17,7 @@ from megatron_train.models.hybrid import MambaModel
 from megatron_train.pretrain_mamba import main as pretrain_mamba
 from megatron_train.tasks import main as tasks_main
 from megatron_train.tokenizer import tokenizer_from_config
+from megatron_train.tools import checkpoint_util
 from megatron_train.tools import run_text_generation_server as server_tool
 from tests.helpers.distributed import run_distributed
 from tests.helpers.megatron_examples import example_argv
@@ -87,7 +88,7 @@ def test_a_hybrid_model_continues_a_one_process_checkpoint_with_the_same_losses(
     np.testing.assert_allclose(losses[name], reference, rtol=1e-5, err_msg=name)
 
 
-def test_a_tp2_checkpoint_loads_at_tp1_with_the_tp1_runs_logits(continued) -> None:
+def test_a_tp2_checkpoint_loads_at_tp1_with_the_tp1_runs_logits(continued, tmp_path) -> None:
     tmp, _ = continued
     split, config = load_model_for_inference(f"{tmp}/tp2-sp", device="cpu")
     whole, _ = load_model_for_inference(f"{tmp}/tp1", device="cpu")
@@ -96,6 +97,12 @@ def test_a_tp2_checkpoint_loads_at_tp1_with_the_tp1_runs_logits(continued) -> No
     with torch.no_grad():
         torch.testing.assert_close(split(tokens), whole(tokens), rtol=1e-4, atol=1e-4)
     assert read_marker(f"{tmp}/pp2") == 5
+    resharded = str(tmp_path / "tp1-pp2")  # offline: TP=2 -> TP=1 x PP=2, stages at the pattern's cut
+    checkpoint_util.main(["--load-dir", f"{tmp}/tp2-sp", "--save-dir", resharded, "--target-tensor-parallel-size",
+                          "1", "--target-pipeline-parallel-size", "2"])  # fmt: skip
+    offline, _ = load_model_for_inference(resharded, device="cpu")
+    with torch.no_grad():
+        torch.testing.assert_close(offline(tokens), split(tokens))
 
 
 @pytest.mark.parametrize("task", ["WIKITEXT103", "LAMBADA"])

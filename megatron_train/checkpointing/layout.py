@@ -182,25 +182,35 @@ def stage_tensor_names(
 
 def check_layout(
     model: TransformerConfig,
+    split: PipelineSplit,
     padded_vocab_size: int,
     tp_size: int,
     pp_size: int,
     layers_per_virtual_stage: int | None = None,
 ) -> None:
-    """Refuse a (TP, PP, virtual) layout the model cannot be cut into, naming the setting that does not fit."""
+    """Refuse a (TP, PP, virtual) layout the model cannot be cut into, naming the setting that does not fit; the
+    pipeline stages are cut as the model's family cuts them (`split`)."""
     splits = (
         ("--num-attention-heads", model.num_attention_heads, tp_size, "tensor"),
         ("number of query groups (--num-query-groups)", model.num_query_groups_effective, tp_size, "tensor"),
         ("--ffn-hidden-size", model.ffn_hidden_size, tp_size, "tensor"),
         ("padded vocabulary size", padded_vocab_size, tp_size, "tensor"),
-        ("--num-layers", model.num_layers, pp_size, "pipeline"),
     )
+    if pp_size < 1:
+        raise ValueError(f"the target pipeline model parallel size must be at least 1, got {pp_size}")
     for what, size, parts, kind in splits:
         if parts < 1 or size % parts:
             raise ValueError(
                 f"{what} ({size}) is not divisible by the target {kind} model parallel size ({parts}); "
                 f"pick a {kind} model parallel size that divides it"
             )
+    for pp_rank in range(pp_size):
+        try:
+            split.layer_range(model, pp_rank, pp_size, 0, None)
+        except ValueError as error:
+            raise ValueError(
+                f"the target pipeline model parallel size ({pp_size}) does not cut this model: {error}"
+            ) from None
     if layers_per_virtual_stage is None:
         return
     if pp_size == 1:

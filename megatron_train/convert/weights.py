@@ -114,7 +114,7 @@ def padded_vocab_for_layout(weights: ModelWeights, target_tp: int, target_pp: in
     padded = vocab_size_with_padding(
         weights.true_vocab_size, config.tokenizer.make_vocab_size_divisible_by, target_tp
     )
-    check_layout(config.model, padded, target_tp, target_pp)
+    check_layout(config.model, weights.family.pipeline, padded, target_tp, target_pp)
     return padded
 
 

@@ -111,7 +111,9 @@ def convert_checkpoint(
     padded_vocab_size = target_padded_vocab_size(
         saved, config.tokenizer.make_vocab_size_divisible_by, target_tp, true_vocab_size
     )
-    check_layout(config.model, padded_vocab_size, target_tp, target_pp, target_layers_per_virtual_stage)
+    check_layout(
+        config.model, split, padded_vocab_size, target_tp, target_pp, target_layers_per_virtual_stage
+    )
     config.parallel.tensor_model_parallel_size = target_tp
     config.parallel.pipeline_model_parallel_size = target_pp
     config.parallel.num_layers_per_virtual_pipeline_stage = target_layers_per_virtual_stage
