@@ -22,7 +22,8 @@ import transformers
 
 from megatron_train.inference.generation import GenerationParams, generate
 from megatron_train.models.config import TransformerConfig
-from megatron_train.models.hf_mamba import mamba2_config, mamba2_tensors
+from megatron_train.models.hf_import import from_hf
+from megatron_train.models.hf_mamba import mamba2_config, mamba2_rules
 from megatron_train.models.hybrid import MambaModel
 from megatron_train.tokenizer import build_tokenizer
 
@@ -59,7 +60,7 @@ def our_model(hf: torch.nn.Module) -> MambaModel:
     hf_config = hf.config.to_dict()
     config: TransformerConfig = mamba2_config(hf_config, "benchmark")
     ours = MambaModel(config, hf.config.vocab_size)
-    ours.load_state_dict(mamba2_tensors(config, hf_config, "benchmark", hf.state_dict()), strict=True)
+    ours.load_state_dict(from_hf(hf.state_dict(), mamba2_rules(config)), strict=True)
     return ours
 
 

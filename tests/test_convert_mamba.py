@@ -71,7 +71,7 @@ def test_mamba2_converted_in_gives_transformers_logits_and_converted_out_loads_e
     with torch.no_grad():
         expected = hf_model(tokens).logits
     model, config = load_model_for_inference(str(tmp / "flow"), device="cpu")
-    assert isinstance(model, MambaModel) and config.model.hybrid_layer_pattern == "MM"
+    assert isinstance(model, MambaModel) and (config.model.hybrid_layer_pattern, config.model.num_layers) == (None, 2)
     assert config.tokenizer.tokenizer_type == "HuggingFaceTokenizer"
     with torch.no_grad():
         torch.testing.assert_close(model(tokens)[..., :VOCAB], expected, rtol=1e-5, atol=1e-5)

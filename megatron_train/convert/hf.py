@@ -50,6 +50,7 @@ from megatron_train.models.hf_import import (
     refuse_unless,
     to_hf,
 )
+from megatron_train.models.hf_mamba import mamba2_config, mamba2_rules
 from storage.atomic import atomic_path, atomic_write_text
 
 logger = logging.getLogger(__name__)
@@ -102,7 +103,22 @@ BERT_FIELDS = {
     "attention_dropout": "attention_probs_dropout_prob",
     "init_method_std": "initializer_range",
 }
-FIELD_NAMES = {"gpt2": GPT2_FIELDS, **dict.fromkeys(LLAMA_TYPES, LLAMA_FIELDS), "bert": BERT_FIELDS}
+MAMBA2_FIELDS = {
+    "num_layers": "num_hidden_layers",
+    "hidden_size": "hidden_size",
+    "true_vocab_size": "vocab_size",
+    "norm_epsilon": "layer_norm_epsilon",
+    "mamba_state_dim": "state_size",
+    "mamba_head_dim": "head_dim",
+    "mamba_num_groups": "n_groups",
+    "mamba_num_heads": "num_heads",
+}
+FIELD_NAMES = {
+    "gpt2": GPT2_FIELDS,
+    **dict.fromkeys(LLAMA_TYPES, LLAMA_FIELDS),
+    "bert": BERT_FIELDS,
+    "mamba2": MAMBA2_FIELDS,
+}
 # Other keys the readers use, and what they must be.
 HF_KEY_TYPES: dict[str, Any] = {
     "activation_function": str,
@@ -363,6 +379,7 @@ def load(load_dir: str, model_family: str | None = None) -> ModelWeights:
         "gpt2": (_gpt2_config, gpt2_rules),
         **dict.fromkeys(LLAMA_TYPES, (_llama_config, llama_rules)),
         "bert": (transformer_config_from_hf, None),
+        "mamba2": (mamba2_config, mamba2_rules),
     }
     if not isinstance(model_type, str) or model_type not in readers:
         raise ValueError(
@@ -450,7 +467,7 @@ def _check_against_weights(
     dims = {
         "embedding.word_embeddings.weight": {0: (fields["true_vocab_size"], model.true_vocab_size),
                                              1: (fields["hidden_size"], model.hidden_size)},
-        "embedding.position_embeddings.weight": {0: (fields["seq_length"], model.max_position_embeddings)},
+        "embedding.position_embeddings.weight": {0: (fields.get("seq_length"), model.max_position_embeddings)},
     }  # fmt: skip
     for ours, checks in dims.items():
         name = one_layer.get(ours, ("",))[0]

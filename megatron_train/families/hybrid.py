@@ -13,7 +13,6 @@ from collections import Counter
 
 from megatron_train.arguments import MegatronConfig
 from megatron_train.families.family import (
-    HFArchitecture,
     HFConversion,
     InferenceHooks,
     Layouts,
@@ -22,7 +21,7 @@ from megatron_train.families.family import (
     PipelineSplit,
 )
 from megatron_train.families.gpt import datasets_provider, forward_step
-from megatron_train.models.hf_mamba import export_mamba2, mamba2_config, mamba2_tensors
+from megatron_train.models.hf_mamba import export_mamba2
 from megatron_train.models.hybrid import MambaModel, hybrid_layer_range
 from megatron_train.models.hybrid_pattern import ATTENTION, MAMBA, MLP, layer_symbols
 from megatron_train.models.mamba import CONV_KERNEL, check_mamba_config, mamba_shapes
@@ -47,12 +46,10 @@ _NO_CONTEXT = "context parallelism is not built for Mamba layers (their state ru
 
 
 def check_hybrid_config(config: MegatronConfig) -> None:
-    """Megatron's pretrain_hybrid rules, as ValueErrors naming the flag: without a pattern the model is --num-layers
-    Mamba layers (Megatron's pure Mamba), the Mamba shape must split over TP, and the stages are the pattern's
-    segments."""
+    """Megatron's pretrain_hybrid rules, as ValueErrors naming the flag: the Mamba shape must split over TP, and
+    the stages are the pattern's segments (without a pattern the model is --num-layers Mamba layers, Megatron's
+    pure Mamba)."""
     model, parallel = config.model, config.parallel
-    if model.hybrid_layer_pattern is None:
-        model.hybrid_layer_pattern = MAMBA * model.num_layers
     check_mamba_config(model, parallel.tensor_model_parallel_size)
     hybrid_layer_range(model, 0, parallel.pipeline_model_parallel_size)
 
@@ -78,7 +75,7 @@ def hybrid_terms(config: MegatronConfig, padded_vocab_size: int) -> ModelTerms:
     """Embeddings, the pattern's Mamba, attention and MLP layers over --seq-length tokens, the final norm and the
     output layer."""
     model, seq = config.model, config.model.seq_length
-    counts = Counter(layer_symbols(model.hybrid_layer_pattern or MAMBA * model.num_layers))
+    counts = Counter(layer_symbols(model.hybrid_layer_pattern, model.num_layers))
     return (
         embedding_terms(model, padded_vocab_size)
         + mamba_layer_terms(config, counts[MAMBA], seq)
@@ -130,8 +127,6 @@ HYBRID = ModelFamily(
         torch_dist="Megatron-Core saves Mamba mixers' in-projection as five tensors (z, x, B, C, dt), not mapped "
         "here: convert with --saver megatron (or flow, hf)",
     ),
-    hf=HFConversion(
-        (HFArchitecture("mamba2", mamba2_config, mamba2_tensors),), export_mamba2, "AutoModelForCausalLM"
-    ),
+    hf=HFConversion(("mamba2",), export_mamba2, "AutoModelForCausalLM"),
     inference=InferenceHooks(),
 )

@@ -1,5 +1,6 @@
 """The hybrid family's Hugging Face architecture: `Mamba2ForCausalLM` (pure Mamba-2: every layer `M`), its
-config.json <-> our TransformerConfig and its weight table (docs/architecture.md, converting checkpoints).
+config.json <-> our TransformerConfig and its weight table, which the `hf` converter reads and writes with
+(docs/architecture.md, converting checkpoints).
 
 Hugging Face's Mamba-2 layers hold the same tensors as ours, in the same layouts (the in-projection's [z, x, B, C,
 dt] rows, the [x, B, C] convolution channels, the group-wise gated norm), so every rule is a rename.
@@ -7,10 +8,7 @@ dt] rows, the [x, B, C] convolution channels, the group-wise gated norm), so eve
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
-
-import torch
 
 from megatron_train.models.config import TransformerConfig
 from megatron_train.models.hf_import import (
@@ -18,7 +16,6 @@ from megatron_train.models.hf_import import (
     Rule,
     StateDict,
     export_checks,
-    from_hf,
     refuse_unless,
     same,
     to_hf,
@@ -65,7 +62,7 @@ def mamba2_config(hf: dict[str, Any], where: str) -> TransformerConfig:
         where,
     )  # fmt: skip
     return TransformerConfig(
-        hybrid_layer_pattern=MAMBA * hf["num_hidden_layers"],
+        num_layers=hf["num_hidden_layers"],
         hidden_size=hidden,
         num_attention_heads=heads,
         seq_length=DEFAULT_SEQ_LENGTH,
@@ -97,18 +94,12 @@ def mamba2_rules(config: TransformerConfig) -> list[Rule]:
     return rules
 
 
-def mamba2_tensors(
-    model: TransformerConfig, hf: dict[str, Any], where: str, weights: Mapping[str, torch.Tensor]
-) -> StateDict:
-    return from_hf(weights, mamba2_rules(model))
-
-
 def export_mamba2(model: TransformerConfig, tensors: StateDict) -> tuple[dict[str, Any], StateDict]:
     """Mamba2ForCausalLM, refusing what it lacks by the flag: attention or MLP layers, positions, LayerNorm."""
-    pattern, heads = model.hybrid_layer_pattern or "", mamba_heads(model)
+    pattern, heads = model.hybrid_layer_pattern, mamba_heads(model)
     refuse_unless(
         export_checks(model, "Mamba-2", post_ln=False) + [
-            (set(layer_symbols(pattern)) == {MAMBA}, f"Mamba2ForCausalLM has Mamba layers only, but "
+            (set(layer_symbols(pattern, model.num_layers)) == {MAMBA}, f"Mamba2ForCausalLM has Mamba layers only, but "
              f"--hybrid-layer-pattern {pattern!r} has others; export a pure Mamba model (all M)"),
             (model.position_embedding_type == "none", "Mamba2ForCausalLM has no position embeddings: train with "
              "--position-embedding-type none"),

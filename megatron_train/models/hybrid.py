@@ -42,14 +42,14 @@ def hybrid_layer_range(
     pattern = config.hybrid_layer_pattern
     if pp_size == 1:
         return range(config.num_layers)
-    segments = pipeline_segments(pattern)
+    segments = pipeline_segments(pattern, config.num_layers)
     if len(segments) != pp_size or vp_size not in (None, 1):
         raise ValueError(
             f"--pipeline-model-parallel-size {pp_size}: a hybrid model's stages are the segments of "
             f"--hybrid-layer-pattern {pattern!r} cut by {PIPE!r}, which has {len(segments)}; cut it into "
             f"{pp_size} segments (as Megatron's pretrain_hybrid)"
         )
-    return segment_range(pattern, pp_rank)
+    return segment_range(pattern, config.num_layers, pp_rank)
 
 
 class HybridStack(nn.Module):
@@ -71,7 +71,7 @@ class HybridStack(nn.Module):
         self.layer_range = hybrid_layer_range(
             config, state.group_rank(pg_collection.pp), state.group_size(pg_collection.pp)
         )
-        symbols = layer_symbols(config.hybrid_layer_pattern)
+        symbols = layer_symbols(config.hybrid_layer_pattern, config.num_layers)
         layers, slots = [], {MAMBA: 0, ATTENTION: 0, MLP: 0}
         for global_index in self.layer_range:
             symbol = symbols[global_index]
@@ -134,7 +134,8 @@ class HybridStack(nn.Module):
 
 
 class MambaModel(LanguageModule):
-    """A Mamba or hybrid language model: `vocab_size` the padded vocabulary, `pre_process` / `post_process`
+    """A Mamba or hybrid language model (--hybrid-layer-pattern's layers, else --num-layers Mamba layers):
+    `vocab_size` the padded vocabulary, `pre_process` / `post_process`
     whether this stage holds the embedding / the final norm and output layer, `init_seed` (--use-cpu-
     initialization) each part's own stream, `pg_collection` the groups its layers communicate over. `vp_stage` is
     always 0: a hybrid model's stages are its pattern's segments, never split into virtual stages."""
@@ -154,8 +155,6 @@ class MambaModel(LanguageModule):
         pg_collection: state.ProcessGroupCollection | None = None,
     ) -> None:
         super().__init__(config, vocab_size, pre_process, post_process, pg_collection=pg_collection)
-        if config.hybrid_layer_pattern is None:
-            raise ValueError("a Mamba model needs --hybrid-layer-pattern (e.g. MMMM, or M*M- for a hybrid)")
         if config.position_embedding_type == "relative":
             raise ValueError(
                 "--position-embedding-type relative is T5's; a Mamba model takes none, rope or learned"

@@ -35,15 +35,16 @@ def check_pattern(pattern: str) -> None:
         raise ValueError(f"--hybrid-layer-pattern {pattern!r}: a pipeline segment between | has no layers")
 
 
-def layer_symbols(pattern: str) -> str:
-    """The pattern's layers, one symbol each, without the stage cuts."""
-    return pattern.replace(PIPE, "")
+def layer_symbols(pattern: str | None, num_layers: int) -> str:
+    """The layers, one symbol each, without the stage cuts; no pattern is `num_layers` Mamba layers (Megatron's
+    pure Mamba model)."""
+    return MAMBA * num_layers if pattern is None else pattern.replace(PIPE, "")
 
 
 def hybrid_layer_count(pattern: str, num_layers: int | None) -> int:
     """The layer count the pattern gives; a --num-layers that disagrees is refused naming both."""
     check_pattern(pattern)
-    count = len(layer_symbols(pattern))
+    count = len(pattern.replace(PIPE, ""))
     if num_layers is not None and num_layers != count:
         raise ValueError(
             f"--num-layers {num_layers} disagrees with --hybrid-layer-pattern {pattern!r}, which has {count} "
@@ -52,14 +53,14 @@ def hybrid_layer_count(pattern: str, num_layers: int | None) -> int:
     return count
 
 
-def pipeline_segments(pattern: str) -> list[str]:
-    """The pattern cut at `|`: one segment per pipeline stage."""
-    return pattern.split(PIPE)
+def pipeline_segments(pattern: str | None, num_layers: int) -> list[str]:
+    """The layers cut at `|`: one segment per pipeline stage (no pattern: one segment)."""
+    return [MAMBA * num_layers] if pattern is None else pattern.split(PIPE)
 
 
-def segment_range(pattern: str, segment: int) -> range:
+def segment_range(pattern: str | None, num_layers: int, segment: int) -> range:
     """The global layer numbers of pipeline segment `segment`."""
-    segments = pipeline_segments(pattern)
+    segments = pipeline_segments(pattern, num_layers)
     start = sum(len(part) for part in segments[:segment])
     return range(start, start + len(segments[segment]))
 

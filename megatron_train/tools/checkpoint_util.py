@@ -112,7 +112,12 @@ def convert_checkpoint(
         saved, config.tokenizer.make_vocab_size_divisible_by, target_tp, true_vocab_size
     )
     check_layout(
-        config.model, split, padded_vocab_size, target_tp, target_pp, target_layers_per_virtual_stage
+        config.model,
+        family.pipeline,
+        padded_vocab_size,
+        target_tp,
+        target_pp,
+        target_layers_per_virtual_stage,
     )
     config.parallel.tensor_model_parallel_size = target_tp
     config.parallel.pipeline_model_parallel_size = target_pp
