@@ -26,6 +26,7 @@ from megatron_train.models.config import TransformerConfig
 from megatron_train.models.hybrid import MambaModel
 from megatron_train.tools import run_text_generation_server as server_tool
 from megatron_train.tools.checkpoint_util import main as checkpoint_util
+from megatron_train.tools.run_hybrid_text_generation_server import hybrid_argv
 from tests.helpers.convert_models import VOCAB, hf_logits, ids, save_word_tokenizer
 
 transformers = pytest.importorskip("transformers")
@@ -178,3 +179,8 @@ def test_a_megatron_legacy_hybrid_checkpoint_in_the_released_layout_loads(tmp_pa
     tokens = ids(16)
     with torch.no_grad():
         torch.testing.assert_close(model(tokens), reference(tokens), rtol=1e-5, atol=1e-5)
+    # served where it lies: --load detects Megatron's format, Megatron's server name reads it as a hybrid model
+    argv = hybrid_argv(["--load", str(tmp_path), "--hybrid-layer-pattern", "M*M-", "--bf16", "--seed", "42"])
+    served, _, _ = load_for_inference(server_tool.build_parser(argv).parse_args(argv))
+    with torch.no_grad():
+        torch.testing.assert_close(served(tokens), reference(tokens), rtol=1e-5, atol=1e-5)

@@ -57,6 +57,10 @@ MODEL_ARGS_TO_CHECK = (
     "activation_func",
     "decoder_num_layers",
     "relative_attention_num_buckets",
+    "mamba_state_dim",
+    "mamba_head_dim",
+    "mamba_num_groups",
+    "mamba_num_heads",
 )
 
 
