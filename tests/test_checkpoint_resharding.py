@@ -42,7 +42,7 @@ from megatron_train.checkpointing.layout import (
 )
 from megatron_train.data.config import DataConfig
 from megatron_train.families.bert import BERT
-from megatron_train.families.gpt import GPT
+from megatron_train.families.gpt import DECODER_PIPELINE, GPT
 from megatron_train.models.gpt import GPTModel
 from megatron_train.models.transformer import pack_qkv
 from megatron_train.optimizer import get_megatron_optimizer
@@ -499,9 +499,9 @@ def test_layer_renumbering_and_stage_ownership() -> None:
     assert stage_tensor_names(BERT.pipeline, bert, range(0, 1), True, False) == bert[:2]
     assert stage_tensor_names(BERT.pipeline, bert, range(1, 2), False, True) == bert[2:]
     llama = _llama_config("unused").model
-    check_layout(llama, 192, 4, 2)
+    check_layout(llama, DECODER_PIPELINE, 192, 4, 2)
     with pytest.raises(ValueError, match=r"padded vocabulary size \(100\) is not divisible .* \(8\)"):
-        check_layout(tiny_config(num_attention_heads=8), 100, 8, 1)
+        check_layout(tiny_config(num_attention_heads=8), DECODER_PIPELINE, 100, 8, 1)
 
 
 def test_bf16_main_params_and_adam_moments_follow_their_weights_through_repadding(tmp_path) -> None:
