@@ -397,6 +397,24 @@ def test_server_refuses_at_start_up_what_does_not_fit_the_checkpoint(
     assert message in error and os.path.join(load, "iter_0000001") in error
 
 
+def test_server_refuses_a_metadata_json_whose_args_lie_about_its_tensors(tmp_path, monkeypatch, capsys):
+    """The args decide the model the server builds: a num_layers of 10**6 was built (minutes, gigabytes) before
+    its weights were found missing; now they are checked against the saved tensors first."""
+    load = save_checkpoint_padded_to_eight(str(tmp_path / "ckpt"))
+    metadata_file = os.path.join(load, "iter_0000001", "metadata.json")
+    with open(metadata_file) as saved:
+        metadata = json.load(saved)
+    metadata["args"]["model"]["num_layers"] = 10**6
+    os.chmod(metadata_file, 0o644)
+    with open(metadata_file, "w") as out:
+        json.dump(metadata, out)
+    with pytest.raises(SystemExit) as exit_info:
+        serve(monkeypatch, ["--load", load])
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err
+    assert f"{metadata_file}: args.model.num_layers is 1000000, but there are 2 layers" in error
+
+
 def test_server_takes_a_tokenizer_of_the_checkpoints_vocabulary(tmp_path, monkeypatch):
     load = save_checkpoint_padded_to_eight(str(tmp_path / "ckpt"))
     client = serve(monkeypatch, ["--load", load, "--vocab-size", "99"])  # 100 tokens: 97 to 104 fit

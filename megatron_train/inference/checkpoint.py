@@ -17,11 +17,12 @@ import sys
 import torch
 import torch.distributed as dist
 
-from megatron_train.arguments import MegatronConfig, build_parser, config_from_dict, flag_name
+from megatron_train.arguments import MegatronConfig, build_parser, flag_name
 from megatron_train.checkpointing import MODEL_ARGS_TO_CHECK, CheckpointError, saved_true_vocab_range
 from megatron_train.checkpointing.inference import model_from_saved, model_stage_from_saved
 from megatron_train.checkpointing.saved import SavedCheckpoint
 from megatron_train.convert.detect import open_checkpoint
+from megatron_train.convert.flow import checked_saved_config
 from megatron_train.families.family import ModelFamily
 from megatron_train.families.registry import (
     DEFAULT_FAMILY,
@@ -159,7 +160,7 @@ def load_for_inference(
     neighbours); a checkpoint of a family the tools do not serve is refused."""
     family, saved = inference_checkpoint(args)
     where, metadata = saved.iteration_dir, saved.metadata
-    saved_config = config_from_dict(metadata["args"])
+    saved_config = checked_saved_config(saved, where, family)  # its args against its tensors, before building
     check_model_flags(args, saved_config, where)
     tokenizer = tokenizer_for(saved_config, args, where)
     check_tokenizer_fits(tokenizer, metadata, where)
