@@ -1,4 +1,5 @@
-"""Shared fixtures: one Prefect test server for the whole session (it takes 10 to 60 s to start)."""
+"""Shared fixtures: one Prefect test server for the whole session (it takes 10 to 60 s to start) and one S3
+server (moto), each waited for with one deadline (tests/helpers/readiness.py)."""
 
 from __future__ import annotations
 
@@ -6,12 +7,14 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 
 import pytest
 
 from tests.helpers.distributed import free_port
+from tests.helpers.readiness import wait_until_ready
+
+pytest_plugins = ("pytester", "tests.helpers.ci_skips")
 
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -20,20 +23,23 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 @pytest.fixture(scope="session")
 def prefect_api_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A Prefect server for flow tests; yields its API URL so subprocesses can use it too."""
-    os.environ["PREFECT_HOME"] = str(tmp_path_factory.mktemp("prefect-home"))
-    from prefect.settings import PREFECT_API_URL
-    from prefect.testing.utilities import prefect_test_harness
+    home = tmp_path_factory.mktemp("prefect-home")
+    os.environ["PREFECT_HOME"] = str(home)
+    from tests.helpers.prefect_server import prefect_test_server  # imports Prefect: only for the flow tests
 
-    with prefect_test_harness(server_startup_timeout=120):
-        yield PREFECT_API_URL.value()
+    with prefect_test_server(home) as api_url:
+        yield api_url
 
 
 @pytest.fixture(scope="session")
 def s3_endpoint():
     """A real S3-compatible server (moto_server) on 127.0.0.1, reached through s3fs."""
     pytest.importorskip("s3fs")
-    server = shutil.which("moto_server") or os.path.join(os.path.dirname(sys.executable), "moto_server")
-    if not os.path.exists(server):
+    beside_python = os.path.join(
+        os.path.dirname(sys.executable), "moto_server"
+    )  # this venv's, not one on PATH
+    server = beside_python if os.path.exists(beside_python) else shutil.which("moto_server")
+    if server is None:
         pytest.skip("moto_server is not installed (pip install 'moto[server]')")
     port = free_port()
     proc = subprocess.Popen(
@@ -42,15 +48,9 @@ def s3_endpoint():
     endpoint = f"http://127.0.0.1:{port}"
     import requests
 
-    for _ in range(100):
-        try:
-            requests.get(endpoint, timeout=1)
-            break
-        except requests.ConnectionError:
-            time.sleep(0.1)
-    else:
+    try:  # any HTTP answer means it serves; its first one can take seconds on a busy machine
+        wait_until_ready(lambda: requests.get(endpoint, timeout=10) is not None, "moto_server", process=proc)
+        yield endpoint
+    finally:
         proc.kill()
-        pytest.fail("moto_server did not start")
-    yield endpoint
-    proc.kill()
-    proc.wait()
+        proc.wait()

@@ -18,7 +18,6 @@ import json
 import lzma
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -31,6 +30,8 @@ import yaml
 
 from flows.events import TOKENIZED_EVENT
 from stages.download import EMBEDDED_CORPUS
+from tests.helpers.distributed import free_port
+from tests.helpers.readiness import wait_until_ready
 
 ROOT = Path(__file__).resolve().parents[1]
 PREFECT = [sys.executable, "-m", "prefect"]
@@ -42,12 +43,6 @@ TINY_GPT = (
 )  # fmt: skip
 
 pytestmark = [pytest.mark.slow, pytest.mark.prefect]
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _chapters(source: Path, count: int) -> None:
@@ -78,7 +73,7 @@ def _deployment_file(tmp_path: Path, corpus: dict) -> Path:
 @pytest.fixture
 def prefect_server(tmp_path: Path) -> Iterator[dict[str, str]]:
     """`prefect server start` on a free port with a Prefect home of its own; yields the environment for clients."""
-    port = _free_port()
+    port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
     env |= {
         "PREFECT_HOME": str(tmp_path / "prefect-home"),
@@ -99,16 +94,12 @@ def prefect_server(tmp_path: Path) -> Iterator[dict[str, str]]:
         env=env, stdout=log, stderr=subprocess.STDOUT,
     )  # fmt: skip
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert server.poll() is None, (tmp_path / "server.log").read_text()[-3000:]
-            assert time.monotonic() < deadline, "prefect server start did not answer in 120 s"
-            try:
-                if httpx.get(f"{env['PREFECT_API_URL']}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
+        wait_until_ready(
+            lambda: httpx.get(f"{env['PREFECT_API_URL']}/health", timeout=10).status_code == 200,
+            "prefect server start",
+            process=server,
+            output=lambda: (tmp_path / "server.log").read_text()[-3000:],
+        )
         yield env
     finally:
         server.terminate()

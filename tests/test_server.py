@@ -8,8 +8,6 @@ import logging
 import os
 import subprocess
 import sys
-import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -28,7 +26,8 @@ from tests.helpers.generation import (  # noqa: F401 (one_torch_thread is an aut
     one_torch_thread,
     save_tiny_checkpoint,
 )
-from tests.helpers.servers import put, serve, uvicorn_serving
+from tests.helpers.readiness import wait_until_ready
+from tests.helpers.servers import generation_server_healthy, put, serve, uvicorn_serving
 
 LIMITS = ServerLimits(
     max_batch_size=4, max_tokens_to_generate=32, max_tokens_to_oom=200, max_request_bytes=2000
@@ -313,16 +312,12 @@ def test_run_text_generation_server_serves_a_checkpoint(tmp_path):
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert server.poll() is None, server.stderr.read().decode()
-            assert time.monotonic() < deadline, "the server did not answer /health within 120 s"
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as response:
-                    assert json.loads(response.read())["status"] == "ok"
-                    break
-            except OSError:
-                time.sleep(0.2)
+        wait_until_ready(
+            lambda: generation_server_healthy(port),
+            "run_text_generation_server",
+            process=server,
+            output=lambda: server.stderr.read().decode(),
+        )
         status, body = put_request(
             f"http://127.0.0.1:{port}/api", {"prompts": ["5 6 7"], "tokens_to_generate": 4, "top_k": 1}
         )

@@ -3,12 +3,9 @@ greedy and seeded sampling, top logprobs and beam search; and the torchrun serve
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
-import time
-import urllib.request
 
 import pytest
 import torch
@@ -20,6 +17,8 @@ from megatron_train.tokenizer import build_tokenizer
 from megatron_train.tools.text_generation_cli import put_request
 from tests.helpers.distributed import free_port, run_distributed
 from tests.helpers.generation import one_torch_thread, save_tiny_checkpoint  # noqa: F401 (one_torch_thread is an autouse fixture)
+from tests.helpers.readiness import wait_until_ready
+from tests.helpers.servers import generation_server_healthy
 
 PROMPTS = ["5 6 7", "1 2 3 4 5 6 7 8"]
 GREEDY = GenerationParams(tokens_to_generate=6, top_k=1, return_output_log_probs=True, top_logprobs=3)
@@ -79,19 +78,6 @@ def test_tp2_and_pp2_serve_what_one_process_serves(tmp_path):
                 torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-5, msg=where)
 
 
-def _wait_for_health(port: int, server: subprocess.Popen, timeout: float = 180) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        assert server.poll() is None, server.stderr.read().decode()
-        assert time.monotonic() < deadline, f"the server did not answer /health within {timeout} s"
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as response:
-                if json.loads(response.read())["status"] == "ok":
-                    return
-        except OSError:
-            time.sleep(0.3)
-
-
 @pytest.mark.parametrize(("tp", "pp"), [(1, 2)])
 def test_torchrun_server_answers_from_rank_0(tmp_path, tp, pp):
     load = save_tiny_checkpoint(str(tmp_path / "ckpt"))
@@ -106,7 +92,12 @@ def test_torchrun_server_answers_from_rank_0(tmp_path, tp, pp):
         command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env={**os.environ, "OMP_NUM_THREADS": "1"}
     )
     try:
-        _wait_for_health(port, server)
+        wait_until_ready(
+            lambda: generation_server_healthy(port),
+            "the torchrun text generation server",
+            process=server,
+            output=lambda: server.stderr.read().decode(),
+        )
         url = f"http://127.0.0.1:{port}/api"
         status, greedy = put_request(
             url, {"prompts": PROMPTS, "tokens_to_generate": 6, "top_k": 1, "logprobs": True}

@@ -1,11 +1,12 @@
-"""Servers the tests start in-process, and requests to them."""
+"""Servers the tests start (an app served by uvicorn in a thread), requests to them and the generation server's
+health probe."""
 
 from __future__ import annotations
 
 import contextlib
 import json
 import threading
-import time
+import urllib.request
 from collections.abc import Iterator
 
 import uvicorn
@@ -13,6 +14,7 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from tests.helpers.distributed import free_port
+from tests.helpers.readiness import wait_until_ready
 
 
 @contextlib.contextmanager
@@ -22,10 +24,7 @@ def uvicorn_serving(app: FastAPI) -> Iterator[str]:
     server = uvicorn.Server(uvicorn.Config(app, port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline, "uvicorn did not start within 30 s"
-        time.sleep(0.05)
+    wait_until_ready(lambda: server.started, "uvicorn serving the app in a thread", timeout=60)
     try:
         yield f"127.0.0.1:{port}"
     finally:
@@ -48,3 +47,9 @@ def serve(monkeypatch, argv: list[str]) -> TestClient:
     monkeypatch.setattr(run_text_generation_server.uvicorn, "run", lambda app, **_: served.update(app=app))
     run_text_generation_server.main(argv)
     return TestClient(served["app"])
+
+
+def generation_server_healthy(port: int) -> bool:
+    """Whether the text generation server on 127.0.0.1:`port` answers GET /health with status ok."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as response:
+        return json.loads(response.read())["status"] == "ok"
