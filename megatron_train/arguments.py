@@ -19,6 +19,7 @@ import torch
 
 from megatron_train.config_flags import add_config_arguments, flag_name, is_required
 from megatron_train.data.config import DataConfig
+from megatron_train.legacy_flags import TRAINING_FLAGS, add_legacy_flags
 from megatron_train.models.config import TransformerConfig
 from megatron_train.models.retro_config import RetroConfig
 from megatron_train.parallel.config import ParallelConfig
@@ -77,6 +78,9 @@ ACCEPTED_FLAG_NOTES: dict[str, str] = {
     "spec": "the model family builds its own layers (Megatron-Core's local spec names); no spec is imported",
     "log_throughput": "every log line already carries 'throughput per GPU (TFLOP/s/GPU)'",
     "use_pytorch_profiler": "--profile always uses torch's profiler here",
+    "dataset_impl": ".bin/.idx files are Megatron's mmap format, the only one here",
+    "data_parallel_sharding_strategy": "Megatron ignores it without --use-megatron-fsdp, which is not built here: "
+    "data parallelism replicates the model, and --use-distributed-optimizer shards the optimizer state (ZeRO-1)",
 }
 FP8_FLAGS = ("fp8_format", "fp8_amax_history_len", "fp8_amax_compute_algo", "fp8_param_gather")
 logger = logging.getLogger(__name__)
@@ -90,14 +94,36 @@ def build_parser() -> argparse.ArgumentParser:
     seen: set[str] = set()
     for section, cls in SECTIONS.items():
         add_config_arguments(parser.add_argument_group(section, cls.__doc__), cls, seen)
+    add_legacy_flags(parser, TRAINING_FLAGS)
     return parser
+
+
+# With the weights' shape settings (checkpointing's MODEL_ARGS_TO_CHECK), the model's architecture that
+# --use-checkpoint-args takes from the checkpoint: Megatron's list (load_args_from_checkpoint) under our names.
+ARCHITECTURE_ARGS = (
+    "seq_length", "rotary_percent", "rotary_base", "use_rope_scaling", "rope_scaling_factor", "norm_epsilon",
+    "apply_layernorm_1p", "openai_gelu", "bias_gelu_fusion", "true_vocab_size", "decoder_seq_length",
+    "relative_attention_max_distance",
+)  # fmt: skip
+ALIASES = {
+    "num_layers": "encoder_num_layers",
+    "seq_length": "encoder_seq_length",
+}  # T5's names of the same flags
 
 
 def parse_args(argv: list[str] | None = None, world_size: int | None = None) -> MegatronConfig:
     """Parse Megatron flags into a validated MegatronConfig (exits with the reason on a bad combination)."""
     parser = build_parser()
+    required = [action for action in parser._actions if action.required]
+    for action in required:  # --use-checkpoint-args may fill them: checked below
+        action.required = False
     values = vars(parser.parse_args(argv))
     try:
+        if values.get("use_checkpoint_args"):
+            take_checkpoint_args(values, parser)
+        missing = [action.option_strings[0] for action in required if action.dest not in values]
+        if missing:
+            raise ValueError(f"the following arguments are required: {', '.join(missing)}")
         config = MegatronConfig(
             **{
                 name: cls(**{f.name: values[f.name] for f in dataclasses.fields(cls) if f.name in values})
@@ -116,6 +142,67 @@ def parse_args(argv: list[str] | None = None, world_size: int | None = None) -> 
                 value = "" if isinstance(values[name], bool) else f" {values[name]}"
                 logger.info("%s%s: %s", _flag_of(name), value, note)
     return config
+
+
+def take_checkpoint_args(values: dict[str, Any], parser: argparse.ArgumentParser) -> None:
+    """Megatron's --use-checkpoint-args: the architecture and tokenizer settings the command line leaves out
+    are set from the checkpoint in --load (logging each, as Megatron); given ones stay, and loading then refuses
+    any that differ from the checkpoint. Without a checkpoint the command line's settings are used. A saved value
+    the flag itself would refuse is refused, naming the file."""
+    from megatron_train.checkpointing import (
+        MODEL_ARGS_TO_CHECK,
+        CheckpointError,
+        read_metadata,
+        resolve_iteration_dir,
+    )
+
+    load = values.get("load")
+    log = logger.info if int(os.environ.get("RANK", "0")) == 0 else logger.debug
+    try:
+        iteration_dir = resolve_iteration_dir(load, values.get("ckpt_step")) if load else None
+        metadata = read_metadata(iteration_dir) if iteration_dir is not None else None
+    except CheckpointError as error:
+        raise ValueError(f"--use-checkpoint-args: {error}") from None
+    if metadata is None:
+        log(
+            "--use-checkpoint-args: no checkpoint in --load %s to provide arguments, using the given ones",
+            load,
+        )
+        return
+    where = f"{iteration_dir}/metadata.json"
+    saved = metadata.get("args")
+    if not isinstance(saved, dict) or not all(
+        isinstance(saved.get(s, {}), dict) for s in ("model", "tokenizer")
+    ):
+        raise ValueError(f"--use-checkpoint-args: {where} records no model and tokenizer arguments")
+    actions = {action.dest: action for action in parser._actions}
+    taken = [("model", name) for name in (*MODEL_ARGS_TO_CHECK, *ARCHITECTURE_ARGS)]
+    taken += [("tokenizer", f.name) for f in dataclasses.fields(TokenizerConfig)]
+    for section, name in taken:
+        value = saved.get(section, {}).get(name)
+        if value is None or name in values or ALIASES.get(name) in values:
+            continue
+        if not _valid_flag_value(actions[name], value):
+            raise ValueError(
+                f"--use-checkpoint-args: {where} records {name}={value!r}, not a {_flag_of(name)} value"
+            )
+        values[name] = value
+        log("Setting %s to %s from checkpoint", name, value)
+
+
+def _valid_flag_value(action: argparse.Action, value: Any) -> bool:
+    """Whether `value` is one the flag's parser action yields: a bool for a switch, else its type and choices."""
+    if action.nargs == 0:
+        return isinstance(value, bool)
+    values = value if isinstance(value, list) and action.nargs is not None else [value]
+    return all(
+        not isinstance(v, bool)
+        and (
+            action.type is None or isinstance(v, action.type) or (action.type is float and isinstance(v, int))
+        )
+        and (action.choices is None or v in action.choices)
+        for v in values
+    )
 
 
 def _flag_of(name: str) -> str:

@@ -43,6 +43,7 @@ import numpy as np
 from fsspec.implementations.local import LocalFileSystem
 from tqdm import tqdm
 
+from megatron_train.legacy_flags import GIVEN, Renamed, add_legacy_flags
 from megatron_train.tokenizer import TOKENIZER_TYPES
 from stages.base import Inputs, Stage
 from stages.shards import MapShards, process_pool, read_committed_json, run_shards, write_json
@@ -194,7 +195,8 @@ key = STAGE.key
 # Command line: Megatron's flags
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
+    """Megatron's tools/preprocess_data.py command line (and its older spellings)."""
     defaults = TokenizeParams()
     # Imported here: the flag definitions come with the training config (torch), which the stage does not need.
     from megatron_train.tokenizer.flags import add_tokenizer_args
@@ -245,6 +247,20 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=defaults.log_interval,
         help="documents between progress log lines",
     )
+    parser.add_argument(
+        "--dataset-impl",
+        choices=["mmap"],
+        help="Megatron's old .bin/.idx format choice; mmap, the only format written here, is accepted",
+    )
+    vocab = Renamed(
+        "--vocab", "--vocab-file {}", {"vocab_file": GIVEN}, why="Megatron's README abbreviated it"
+    )
+    add_legacy_flags(parser, (vocab,))
+    return parser
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if getattr(args, "tokenizer_type", None) is None:  # required, as in Megatron's preprocess_data.py
         parser.error(

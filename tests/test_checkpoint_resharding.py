@@ -564,9 +564,8 @@ def test_trained_checkpoint_converts_to_hf_and_through_megatron_with_its_logits(
     source, saved = f"{layouts['root']}/gpt_tp2", layouts["gpt"][(2, 1)]
     main(["--saver", "hf", "--load-dir", source, "--save-dir", str(tmp_path / "hf")])
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
-    assert (
-        hf_model.config.activation_function == "gelu"
-    )  # the run's exact GELU, not GPT-2's tanh approximation
+    # the run's GELU: Megatron's bias-GELU fusion computes the tanh approximation (HF's gelu_new)
+    assert hf_model.config.activation_function == "gelu_new"
     with torch.no_grad():
         torch.testing.assert_close(hf_model(_tokens(127)).logits, saved, rtol=1e-5, atol=1e-5)
     main(["--saver", "megatron", "--load-dir", source, "--save-dir", str(tmp_path / "mg"),

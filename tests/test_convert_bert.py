@@ -92,10 +92,11 @@ def test_hf_bert_converted_in_gives_transformers_logits_and_back_out_loads_clean
         torch.testing.assert_close(back.seq_relationship_logits, expected.seq_relationship_logits)
 
 
-def _our_bert(post_ln: bool) -> tuple[MegatronConfig, torch.nn.Module]:
+def _our_bert(post_ln: bool, bias_gelu_fusion: bool = False) -> tuple[MegatronConfig, torch.nn.Module]:
+    """HF BERT has one GELU for the MLP and the head: without Megatron's bias-GELU fusion (tanh in the MLP only)."""
     model_config = TransformerConfig(
         num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=16, true_vocab_size=VOCAB, post_ln=post_ln,
-        hidden_dropout=0.0, attention_dropout=0.0,
+        hidden_dropout=0.0, attention_dropout=0.0, bias_gelu_fusion=bias_gelu_fusion,
     )  # fmt: skip
     torch.manual_seed(9)
     return MegatronConfig(model=model_config, data=DataConfig()), BertModel(model_config, 128)
@@ -148,11 +149,20 @@ def test_model_type_must_match_the_source_and_pre_ln_bert_is_refused_by_hf(tmp_p
     with pytest.raises(SystemExit):
         _convert("--saver", "hf", "--load-dir", str(tmp_path / "a"), "--save-dir", str(tmp_path / "o"))
     assert "Hugging Face BERT is post-LN (train with --post-ln)" in capsys.readouterr().err
+    config, model = _our_bert(post_ln=True, bias_gelu_fusion=True)  # Megatron's default: tanh GELU in the MLP
+    flow.save(
+        ModelWeights(config, trim_vocab(model.state_dict(), VOCAB), model_type="bert"),
+        str(tmp_path / "fused"),
+    )
+    with pytest.raises(SystemExit):
+        _convert("--saver", "hf", "--load-dir", str(tmp_path / "fused"), "--save-dir", str(tmp_path / "o"))
+    assert "train with --no-bias-gelu-fusion (exact in both) or --openai-gelu" in capsys.readouterr().err
 
 
 def test_released_bert_345m_layout_with_language_model_names_loads(tmp_path):
-    """Megatron-LM's older BERT (`language_model.*`, `lm_head.layernorm`, `lm_head.bias`; QKV as [3, heads, d])."""
-    config, model = _our_bert(post_ln=False)
+    """Megatron-LM's older BERT (`language_model.*`, `lm_head.layernorm`, `lm_head.bias`; QKV as [3, heads, d]),
+    trained with Megatron's default bias-GELU fusion (its args say nothing else)."""
+    config, model = _our_bert(post_ln=False, bias_gelu_fusion=True)
     model.eval()
     state = model.state_dict()
     names = {"input_layernorm": "input_layernorm", "self_attention.linear_proj": "attention.dense",

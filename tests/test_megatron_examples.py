@@ -1,9 +1,15 @@
-"""Megatron-LM's own GPT-3 and Llama-3 example scripts, run unchanged with a stand-in `torchrun` that records the
-arguments: our parser takes every flag, and tiny versions (sizes shrunk, every other flag kept) train on gloo."""
+"""Megatron-LM's own command lines. Its GPT-3 and Llama-3 example scripts run unchanged with a stand-in `torchrun`
+that records the arguments: our parser takes every flag, and tiny versions (sizes shrunk, every other flag kept)
+train on gloo. Every flag of the commands its README printed since 2020 and of its older example scripts (at
+commit f2e72c8a16^) is listed by our entry point's --help; renamed flags are read as their successors with one
+deprecation line, retired ones are refused naming the flag to use, and the README's commands with
+--activations-checkpoint-method uniform run (tiny GPT, BERT and T5 pretraining, zero-shot WikiText and LAMBADA)."""
 
 from __future__ import annotations
 
 import glob
+import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -11,11 +17,17 @@ import pytest
 
 from megatron_train.arguments import build_parser, parse_args
 from megatron_train.checkpointing import read_latest_iteration
+from megatron_train.tasks import main as tasks_main
+from megatron_train.tasks.finetune.finetune import finetune_config
 from megatron_train.tokenizer.train import train_byte_level_bpe
+from megatron_train.tools import checkpoint_util
+from megatron_train.tools import run_text_generation_server as text_generation_server
+from stages import tokenize as tokenize_stage
 from storage.indexed_dataset import IndexedDatasetBuilder
 from tests.helpers.distributed import run_distributed
-from tests.helpers.megatron_examples import example_argv
-from tests.helpers.training import pretrain_worker
+from tests.helpers.megatron_examples import FIXTURES, example_argv, flag_names, shell_commands
+from tests.helpers.training import pretrain_worker, tiny_args
+from tests.helpers.wordpiece_corpus import write_wordpiece_corpus
 
 GPT3 = "train_gpt3_175b_distributed.sh"
 LLAMA3 = "train_llama3_8b_h100_fp8.sh"
@@ -206,3 +218,211 @@ def test_tiny_llama3_example_trains_with_every_flag_but_fp8(tmp_path) -> None:
     # per-token mean loss is about ln(129).
     assert steps[0]["lm loss"] == pytest.approx(np.log(129), rel=0.02)
     assert len(glob.glob(str(tensorboard / "rank0.*.pt.trace.json"))) == 1  # --profile, rank 0 only
+
+
+# -- the README's commands since 2020 and the example scripts at f2e72c8a16^ ----------------------------------------
+
+OLD_SCRIPTS = sorted((FIXTURES / "e70f83123f").glob("*.sh"))  # examples/ at f2e72c8a16^ (commit e70f83123f)
+README_COMMANDS = json.loads((FIXTURES / "readme_commands.json").read_text())
+PARSERS = {  # Megatron's entry point -> the parser of ours that takes its command line
+    "pretrain_gpt": build_parser,
+    "pretrain_bert": build_parser,
+    "pretrain_t5": build_parser,
+    "tasks.main": tasks_main.build_parser,
+    "run_text_generation_server": text_generation_server.build_parser,
+    "checkpoint_util": checkpoint_util.build_parser,
+    "preprocess_data": tokenize_stage.build_parser,
+}
+
+
+def megatron_commands() -> list[tuple[str, str, list[str]]]:
+    """(where, entry point, argv) of every README command and every command of the old example scripts."""
+    commands = [
+        (f"README.md@{c['first_commit']} ({c['first_date']} to {c['last_date']})", c["entry"], c["argv"])
+        for c in README_COMMANDS
+    ]
+    for script in OLD_SCRIPTS:
+        commands += [
+            (f"examples/{script.name}", entry, argv) for entry, argv in shell_commands(script.read_text())
+        ]
+    return commands
+
+
+def test_every_flag_of_megatrons_readme_commands_and_old_example_scripts_is_listed_by_our_help() -> None:
+    commands = megatron_commands()
+    assert len(OLD_SCRIPTS) == 15 and len(commands) >= 60
+    assert {entry for _, entry, _ in commands} == set(PARSERS)
+    helps = {entry: parser().format_help() for entry, parser in PARSERS.items()}
+    unlisted = sorted(
+        f"{where}: {entry} {flag}"
+        for where, entry, argv in commands
+        for flag in flag_names(argv)
+        if not re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", helps[entry])
+    )
+    assert unlisted == []
+
+
+def test_renamed_flags_are_read_as_their_successors_with_one_deprecation_line(tmp_path, caplog) -> None:
+    caplog.set_level("WARNING", logger="megatron_train.legacy_flags")
+    base = [*tiny_args(str(tmp_path), "--train-iters", "2")]
+
+    def parsed(*old: str):
+        caplog.clear()
+        config = parse_args([*base, *old], world_size=1)
+        return config, [record.getMessage() for record in caplog.records]
+
+    config, notices = parsed(
+        "--activations-checkpoint-method", "block", "--activations-checkpoint-num-layers", "2"
+    )
+    model = config.model
+    assert (model.recompute_granularity, model.recompute_method, model.recompute_num_layers) == (
+        "full",
+        "block",
+        2,
+    )
+    assert notices == [
+        "--activations-checkpoint-method block is deprecated (Megatron renamed it): read as --recompute-granularity "
+        "full --recompute-method block (--recompute-num-layers 1 unless given)",
+        "--activations-checkpoint-num-layers 2 is deprecated (Megatron renamed it): read as --recompute-num-layers 2",
+    ]
+    config, notices = parsed(
+        "--checkpoint-activations", "--DDP-impl", "torch", "--use-rotary-position-embeddings"
+    )
+    model = config.model
+    assert (model.recompute_granularity, model.recompute_method, model.recompute_num_layers) == (
+        "full",
+        "uniform",
+        1,
+    )
+    assert (config.training.ddp_impl, model.position_embedding_type) == ("torch", "rope")
+    assert [line.split(" is deprecated")[0] for line in notices] == [
+        "--checkpoint-activations", "--DDP-impl torch", "--use-rotary-position-embeddings",
+    ]  # fmt: skip
+    # Megatron's rope scripts passed --no-position-embedding beside rope: it only drops the learned table
+    assert parsed("--no-position-embedding")[0].model.position_embedding_type == "none"
+    for both in (["--no-position-embedding", "--use-rotary-position-embeddings"],
+                 ["--position-embedding-type", "rope", "--no-position-embedding"]):  # fmt: skip
+        assert parsed(*both)[0].model.position_embedding_type == "rope"
+    config, notices = parsed("--dataset-impl", "mmap", "--data-parallel-sharding-strategy", "no_shard")
+    assert config.compat.dataset_impl == "mmap" and notices == []
+
+
+@pytest.mark.parametrize(
+    ("entry", "retired", "use"),
+    [
+        ("pretrain_gpt", ["--batch-size", "8"], "--micro-batch-size"),
+        ("pretrain_bert", ["--warmup", "0.01"], "--lr-warmup-fraction"),
+        ("pretrain_t5", ["--model-parallel-size", "2"], "--tensor-model-parallel-size"),
+        ("pretrain_gpt", ["--intra-layer-model-parallel-size", "2"], "--tensor-model-parallel-size"),
+        (
+            "tasks.main",
+            ["--batch-size", "8"],
+            "--micro-batch-size",
+        ),  # evaluate_zeroshot_gpt.sh at f2e72c8a16^
+        ("run_text_generation_server", ["--warmup", "0.01"], "--lr-warmup-fraction"),
+    ],
+)
+def test_retired_flags_are_listed_and_refused_naming_the_flag_to_use(entry, retired, use, capsys) -> None:
+    parser = PARSERS[entry]()
+    assert retired[0] in parser.format_help()
+    with pytest.raises(SystemExit):
+        parser.parse_args(
+            ["--load", "ckpt", "--task", "LAMBADA", *retired] if entry == "tasks.main" else retired
+        )
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert f"error: {retired[0]} is no longer valid (Megatron retired it): use {use}" in error
+
+
+def test_preprocess_data_and_checkpoint_util_take_their_old_spellings(tmp_path, capsys) -> None:
+    argv = ["--input", "corpus.json", "--output-prefix", "out", "--tokenizer-type", "BertWordPieceLowerCase"]
+    args = tokenize_stage.parse_args([*argv, "--vocab", "bert-vocab.txt", "--dataset-impl", "mmap"])
+    assert args.vocab_file == "bert-vocab.txt"
+    with pytest.raises(SystemExit):
+        tokenize_stage.parse_args([*argv, "--dataset-impl", "lazy"])
+    assert "argument --dataset-impl: invalid choice: 'lazy' (choose from 'mmap')" in capsys.readouterr().err
+    # Megatron's README printed --target-pipeline-paralle-size from 2021 to 2023
+    args = checkpoint_util.build_parser().parse_args(
+        ["--load-dir", "a", "--save-dir", "b", "--target-pipeline-paralle-size", "2"]
+    )
+    assert args.target_pipeline_parallel_size == 2
+
+
+def _readme_command(entry: str, task: str | None = None) -> list[str]:
+    """The README's command (2021-06 to 2023-06) for `entry` (and --task) with --activations-checkpoint-method."""
+    (argv,) = [
+        c["argv"] for c in README_COMMANDS
+        if c["entry"] == entry and "--activations-checkpoint-method" in c["argv"]
+        and (task is None or c["argv"][c["argv"].index("--task") + 1] == task)
+    ]  # fmt: skip
+    return argv
+
+
+def readme_runs_worker(rank: int, world_size: int, runs: list[tuple[str, list[str]]]) -> list:
+    """Each (entry point, argv) run in turn in this process; what `main` returns."""
+    from megatron_train import pretrain_bert, pretrain_gpt, pretrain_t5
+
+    mains = {"pretrain_gpt": pretrain_gpt.main, "pretrain_bert": pretrain_bert.main, "pretrain_t5": pretrain_t5.main,
+             "tasks.main": tasks_main.main}  # fmt: skip
+    return [mains[entry](argv) for entry, argv in runs]
+
+
+@pytest.mark.processes
+def test_readme_commands_with_activations_checkpoint_method_uniform_run(tmp_path) -> None:
+    """Sizes shrunk, data and checkpoint paths filled in, --num-workers 0 (the harness's ranks are daemonic) and
+    fp16's first loss scale lowered (2^32 overflows the first steps, as in Megatron); every other flag kept."""
+    vocab, merges, gpt_data = _tiny_gpt2_files(tmp_path)
+    (tmp_path / "wordpiece").mkdir()
+    # 1200 documents: --split 949,50,1 leaves the test split one
+    bert_vocab, bert_data = write_wordpiece_corpus(tmp_path / "wordpiece", 1200)
+    tiny = {"--num-layers": "2", "--hidden-size": "32", "--num-attention-heads": "4", "--max-position-embeddings": "32",
+            "--log-interval": "1"}  # fmt: skip
+    run = {**tiny, "--micro-batch-size": "2", "--global-batch-size": "4", "--train-iters": "2",
+           "--lr-decay-iters": "2", "--save-interval": "2", "--eval-interval": "2", "--eval-iters": "1"}  # fmt: skip
+    extra = ["--num-workers", "0", "--initial-loss-scale", "1024"]
+    gpt = str(tmp_path / "gpt")
+    runs = [
+        ("pretrain_gpt", override(_readme_command("pretrain_gpt"), {
+            **run, "--seq-length": "16", "--max-position-embeddings": "16", "--vocab-file": vocab, "--merge-file": merges,
+            "--data-path": gpt_data, "--save": gpt, "--load": gpt})),
+        ("pretrain_bert", override(_readme_command("pretrain_bert"), {
+            **run, "--seq-length": "32", "--vocab-file": bert_vocab, "--data-path": bert_data,
+            "--save": str(tmp_path / "bert"), "--load": str(tmp_path / "bert")})),
+        ("pretrain_t5", override(_readme_command("pretrain_t5"), {
+            **run, "--kv-channels": "8", "--ffn-hidden-size": "64", "--encoder-seq-length": "32",
+            "--decoder-seq-length": "16", "--vocab-file": bert_vocab, "--data-path": bert_data,
+            "--save": str(tmp_path / "t5"), "--load": str(tmp_path / "t5")})),
+    ]  # fmt: skip
+    runs = [(entry, [*argv, *extra]) for entry, argv in runs]
+    wiki = tmp_path / "wiki.test.tokens"
+    wiki.write_text(" ".join(str(i % 97) for i in range(300)))
+    lambada = tmp_path / "lambada_test.jsonl"
+    lambada.write_text(
+        "".join(json.dumps({"text": " ".join(str(i + j) for j in range(12))}) + "\n" for i in range(6))
+    )
+    for task, data in (("WIKITEXT103", wiki), ("LAMBADA", lambada)):
+        argv = override(_readme_command("tasks.main", task), {
+            **tiny, "--seq-length": "16", "--max-position-embeddings": "16", "--vocab-file": vocab,
+            "--merge-file": merges, "--valid-data": str(data), "--load": gpt})  # fmt: skip
+        runs.append(("tasks.main", argv))
+    (results,) = run_distributed(readme_runs_worker, 1, runs, timeout=300)
+    for name in ("gpt", "bert", "t5"):
+        assert read_latest_iteration(str(tmp_path / name)) == 2, name
+        metadata = json.loads(next((tmp_path / name).glob("iter_*/metadata.json")).read_text())
+        model = metadata["args"]["model"]
+        assert (model["recompute_granularity"], model["recompute_method"], model["recompute_num_layers"]) == (
+            "full", "uniform", 1
+        )  # fmt: skip
+    wikitext, lambada_result = results[3:]
+    assert wikitext["task"] == "WIKITEXT103" and np.isfinite(wikitext["ppl"])
+    assert lambada_result["task"] == "LAMBADA" and 0.0 <= lambada_result["accuracy"] <= 1.0
+
+
+@pytest.mark.parametrize("task", ["RACE", "MNLI"])
+def test_readme_finetuning_commands_take_recompute_from_activations_checkpoint_method(task) -> None:
+    args = tasks_main.build_parser().parse_args(_readme_command("tasks.main", task))
+    model = finetune_config(args, saved=None).model
+    assert (model.recompute_granularity, model.recompute_method, model.recompute_num_layers) == (
+        "full",
+        "uniform",
+        1,
+    )

@@ -1,17 +1,21 @@
-"""Behaviour of the Megatron flags the example scripts use: decoupled lr, layernorm-1p, per-token loss, grads
-reduced in bf16, overlapped param all-gather, step batch-size schedule, profiler window, manual GC, emptying the
-CUDA cache, and the refusals."""
+"""Behaviour of the Megatron flags the example scripts and README use: decoupled lr, layernorm-1p, per-token loss,
+grads reduced in bf16, overlapped param all-gather, step batch-size schedule, profiler window, manual GC, emptying
+the CUDA cache, embedding weights in fp32, the bias-GELU fusion, num zeros and params norm in the log line, no
+position embedding, --use-checkpoint-args, and the refusals."""
 
 from __future__ import annotations
 
 import contextlib
 import gc
 import glob
+import json
 import sys
 import types
+from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from megatron_train.arguments import parse_args
@@ -19,10 +23,12 @@ from megatron_train.distributed.ddp import DDPConfig, DistributedDataParallel
 from megatron_train.models.config import TransformerConfig
 from megatron_train.models.gpt import GPTModel
 from megatron_train.models.norms import LayerNorm1P, RMSNorm, build_norm
+from megatron_train.models.transformer import MLP
 from megatron_train.optimizer import get_param_groups
 from megatron_train.parallel import state
+from megatron_train.parallel.layers import VocabParallelEmbedding
 from megatron_train.training.config import OptimizerConfig
-from megatron_train.training.logging import MetricsWriter
+from megatron_train.training.logging import MetricsWriter, format_training_line
 from megatron_train.training.loop import average_losses
 from megatron_train.training.lr_scheduler import build_opt_param_scheduler
 from megatron_train.training.microbatches import MicroBatchCalculator, parse_step_batch_size_schedule
@@ -30,6 +36,8 @@ from megatron_train.training.per_token_loss import NUM_TOKENS_KEY, scale_grads_t
 from megatron_train.training.step_hooks import StepHooks
 from megatron_train.training.wandb_writer import build_wandb_writer
 from tests.helpers.distributed import run_distributed
+from tests.helpers.generation import save_tiny_checkpoint
+from tests.helpers.tiny import tiny_config
 from tests.helpers.training import pretrain_worker, tiny_args, train_losses
 
 
@@ -315,3 +323,127 @@ def test_wandb_project_logs_every_record_to_a_run(tmp_path, monkeypatch, caplog)
     writer.close()
     assert run.logged == [(1, {"lm loss": 4.5, "learning rate": 1e-3}), (1, {"valid/lm loss": 4.4})]
     assert run.finished
+
+
+def test_embedding_weights_in_fp32_sums_a_tokens_gradient_in_fp32_before_one_rounding(tmp_path) -> None:
+    """bf16 accumulates the 4096 repeats of one token's gradient in bf16; the flag sums them in fp32 first."""
+    assert parse_args(
+        tiny_args(str(tmp_path), "--train-iters", "1", "--embedding-weights-in-fp32")
+    ).model.embedding_weights_in_fp32
+    ids = torch.zeros(4096, dtype=torch.long)
+    upstream = torch.randn(4096, 32, generator=torch.Generator().manual_seed(0)).bfloat16()
+    grads = {}
+    for in_fp32 in (False, True):
+        torch.manual_seed(0)
+        embedding = VocabParallelEmbedding(
+            8, 32, init_method=nn.init.normal_, params_dtype=torch.bfloat16, weights_in_fp32=in_fp32
+        )
+        out = embedding(ids)
+        assert out.dtype == torch.bfloat16 and torch.equal(out[0], embedding.weight[0])
+        out.backward(upstream)
+        grads[in_fp32] = embedding.weight.grad[0]
+    exact = upstream.float().sum(0).bfloat16()
+    assert torch.equal(grads[True], exact) and not torch.equal(grads[False], exact)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "approximate"),
+    [
+        ({}, "tanh"),  # Megatron's default: the fused bias + GELU kernel computes the tanh approximation
+        ({"bias_gelu_fusion": False}, "none"),  # --no-bias-gelu-fusion
+        (
+            {"add_bias_linear": False},
+            "none",
+        ),  # --disable-bias-linear: no bias to fuse (Megatron turns it off)
+        ({"bias_gelu_fusion": False, "openai_gelu": True}, "tanh"),
+    ],
+)
+def test_bias_gelu_fusion_is_megatrons_tanh_gelu_and_no_bias_gelu_fusion_the_exact_one(
+    overrides, approximate
+) -> None:
+    torch.manual_seed(0)
+    mlp = MLP(tiny_config(**overrides), sequence_parallel=False)
+    x = torch.randn(4, 2, 32)
+    with torch.no_grad():
+        out = mlp(x)
+        torch.testing.assert_close(
+            out, mlp.linear_fc2(F.gelu(mlp.linear_fc1(x), approximate=approximate)), rtol=0, atol=0
+        )
+        other = "none" if approximate == "tanh" else "tanh"
+        assert not torch.equal(out, mlp.linear_fc2(F.gelu(mlp.linear_fc1(x), approximate=other)))
+
+
+def test_no_bias_gelu_fusion_flag(tmp_path) -> None:
+    assert parse_args(tiny_args(str(tmp_path), "--train-iters", "1")).model.bias_gelu_fusion
+    assert not parse_args(
+        tiny_args(str(tmp_path), "--train-iters", "1", "--no-bias-gelu-fusion")
+    ).model.bias_gelu_fusion
+
+
+def test_num_zeros_and_params_norm_follow_the_grad_norm_in_megatrons_line() -> None:
+    stats = {
+        "iteration": 3, "consumed samples": 12, "elapsed time per iteration (ms)": 5.0,
+        "throughput per GPU (TFLOP/s/GPU)": 0.1, "learning rate": 1e-3, "global batch size": 4, "lm loss": 4.0,
+        "loss scale": 1.0, "grad norm": 1.5, "num zeros": 512.0, "params norm": 12.25,
+        "number of skipped iterations": 0, "number of nan iterations": 0, "tokens per second": 10.0, "MFU": None,
+        "peak memory (MB)": 1.0,
+    }  # fmt: skip
+    line = format_training_line(stats, 10)
+    assert (
+        " grad norm: 1.500 | num zeros: 512.0 | params norm: 12.250 | number of skipped iterations:" in line
+    )
+    quiet = format_training_line({**stats, "num zeros": None, "params norm": None}, 10)
+    assert "num zeros" not in quiet and "params norm" not in quiet
+
+
+def test_position_embedding_type_none_gives_the_model_no_position_signal() -> None:
+    """With no position embedding a run of one token is the same at every position (causal attention over equal
+    values); learned positions tell them apart."""
+    ids = torch.full((1, 8), 5)
+    logits, tables = {}, {}
+    for kind in ("none", "learned_absolute"):
+        torch.manual_seed(0)
+        model = GPTModel(tiny_config(position_embedding_type=kind), 64).eval()
+        tables[kind] = model.embedding.position_embeddings is not None
+        with torch.no_grad():
+            logits[kind] = model(ids)[0]
+    assert tables == {"none": False, "learned_absolute": True}
+    torch.testing.assert_close(logits["none"], logits["none"][:1].expand(8, -1))
+    assert not torch.allclose(logits["learned_absolute"][0], logits["learned_absolute"][-1])
+
+
+def test_use_checkpoint_args_takes_the_architecture_and_tokenizer_from_the_checkpoint(
+    tmp_path, caplog, capsys
+) -> None:
+    saved = save_tiny_checkpoint(
+        str(tmp_path / "ckpt")
+    )  # 2 layers, hidden 32, 4 heads, seq 64; NullTokenizer(100)
+    run = ["--micro-batch-size", "2", "--lr", "1e-3", "--train-iters", "2", "--load", saved]
+    caplog.set_level("INFO", logger="megatron_train.arguments")
+    config = parse_args([*run, "--use-checkpoint-args", "--num-layers", "2"], world_size=1)
+    model = config.model
+    assert (model.num_layers, model.hidden_size, model.num_attention_heads, model.seq_length) == (
+        2,
+        32,
+        4,
+        64,
+    )
+    assert (config.tokenizer.tokenizer_type, config.tokenizer.vocab_size) == ("NullTokenizer", 100)
+    assert "Setting hidden_size to 32 from checkpoint" in caplog.text
+    assert "Setting num_layers" not in caplog.text  # given on the command line: kept
+    with pytest.raises(SystemExit):  # without it the model flags are required, as in Megatron
+        parse_args(run, world_size=1)
+    assert (
+        "the following arguments are required: --hidden-size, --num-attention-heads"
+        in capsys.readouterr().err
+    )
+    with pytest.raises(SystemExit):  # nothing saved there: Megatron uses the command line's arguments
+        parse_args([*run[:-1], str(tmp_path / "empty"), "--use-checkpoint-args"], world_size=1)
+    assert "no checkpoint in --load" in caplog.text
+    (metadata_path,) = Path(saved).glob("iter_*/metadata.json")
+    metadata = json.loads(metadata_path.read_text())
+    metadata["args"]["model"]["hidden_size"] = "32"  # a lying file: a string where the flag takes an int
+    metadata_path.write_text(json.dumps(metadata))
+    with pytest.raises(SystemExit):
+        parse_args([*run, "--use-checkpoint-args"], world_size=1)
+    assert f"{metadata_path} records hidden_size='32', not a --hidden-size value" in capsys.readouterr().err

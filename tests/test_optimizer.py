@@ -51,7 +51,7 @@ def test_fp32_step_equals_torch_adamw_and_clips() -> None:
         _backward(reference, seed=seed)
         norm = torch.cat([p.grad.flatten() for p in reference.parameters()]).norm().item()
         torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.05)
-        ok, grad_norm = optimizer.step()
+        ok, grad_norm, _ = optimizer.step()
         torch_adamw.step()
         assert ok and grad_norm == pytest.approx(norm, rel=1e-5)
         assert norm > 0.05  # clipping was active
@@ -107,14 +107,14 @@ def test_fp16_overflow_skips_the_step_then_trains() -> None:
     before = [p.detach().clone() for p in model.parameters()]
     _backward(model, scale=optimizer.get_loss_scale())
     next(model.parameters()).grad[0, 0] = float("inf")
-    ok, grad_norm = optimizer.step()
+    ok, grad_norm, _ = optimizer.step()
     assert (ok, grad_norm) == (False, None)
     assert optimizer.get_loss_scale() == 2.0**15
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
     assert optimizer.optimizer.state == {}  # Adam never saw the bad grads
     optimizer.zero_grad()
     _backward(model, scale=optimizer.get_loss_scale())
-    ok, grad_norm = optimizer.step()
+    ok, grad_norm, _ = optimizer.step()
     assert ok and math.isfinite(grad_norm)
     assert not all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
 
@@ -127,8 +127,27 @@ def test_fp16_loss_scale_is_undone() -> None:
     model = _model(torch.float16)
     optimizer = get_megatron_optimizer(OptimizerConfig(lr=1e-3, loss_scale=1024.0), model, torch.float16)
     _backward(model, scale=optimizer.get_loss_scale())
-    ok, grad_norm = optimizer.step()
+    ok, grad_norm, _ = optimizer.step()
     assert ok and grad_norm == pytest.approx(expected, rel=2e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_log_num_zeros_in_grad_counts_the_zero_entries_of_the_unscaled_grads(dtype: torch.dtype) -> None:
+    """Megatron's count_zeros_fp32: zero entries over the whole model's (fp32 main) grads; None when not asked."""
+    model = _model(dtype)
+    config = OptimizerConfig(lr=1e-3, loss_scale=1024.0, log_num_zeros_in_grad=True)
+    optimizer = get_megatron_optimizer(config, model, dtype)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(2)).to(dtype)
+    x[:, :3] = 0.0  # the first layer's weight gets zero grads in these 3 input columns: 16 x 3 entries
+    (model(x).float().pow(2).mean() * optimizer.get_loss_scale()).backward()
+    expected = sum(p.grad.numel() - int(torch.count_nonzero(p.grad)) for p in model.parameters())
+    assert expected >= 48
+    ok, _, num_zeros = optimizer.step()
+    assert ok and num_zeros == expected
+    quiet_model = _model()
+    quiet = get_megatron_optimizer(OptimizerConfig(lr=1e-3), quiet_model)
+    _backward(quiet_model)
+    assert quiet.step()[2] is None
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

@@ -125,7 +125,7 @@ def test_gpt_refuses_relative_positions_and_t5_refuses_rope() -> None:
 
     config = tiny_t5("relative").config
     with pytest.raises(
-        ValueError, match="relative is T5's attention bias; GPT takes learned_absolute or rope"
+        ValueError, match="relative is T5's attention bias; GPT takes learned_absolute, rope or none"
     ):
         GPTModel(config, 64)
     with pytest.raises(ValueError, match="T5 takes --position-embedding-type learned_absolute or relative"):

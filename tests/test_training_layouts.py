@@ -1,4 +1,5 @@
-"""Layout-invariant runs: with --use-cpu-initialization the same `pretrain_gpt` command logs the same losses from
+"""Layout-invariant runs: with --use-cpu-initialization the same `pretrain_gpt` command logs the same losses (and,
+with --log-params-norm --log-num-zeros-in-grad, the whole model's params norm and zero grad entries) from
 iteration 1 under TP=1, TP=2 + SP, PP=2, TP=2 x PP=2 and DP=2, with a vocabulary padded differently under TP=1
 and TP=2; padded vocabulary rows take no part in the loss, its gradient or the model's logits."""
 
@@ -44,17 +45,17 @@ def test_padding_differs_between_the_tested_tp_sizes() -> None:
 
 
 @pytest.fixture(scope="module")
-def layout_losses(tmp_path_factory) -> dict[str, dict[str, list[float]]]:
-    """Training losses per layout, with and without --use-cpu-initialization and with document attention
+def layout_runs(tmp_path_factory) -> dict[str, dict[str, list[dict]]]:
+    """Training records per layout, with and without --use-cpu-initialization and with document attention
     masks (--reset-attention-mask --reset-position-ids), one process group per size."""
     tmp = tmp_path_factory.mktemp("layouts")
     data = write_corpus(str(tmp))
     modes = {
-        "cpu-init": ["--use-cpu-initialization"],
+        "cpu-init": ["--use-cpu-initialization", "--log-params-norm", "--log-num-zeros-in-grad"],
         "default": [],
         "documents": ["--use-cpu-initialization", "--reset-attention-mask", "--reset-position-ids"],
     }
-    losses: dict[str, dict[str, list[float]]] = {mode: {} for mode in modes}
+    runs_by_mode: dict[str, dict[str, list[dict]]] = {mode: {} for mode in modes}
     for world_size in sorted({size for size, _ in LAYOUTS.values()}):
         names = [name for name, (size, _) in LAYOUTS.items() if size == world_size]
         runs, keys = [], []
@@ -64,8 +65,27 @@ def layout_losses(tmp_path_factory) -> dict[str, dict[str, list[float]]]:
                 keys.append((mode, name))
         last_rank = run_distributed(pretrain_worker, world_size, runs, timeout=300)[-1]
         for (mode, name), records in zip(keys, last_rank, strict=True):
-            losses[mode][name] = [r["lm loss"] for r in records if "split" not in r]
-    return losses
+            runs_by_mode[mode][name] = [r for r in records if "split" not in r]
+    return runs_by_mode
+
+
+@pytest.fixture(scope="module")
+def layout_losses(layout_runs) -> dict[str, dict[str, list[float]]]:
+    return {
+        mode: {name: [r["lm loss"] for r in records] for name, records in runs.items()}
+        for mode, runs in layout_runs.items()
+    }
+
+
+def test_params_norm_and_num_zeros_are_the_whole_models_under_every_layout(layout_runs) -> None:
+    """The params norm is equal across layouts of one padding; the zero grad entries are the padded rows' (16 x 32
+    at TP=1, 64 x 32 at TP=2) and the odd entry that rounds to exactly 0 (which differs with the summation order)."""
+    for name, records in layout_runs["cpu-init"].items():
+        padded_rows = 64 if name.startswith("tp2") else 16
+        assert all(0 <= r["num zeros"] - padded_rows * 32 <= 4 for r in records), name
+        reference = layout_runs["cpu-init"]["tp2-sp" if padded_rows == 64 else "tp1"]
+        norms = [r["params norm"] for r in records]
+        np.testing.assert_allclose(norms, [r["params norm"] for r in reference], rtol=1e-5, err_msg=name)
 
 
 @pytest.mark.parametrize("name", [name for name in LAYOUTS if name != "tp1"])

@@ -176,6 +176,7 @@ def _gpt2_config(hf: dict[str, Any], where: str) -> TransformerConfig:
         seq_length=hf["n_positions"],
         ffn_hidden_size=hf.get("n_inner") or 4 * hf["n_embd"],
         openai_gelu=hf.get("activation_function", "gelu_new") == "gelu_new",
+        bias_gelu_fusion=False,  # "gelu" is the exact GELU
         norm_epsilon=_or(hf, "layer_norm_epsilon", 1e-5),
         hidden_dropout=_or(hf, "resid_pdrop", 0.1),
         attention_dropout=_or(hf, "attn_pdrop", 0.1),

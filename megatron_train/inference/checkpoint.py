@@ -53,11 +53,6 @@ def build_inference_parser(description: str) -> argparse.ArgumentParser:
     )
     for action in parser._actions:
         action.required = action.dest == "load"
-    parser.add_argument(
-        "--use-checkpoint-args",
-        action="store_true",
-        help="Accepted for Megatron's scripts: the model settings always come from the checkpoint.",
-    )
     return parser
 
 

@@ -43,7 +43,8 @@ def linear_layer(config: TransformerConfig, in_features: int, out_features: int)
 
 
 class BertLMHead(nn.Module):
-    """dense -> GELU -> norm on every token, before the output layer (Megatron-Core's BertLMHead)."""
+    """dense -> GELU -> norm on every token, before the output layer (Megatron-Core's BertLMHead: the exact GELU,
+    or its tanh approximation with --openai-gelu; the MLP's bias-GELU fusion does not reach the head)."""
 
     def __init__(self, config: TransformerConfig, sequence_parallel: bool) -> None:
         super().__init__()
@@ -51,9 +52,10 @@ class BertLMHead(nn.Module):
         for param in self.dense.parameters():  # applied to this rank's sequence shard: grads summed over TP
             param.sequence_parallel = sequence_parallel
         self.layer_norm = build_norm(config, sequence_parallel)
+        self.gelu_approximate = "tanh" if config.openai_gelu else "none"
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.layer_norm(F.gelu(self.dense(hidden)))
+        return self.layer_norm(F.gelu(self.dense(hidden), approximate=self.gelu_approximate))
 
 
 class Pooler(nn.Module):

@@ -68,7 +68,8 @@ class TransformerConfig:
         default="learned_absolute",
         metadata={
             "help": "Position embedding: learned_absolute, rope, relative (T5's bucketed attention bias), or none "
-            "(Mamba and hybrid models: the Mamba layers see the order)."
+            "(GPT without any position signal but the causal mask's; Mamba and hybrid models: the Mamba layers "
+            "see the order)."
         },
     )
     rotary_percent: float = field(
@@ -115,6 +116,14 @@ class TransformerConfig:
     openai_gelu: bool = field(
         default=False, metadata={"help": "Use OpenAI's tanh approximation of GELU (GPT-2's 'gelu_new')."}
     )
+    bias_gelu_fusion: bool = field(
+        default=True,
+        metadata={
+            "help": "Megatron's fused bias + GELU of the MLP, which computes GELU's tanh approximation; "
+            "--no-bias-gelu-fusion adds the bias, then applies the exact (erf) GELU. Without linear biases "
+            "(--disable-bias-linear) there is nothing to fuse: exact GELU."
+        },
+    )
     add_bias_linear: bool = field(
         default=True,
         metadata={
@@ -141,6 +150,13 @@ class TransformerConfig:
         default=0.02,
         metadata={
             "help": "Std of the normal weight init; output projections use std / sqrt(2 * num-layers)."
+        },
+    )
+    embedding_weights_in_fp32: bool = field(
+        default=False,
+        metadata={
+            "help": "Look the word embeddings up in fp32 (under --bf16/--fp16): the embedding's gradient is summed "
+            "in fp32 over the repeats of each token, then rounded once (Megatron's, for reproducible bf16 runs)."
         },
     )
     use_flash_attn: bool = field(
@@ -325,6 +341,11 @@ class TransformerConfig:
     def num_decoder_layers(self) -> int:
         """T5's decoder layers: --decoder-num-layers, else as many as the encoder."""
         return self.decoder_num_layers if self.decoder_num_layers is not None else self.num_layers
+
+    @property
+    def gelu_approximate(self) -> Literal["tanh", "none"]:
+        """The MLP's GELU as `F.gelu(approximate=...)`: tanh with --openai-gelu or Megatron's bias-GELU fusion."""
+        return "tanh" if self.openai_gelu or (self.bias_gelu_fusion and self.add_bias_linear) else "none"
 
     @property
     def num_query_groups_effective(self) -> int:

@@ -53,7 +53,7 @@ class GPTModel(LanguageModule):
         tp_group = self.pg_collection.tp
         if config.position_embedding_type == "relative":
             raise ValueError(
-                "--position-embedding-type relative is T5's attention bias; GPT takes learned_absolute or rope"
+                "--position-embedding-type relative is T5's attention bias; GPT takes learned_absolute, rope or none"
             )
         self.embedding = (
             LanguageModelEmbedding(config, vocab_size, sequence_parallel, init_seed, tp_group=tp_group)

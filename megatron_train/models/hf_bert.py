@@ -16,7 +16,15 @@ import torch
 
 from megatron_train.models.bert import BertModel
 from megatron_train.models.config import TransformerConfig
-from megatron_train.models.hf_import import EXPORT, bert_rules, export_checks, from_hf, refuse_unless, to_hf
+from megatron_train.models.hf_import import (
+    EXPORT,
+    bert_rules,
+    export_checks,
+    from_hf,
+    hf_gelu,
+    refuse_unless,
+    to_hf,
+)
 
 StateDict = dict[str, torch.Tensor]
 REQUIRED_CONFIG_KEYS = (
@@ -63,6 +71,7 @@ def transformer_config_from_hf(hf_config: dict, where: str = "config.json") -> T
         attention_dropout=hf_config.get("attention_probs_dropout_prob", 0.1),
         init_method_std=hf_config.get("initializer_range", 0.02),
         openai_gelu=activation == "gelu_new",
+        bias_gelu_fusion=False,  # HF BERT's GELU is one function in the MLP and the head: the exact one or gelu_new
         post_ln=True,
     )
 
@@ -146,7 +155,7 @@ def _bert_hf_config(model: TransformerConfig) -> dict[str, Any]:
         "intermediate_size": model.ffn_hidden_size,
         "max_position_embeddings": model.max_position_embeddings,
         "type_vocab_size": 2 if model.bert_binary_head else 1,
-        "hidden_act": "gelu_new" if model.openai_gelu else "gelu",
+        "hidden_act": hf_gelu(model),
         "layer_norm_eps": model.norm_epsilon,
         "hidden_dropout_prob": model.hidden_dropout,
         "attention_probs_dropout_prob": model.attention_dropout,
@@ -157,7 +166,15 @@ def _bert_hf_config(model: TransformerConfig) -> dict[str, Any]:
 
 def export_bert(model: TransformerConfig, tensors: StateDict) -> tuple[dict[str, Any], StateDict]:
     """BertForPreTraining (with the binary head) or BertForMaskedLM, for a post-LN BertModel."""
-    refuse_unless(export_checks(model, "BERT", post_ln=True), EXPORT)
+    same_gelu = model.gelu_approximate == ("tanh" if model.openai_gelu else "none")  # the LM head's GELU
+    refuse_unless(
+        export_checks(model, "BERT", post_ln=True) + [
+            (same_gelu, "Hugging Face BERT has one GELU for the MLP and the LM head, but this model's MLP uses the "
+             "tanh approximation (Megatron's bias-GELU fusion) and its head the exact GELU: train with "
+             "--no-bias-gelu-fusion (exact in both) or --openai-gelu (tanh in both)"),
+        ],
+        EXPORT,
+    )  # fmt: skip
     hf_tensors = to_hf(tensors, bert_rules(model, model.bert_binary_head, model.bert_binary_head))
     if not model.bert_binary_head:  # no token types: type 0 adds nothing
         embedding = tensors["embedding.word_embeddings.weight"]

@@ -14,6 +14,7 @@ from megatron_train.models.hf_import import (
     StateDict,
     export_checks,
     gpt2_rules,
+    hf_gelu,
     llama_rules,
     refuse_unless,
     to_hf,
@@ -34,7 +35,7 @@ def _gpt2_hf_config(model: TransformerConfig) -> dict[str, Any]:
         "n_head": model.num_attention_heads,
         "n_inner": model.ffn_hidden_size,
         "n_positions": model.max_position_embeddings,
-        "activation_function": "gelu_new" if model.openai_gelu else "gelu",
+        "activation_function": hf_gelu(model),
         "layer_norm_epsilon": model.norm_epsilon,
         "resid_pdrop": model.hidden_dropout,
         "embd_pdrop": model.hidden_dropout,
@@ -78,6 +79,7 @@ def export_gpt(model: TransformerConfig, tensors: StateDict) -> tuple[dict[str, 
         return _gpt2_hf_config(model), to_hf(tensors, gpt2_rules(model))
     refuse_unless(
         export_checks(model, "Llama", post_ln=False) + [
+            (model.position_embedding_type == "rope", "Llama and Qwen2 need --position-embedding-type rope"),
             (model.normalization == "RMSNorm" and model.swiglu and not model.add_bias_linear,
              "Llama and Qwen2 need --normalization RMSNorm, --swiglu and --disable-bias-linear (Qwen2: and "
              "--add-qkv-bias)"),

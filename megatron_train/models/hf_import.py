@@ -192,6 +192,11 @@ def refuse_unless(checks: list[tuple[bool, str]], where: str) -> None:
 EXPORT = "--saver hf"  # where an export's refusals come from
 
 
+def hf_gelu(model: TransformerConfig) -> str:
+    """HF's name of the MLP's GELU: gelu_new is the tanh approximation (--openai-gelu, Megatron's bias-GELU fusion)."""
+    return "gelu_new" if model.gelu_approximate == "tanh" else "gelu"
+
+
 def export_checks(model: TransformerConfig, architecture: str, post_ln: bool) -> list[tuple[bool, str]]:
     """What every export needs, and for a learned-position model (`architecture` GPT-2 or BERT) what those
     architectures have: LayerNorm, GELU, biases, a tied output layer, no grouped-query attention, and the layer

@@ -96,6 +96,7 @@ class LanguageModelEmbedding(nn.Module):
                 init_method=vocab_init_method(config),
                 params_dtype=config.params_dtype,
                 tp_group=tp_group,
+                weights_in_fp32=config.embedding_weights_in_fp32,
             )
         self.position_embeddings = None
         if config.position_embedding_type == "learned_absolute":

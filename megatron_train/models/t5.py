@@ -128,8 +128,11 @@ class T5Model(LanguageModule):
             raise ValueError(
                 "T5 is not split across pipeline stages: use --pipeline-model-parallel-size 1 (TP, SP and DP apply)"
             )
-        if config.position_embedding_type == "rope":
-            raise ValueError("T5 takes --position-embedding-type learned_absolute or relative, not rope")
+        if config.position_embedding_type not in ("learned_absolute", "relative"):
+            raise ValueError(
+                "T5 takes --position-embedding-type learned_absolute or relative, not "
+                f"{config.position_embedding_type}"
+            )
         self.embedding = LanguageModelEmbedding(
             config, vocab_size, sequence_parallel, init_seed, tp_group=tp_group
         )

@@ -269,7 +269,7 @@ class MLP(nn.Module):
         super().__init__()
         self.swiglu = config.swiglu
         self.relu = config.activation_func == "relu"
-        self.gelu_approximate = "tanh" if config.openai_gelu else "none"
+        self.gelu_approximate = config.gelu_approximate
         fc1_size = 2 * config.ffn_hidden_size if config.swiglu else config.ffn_hidden_size
         self.linear_fc1 = ColumnParallelLinear(
             config.hidden_size,

@@ -1,4 +1,5 @@
-"""Global gradient norm over all model-parallel ranks, and clipping by it (Megatron's clip_grads.py)."""
+"""Which params count once in a global norm, reductions over the model-parallel ranks, clipping by the global grad
+norm (Megatron's clip_grads.py) and the global params norm (Megatron's calc_params_l2_norm)."""
 
 from __future__ import annotations
 
@@ -25,10 +26,13 @@ def all_reduce_model_parallel(tensor: torch.Tensor, op: dist.ReduceOp) -> None:
         dist.all_reduce(tensor, op=op, group=state.get_model_parallel_group())
 
 
-def get_grad_norm_fp32(params_and_grads: list[tuple[torch.nn.Parameter, torch.Tensor]]) -> float:
-    """L2 norm of the whole model's gradient, computed in fp32 and identical on every rank."""
+def params_l2_norm(modules: list[torch.nn.Module]) -> float:
+    """L2 norm of the whole model's parameters (this rank's model chunks, summed over TP x PP, each replica once),
+    computed in fp32 and identical on every rank of the model-parallel group."""
     total = torch.zeros((), dtype=torch.float32, device=get_device())
-    counted = [grad.float() for param, grad in params_and_grads if counts_towards_norm(param)]
+    counted = [
+        p.detach().float() for module in modules for p in module.parameters() if counts_towards_norm(p)
+    ]
     if counted:
         total += torch.stack(torch._foreach_norm(counted)).pow(2).sum().to(total.device)
     all_reduce_model_parallel(total, dist.ReduceOp.SUM)

@@ -26,9 +26,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from megatron_train.device import get_device
 from megatron_train.distributed.ddp import Bucket, DistributedDataParallel
-from megatron_train.optimizer.clip_grads import all_reduce_model_parallel, counts_towards_norm
+from megatron_train.optimizer.clip_grads import all_reduce_model_parallel
 from megatron_train.optimizer.optimizer import MegatronOptimizer
 from megatron_train.training.config import OptimizerConfig
 
@@ -131,15 +130,6 @@ class DistributedOptimizer(MegatronOptimizer):
         if self.dp_size > 1:
             dist.all_reduce(tensor, op=op, group=self.dp_group)
         all_reduce_model_parallel(tensor, op)
-
-    def _grad_norm(self, params: list[torch.Tensor], grads: list[torch.Tensor]) -> float:
-        """Global L2 norm from the shards: squares summed locally, over DP, then over TP/PP (replicas once)."""
-        total = torch.zeros((), dtype=torch.float32, device=get_device())
-        counted = [grad for param, grad in zip(params, grads, strict=True) if counts_towards_norm(param)]
-        if counted:
-            total += torch.stack(torch._foreach_norm(counted)).pow(2).sum().to(total.device)
-        self._all_reduce_grad_stats(total, dist.ReduceOp.SUM)
-        return total.sqrt().item()
 
     def _copy_main_params_to_model_params(self) -> None:
         """Write the updated shards into the param buffers, then all-gather each chunk's buffer over DP."""

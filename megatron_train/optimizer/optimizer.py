@@ -15,7 +15,7 @@ from megatron_train.device import get_device
 from megatron_train.optimizer.clip_grads import (
     all_reduce_model_parallel,
     clip_grads_by_total_norm,
-    get_grad_norm_fp32,
+    counts_towards_norm,
 )
 from megatron_train.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
 from megatron_train.training.config import OptimizerConfig
@@ -65,8 +65,9 @@ def get_param_groups(
 class MegatronOptimizer:
     """One optimizer step as Megatron takes it: grads -> fp32, unscale and overflow check, clip, step, copy back.
 
-    `step()` returns `(update_successful, grad_norm)`; an fp16 step whose grads overflowed is skipped
-    (no update, grad_norm None) and the loss scaler backs off. `main_params[i]` is the fp32 tensor the
+    `step()` returns `(update_successful, grad_norm, num_zeros_in_grad)` (the last None unless
+    --log-num-zeros-in-grad); an fp16 step whose grads overflowed is skipped (no update, grad_norm None) and the
+    loss scaler backs off. `main_params[i]` is the fp32 tensor the
     optimizer steps for `model_params[i]` (None where a subclass holds no part of that param).
     """
 
@@ -140,7 +141,23 @@ class MegatronOptimizer:
         all_reduce_model_parallel(tensor, op)
 
     def _grad_norm(self, params: list[torch.Tensor], grads: list[torch.Tensor]) -> float:
-        return get_grad_norm_fp32(list(zip(params, grads, strict=True)))
+        """Global L2 norm: squares summed over the grads this rank holds (replicas once), then over the ranks
+        holding the others."""
+        total = torch.zeros((), dtype=torch.float32, device=get_device())
+        counted = [grad for param, grad in zip(params, grads, strict=True) if counts_towards_norm(param)]
+        if counted:
+            total += torch.stack(torch._foreach_norm(counted)).pow(2).sum().to(total.device)
+        self._all_reduce_grad_stats(total, dist.ReduceOp.SUM)
+        return total.sqrt().item()
+
+    def _count_zeros(self, params: list[torch.Tensor], grads: list[torch.Tensor]) -> float:
+        """Zero entries of the whole model's gradient (replicas once), as Megatron's count_zeros_fp32."""
+        total = torch.zeros((), dtype=torch.float32, device=get_device())
+        for param, grad in zip(params, grads, strict=True):
+            if counts_towards_norm(param):
+                total += grad.numel() - torch.count_nonzero(grad).to(total.device)
+        self._all_reduce_grad_stats(total, dist.ReduceOp.SUM)
+        return total.item()
 
     def _copy_main_params_to_model_params(self) -> None:
         if self.mixed_precision:
@@ -152,19 +169,20 @@ class MegatronOptimizer:
         return full
 
     @torch.no_grad()
-    def step(self) -> tuple[bool, float | None]:
+    def step(self) -> tuple[bool, float | None, float | None]:
         params, grads = self._main_grads()
         if self.grad_scaler is not None:
             found_inf = self._unscale_and_check_for_inf(grads)
             self.grad_scaler.update(found_inf)
             if found_inf:
-                return False, None
+                return False, None, None
         grad_norm = self._grad_norm(params, grads)
         if self.config.clip_grad > 0.0:
             clip_grads_by_total_norm(grads, self.config.clip_grad, grad_norm)
+        num_zeros = self._count_zeros(params, grads) if self.config.log_num_zeros_in_grad else None
         self.optimizer.step()
         self._copy_main_params_to_model_params()
-        return True, grad_norm
+        return True, grad_norm, num_zeros
 
     def reload_model_params(self) -> None:
         """Re-copy the model's weights into the fp32 main params (after loading weights without optimizer)."""

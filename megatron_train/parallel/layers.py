@@ -232,7 +232,9 @@ class RowParallelLinear(nn.Module):
 
 class VocabParallelEmbedding(nn.Module):
     """Embedding table split along the vocabulary: each rank looks up the ids in its range, zeros the rest,
-    and the partial embeddings are summed over TP."""
+    and the partial embeddings are summed over TP. With `weights_in_fp32` a half-precision table is looked up
+    (and summed over TP) in fp32, so its gradient accumulates the repeats of a token in fp32 before the one
+    rounding to the table's dtype (Megatron's --embedding-weights-in-fp32)."""
 
     def __init__(
         self,
@@ -242,8 +244,10 @@ class VocabParallelEmbedding(nn.Module):
         init_method: InitMethod,
         params_dtype: torch.dtype = torch.float32,
         tp_group: dist.ProcessGroup | None = None,
+        weights_in_fp32: bool = False,
     ) -> None:
         super().__init__()
+        self.weights_in_fp32 = weights_in_fp32
         self.tp_group = state.tensor_group_or_default(tp_group)
         per_partition = divide(num_embeddings, state.group_size(self.tp_group), "padded vocabulary size")
         self.vocab_start_index = state.group_rank(self.tp_group) * per_partition
@@ -253,12 +257,13 @@ class VocabParallelEmbedding(nn.Module):
         )
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        weight = self.weight.float() if self.weights_in_fp32 else self.weight
         if state.group_size(self.tp_group) == 1:
-            return F.embedding(input_ids, self.weight)
+            return F.embedding(input_ids, weight).to(self.weight.dtype)
         outside = (input_ids < self.vocab_start_index) | (input_ids >= self.vocab_end_index)
         local_ids = (input_ids - self.vocab_start_index).masked_fill(outside, 0)
-        partial = F.embedding(local_ids, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
-        return reduce_from_tensor_model_parallel_region(partial, self.tp_group)
+        partial = F.embedding(local_ids, weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        return reduce_from_tensor_model_parallel_region(partial, self.tp_group).to(self.weight.dtype)
 
 
 def allreduce_sequence_parallel_grads(model: nn.Module, tp_group: dist.ProcessGroup | None = None) -> None:

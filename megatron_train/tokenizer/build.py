@@ -84,11 +84,15 @@ def build_tokenizer(
 
 def tokenizer_from_config(config: TokenizerConfig) -> MegatronTokenizer:
     """The tokenizer of Megatron's tokenizer flags, for every entry point. Without --tokenizer-type,
-    `--vocab-file` + `--merge-file` mean GPT2BPETokenizer (as Megatron's GPT-3 example relies on) and a bare
-    `--vocab-size N` NullTokenizer (handy with --mock-data)."""
+    `--vocab-file` + `--merge-file` mean GPT2BPETokenizer (as Megatron's GPT-3 example relies on), a `--vocab-file`
+    alone BertWordPieceLowerCase (the default of Megatron's pretrain_bert and pretrain_t5, which its README's
+    and example scripts' BERT and T5 commands rely on) and a bare `--vocab-size N` NullTokenizer (handy with
+    --mock-data)."""
     tokenizer_type = config.tokenizer_type
     if tokenizer_type is None and config.vocab_file and config.merge_file:
         tokenizer_type = "GPT2BPETokenizer"
+    elif tokenizer_type is None and config.vocab_file:
+        tokenizer_type = "BertWordPieceLowerCase"
     elif tokenizer_type is None and config.vocab_size:
         tokenizer_type = "NullTokenizer"
     if tokenizer_type is None:

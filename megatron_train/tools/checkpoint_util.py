@@ -56,6 +56,7 @@ from megatron_train.convert.tokenizer_files import copy_tokenizer, tokenizer_sou
 from megatron_train.convert.weights import trim_vocab
 from megatron_train.families.family import PipelineSplit
 from megatron_train.families.registry import BUILTIN_FAMILIES, checkpoint_family, get_family
+from megatron_train.legacy_flags import GIVEN, Renamed, add_legacy_flags
 from megatron_train.tokenizer import vocab_size_with_padding
 
 logger = logging.getLogger("megatron_train.tools.checkpoint_util")
@@ -439,6 +440,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="Tokenizer vocabulary before padding: re-pad it exactly for the target TP size (Megatron's flag).",
     )
+    misspelt = Renamed(  # Megatron's README printed it so from 2021 to 2023 (its own tool refused it)
+        "--target-pipeline-paralle-size",
+        "--target-pipeline-parallel-size {}",
+        {"target_pipeline_parallel_size": GIVEN},
+        type=int,
+        why="a misspelling in Megatron's README",
+    )
+    add_legacy_flags(parser, (misspelt,))
     return parser
 
 

@@ -142,6 +142,12 @@ class OptimizerConfig:
         default="constant", metadata=_help("How weight decay moves from start to end.")
     )
     clip_grad: float = field(default=1.0, metadata=_help("Clip the global grad L2 norm to this (0: off)."))
+    log_num_zeros_in_grad: bool = field(
+        default=False,
+        metadata=_help(
+            "Count the zero entries of the whole model's gradient each step; logged as 'num zeros'."
+        ),
+    )
     adam_beta1: float = field(default=0.9, metadata=_help("Adam beta1."))
     adam_beta2: float = field(default=0.999, metadata=_help("Adam beta2."))
     adam_eps: float = field(default=1e-08, metadata=_help("Adam epsilon."))
@@ -183,6 +189,13 @@ class CheckpointConfig:
         default=False,
         metadata=_help("Load weights only; reset iteration and consumed samples, skip optimizer and RNG."),
     )
+    use_checkpoint_args: bool = field(
+        default=False,
+        metadata=_help(
+            "Take the model's architecture and tokenizer flags not given on the command line from the checkpoint "
+            "in --load (Megatron's); the generation and evaluation tools always do."
+        ),
+    )
     exit_on_missing_checkpoint: bool = field(
         default=False,
         metadata=_help("With --load: fail instead of starting from scratch when nothing is there."),
@@ -204,6 +217,9 @@ class LoggingConfig:
     )
     peak_flops: float | None = field(
         default=None, metadata=_help("Peak TFLOP/s of one device, for MFU; default from the GPU's name.")
+    )
+    log_params_norm: bool = field(
+        default=False, metadata=_help("Log the L2 norm of the whole model's parameters ('params norm').")
     )
     log_throughput: bool = field(
         default=False, metadata=_help("Log TFLOP/s per GPU (always on here: every line has the field).")
@@ -293,6 +309,13 @@ class CompatibilityConfig:
             "nargs": "*",
         },
     )
+    dataset_impl: Literal["mmap"] | None = field(
+        default=None,
+        metadata=_help("Megatron's old .bin/.idx format choice; mmap, the only format here, is accepted."),
+    )
+    data_parallel_sharding_strategy: (
+        Literal["no_shard", "optim", "optim_grads", "optim_grads_params"] | None
+    ) = field(default=None, metadata=_help("Megatron-FSDP's sharding (--use-megatron-fsdp, not built here)."))
     fp8_format: Literal["e4m3", "hybrid"] | None = field(
         default=None, metadata=_help("FP8 training (needs Transformer Engine and an FP8 GPU).")
     )

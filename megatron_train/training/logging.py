@@ -48,6 +48,10 @@ def format_training_line(
     parts.append(f" loss scale: {stats['loss scale']:.1f} |")
     if stats.get("grad norm") is not None:
         parts.append(f" grad norm: {stats['grad norm']:.3f} |")
+    if stats.get("num zeros") is not None:
+        parts.append(f" num zeros: {stats['num zeros']:.1f} |")
+    if stats.get("params norm") is not None:
+        parts.append(f" params norm: {stats['params norm']:.3f} |")
     parts += [
         f" number of skipped iterations: {stats['number of skipped iterations']:3d} |",
         f" number of nan iterations: {stats['number of nan iterations']:3d} |",

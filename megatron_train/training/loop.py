@@ -21,6 +21,7 @@ from megatron_train.checkpointing import TrainingProgress, save_checkpoint
 from megatron_train.device import get_device
 from megatron_train.distributed import finalize_model_grads
 from megatron_train.models.terms import ModelTerms
+from megatron_train.optimizer.clip_grads import params_l2_norm
 from megatron_train.parallel import state
 from megatron_train.parallel.schedules import ForwardStepFunc, get_forward_backward_func
 from megatron_train.training.flops import peak_flops_per_device
@@ -83,11 +84,12 @@ def train_step(
     setup: TrainingSetup,
     config: MegatronConfig,
     hooks: StepHooks | None = None,
-) -> tuple[dict[str, float] | None, bool, float | None]:
+) -> tuple[dict[str, float] | None, bool, float | None, float | None]:
     """One global batch through the pipeline schedule, then Megatron's grad finalisation and optimizer step.
 
     Returns (the losses averaged over micro-batches and DP ranks, None off the last pipeline stage; skipped
-    (fp16 overflow); grad norm over the whole model).
+    (fp16 overflow); grad norm over the whole model; zeros in the whole model's grad with
+    --log-num-zeros-in-grad, else None).
     """
     optimizer = setup.optimizer
     for chunk in setup.model:
@@ -109,10 +111,10 @@ def train_step(
     finalize_model_grads(setup.model)
     if config.training.calculate_per_token_loss:
         scale_grads_to_per_token_loss(setup.model, reduced, setup.calculator.num_micro_batches)
-    update_successful, grad_norm = optimizer.step()
+    update_successful, grad_norm, num_zeros = optimizer.step()
     if update_successful:
         setup.scheduler.step(increment=setup.calculator.current_global_batch_size)
-    return average_losses(reduced), not update_successful, grad_norm
+    return average_losses(reduced), not update_successful, grad_norm, num_zeros
 
 
 @torch.no_grad()
@@ -216,7 +218,9 @@ class Trainer:
             )
             self.last_saved_iteration = self.progress.iteration
 
-    def _log(self, interval: IntervalStats, grad_norm: float | None) -> None:
+    def _log(self, interval: IntervalStats, grad_norm: float | None, num_zeros: float | None) -> None:
+        """Megatron's training log line (and metrics record) for the interval; on every rank, since the params
+        norm (--log-params-norm) is reduced over the model-parallel group."""
         losses = interval.loss_sums.items()
         seconds = time.perf_counter() - interval.start
         elapsed = seconds / max(interval.iterations, 1)
@@ -234,6 +238,8 @@ class Trainer:
             **{key: total / interval.advanced if interval.advanced else None for key, total in losses},
             "loss scale": self.setup.optimizer.get_loss_scale(),
             "grad norm": grad_norm,
+            "num zeros": num_zeros,
+            "params norm": params_l2_norm(self.setup.model) if self.config.logging.log_params_norm else None,
             "number of skipped iterations": interval.skipped,
             "number of nan iterations": interval.nan,
             "tokens per second": sequences * self.config.model.seq_length / seconds,
@@ -313,7 +319,7 @@ class Trainer:
             while self.progress.iteration < until:
                 self.hooks.before_step(self.progress.iteration)
                 self.setup.calculator.update(self.progress.consumed_train_samples)
-                losses, skipped, grad_norm = train_step(
+                losses, skipped, grad_norm, num_zeros = train_step(
                     self.forward_step_func, train_iterators, self.setup, self.config, self.hooks
                 )
                 self.progress.iteration += 1
@@ -326,7 +332,7 @@ class Trainer:
                 if losses is not None:  # the losses exist on the last pipeline stage
                     interval.add_losses(losses, skipped)
                 if _every(self.progress.iteration, self.config.logging.log_interval):
-                    self._log(interval, grad_norm)
+                    self._log(interval, grad_norm, num_zeros)
                     interval = IntervalStats(start=time.perf_counter())
                 paused = time.perf_counter()  # evaluating and saving do not count as iteration time
                 if (
