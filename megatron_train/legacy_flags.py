@@ -40,7 +40,6 @@ class Retired:
 
     flag: str
     use: str
-    takes_value: bool = True
 
 
 class _RenamedAction(argparse.Action):
@@ -78,7 +77,6 @@ class _RetiredAction(argparse.Action):
         super().__init__(
             option_strings,
             dest,
-            nargs=None if legacy.takes_value else 0,
             default=argparse.SUPPRESS,
             help=f"No longer valid (Megatron retired it): use {legacy.use}.",
         )
@@ -89,11 +87,9 @@ class _RetiredAction(argparse.Action):
         parser.error(f"{self.retired.flag} is no longer valid (Megatron retired it): use {self.retired.use}")
 
 
-def add_legacy_flags(
-    parser: argparse.ArgumentParser, flags: Sequence[Renamed | Retired], title: str = "older Megatron flags"
-) -> None:
+def add_legacy_flags(parser: argparse.ArgumentParser, flags: Sequence[Renamed | Retired]) -> None:
     """Register `flags` in their own argument group of `parser`."""
-    group = parser.add_argument_group(title)
+    group = parser.add_argument_group("older Megatron flags")
     for flag in flags:
         action = _RenamedAction if isinstance(flag, Renamed) else _RetiredAction
         dest = flag.flag.lstrip("-").replace("-", "_")  # never set: the actions set their successors' dests
