@@ -40,9 +40,9 @@ test: setup
 	$(PY) -m ruff check .
 	$(PY) -m pytest -q --durations=25 $(PYTEST_ARGS)
 
-# The tests that start no process (no torchrun, gloo group, subprocess or server): under 3 minutes on 2 cores.
+# The tests that start no process (no torchrun, gloo group, subprocess or server) and are not marked slow.
 test-fast: setup
-	$(PY) -m pytest -q -m "not processes" --durations=10 $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "not processes and not slow" --durations=10 $(PYTEST_ARGS)
 
 lint: setup
 	$(PY) -m ruff check . && $(PY) -m ruff format --check .

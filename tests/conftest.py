@@ -14,7 +14,7 @@ import pytest
 from tests.helpers.distributed import free_port
 from tests.helpers.readiness import wait_until_ready
 
-pytest_plugins = ("pytester", "tests.helpers.ci_skips")
+pytest_plugins = ("pytester", "tests.helpers.ci_skips", "tests.helpers.process_guard")
 
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

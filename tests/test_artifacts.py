@@ -124,6 +124,7 @@ def test_memory_store():
         assert f.read() == "shard 2\n"
 
 
+@pytest.mark.processes
 def test_s3_store_against_a_real_server(s3_endpoint, tmp_path, monkeypatch):
     import s3fs
 
@@ -440,6 +441,7 @@ def _race(tmp_path, store_url: str, endpoint: str | None = None) -> list[dict]:
     return [json.loads(out.read_text()) for out in outs]
 
 
+@pytest.mark.processes
 def test_two_processes_build_one_artifact_on_a_local_store(tmp_path):
     results = _race(tmp_path, str(tmp_path / "store"))
     assert sorted(r["cache_hit"] for r in results) == [False, True]
@@ -447,6 +449,7 @@ def test_two_processes_build_one_artifact_on_a_local_store(tmp_path):
     assert set(results[0]["manifest"]["files"]) == {"data/0.txt", "data/1.txt", "data/2.txt"}
 
 
+@pytest.mark.processes
 def test_two_processes_build_one_artifact_on_s3(s3_endpoint, tmp_path, monkeypatch):
     import s3fs
 

@@ -10,6 +10,8 @@ from tests.helpers.distributed import run_distributed
 from tests.helpers.training import LOSS_KEYS, bert_argv, bert_worker, losses
 from tests.helpers.wordpiece_corpus import write_wordpiece_corpus
 
+pytestmark = pytest.mark.processes  # every test here starts processes
+
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> tuple[str, str]:

@@ -25,6 +25,8 @@ from tests.helpers.training import (
 )
 from tests.helpers.wordpiece_corpus import write_wordpiece_corpus
 
+pytestmark = pytest.mark.processes  # every test here starts processes
+
 LAYOUTS = {  # name: (world size, flags); the 148-token vocabulary pads to 192 rows at TP=1, 256 at TP=2
     "tp1": (1, []),
     "tp1-recompute": (1, RECOMPUTE),
@@ -41,34 +43,34 @@ def corpus(tmp_path_factory) -> tuple[str, str]:
 
 
 @pytest.fixture(scope="module")
-def layout_losses(tmp_path_factory, corpus) -> dict[str, dict[str, list[float]]]:
+def layout_records(tmp_path_factory, corpus) -> dict[str, list[dict]]:
+    """Training records of every layout and of a run without the binary head, one process group per size."""
     tmp = tmp_path_factory.mktemp("bert-layouts")
+    runs_by_name = {**LAYOUTS, "no-binary-head": (1, ["--bert-no-binary-head"])}
     results = {}
-    for world_size in sorted({size for size, _ in LAYOUTS.values()}):
-        names = [name for name, (size, _) in LAYOUTS.items() if size == world_size]
+    for world_size in sorted({size for size, _ in runs_by_name.values()}):
+        names = [name for name, (size, _) in runs_by_name.items() if size == world_size]
         runs = [
-            bert_argv(str(tmp / name), corpus, *LAYOUTS[name][1], "--use-cpu-initialization")
+            bert_argv(str(tmp / name), corpus, *runs_by_name[name][1], "--use-cpu-initialization")
             for name in names
         ]
         last_rank = run_distributed(bert_worker, world_size, runs, timeout=300)[-1]
-        results |= {name: losses(records) for name, records in zip(names, last_rank, strict=True)}
+        results |= dict(zip(names, last_rank, strict=True))
     return results
 
 
 @pytest.mark.parametrize("name", [name for name in LAYOUTS if name != "tp1"])
-def test_bert_losses_equal_one_process_under_every_layout(layout_losses, name) -> None:
-    reference = layout_losses["tp1"]
+def test_bert_losses_equal_one_process_under_every_layout(layout_records, name) -> None:
+    reference = losses(layout_records["tp1"])
     for key in LOSS_KEYS:
         assert len(reference[key]) == 4 and len(set(reference[key])) == 4
         np.testing.assert_allclose(
-            layout_losses[name][key], reference[key], rtol=1e-5, err_msg=f"{name} {key}"
+            losses(layout_records[name])[key], reference[key], rtol=1e-5, err_msg=f"{name} {key}"
         )
 
 
-def test_bert_no_binary_head_logs_only_the_lm_loss(tmp_path, corpus) -> None:
-    (records,) = run_distributed(
-        bert_worker, 1, [bert_argv(str(tmp_path), corpus, "--bert-no-binary-head")], timeout=300
-    )[-1]
+def test_bert_no_binary_head_logs_only_the_lm_loss(layout_records) -> None:
+    records = layout_records["no-binary-head"]
     assert all("sop loss" not in r and np.isfinite(r["lm loss"]) for r in records) and len(records) == 4
 
 

@@ -198,6 +198,7 @@ def _load_single_process(load_dir: str, padded: int) -> GPTModel:
     return model.eval()
 
 
+@pytest.mark.processes
 def test_training_continues_after_a_tp_change_with_the_same_losses(layouts) -> None:
     losses = layouts["losses"]
     reference = losses["gpt_tp2"]
@@ -208,6 +209,7 @@ def test_training_continues_after_a_tp_change_with_the_same_losses(layouts) -> N
         torch.testing.assert_close(losses[resumed], reference[2:], rtol=1e-5, atol=0)
 
 
+@pytest.mark.processes
 def test_tp2_checkpoint_gives_the_same_logits_under_tp1_tp4_and_pipeline_stages(layouts) -> None:
     saved = layouts["gpt"][(2, 1)]  # the saved layout: shards read as they are
     for layout in (
@@ -221,6 +223,7 @@ def test_tp2_checkpoint_gives_the_same_logits_under_tp1_tp4_and_pipeline_stages(
         torch.testing.assert_close(model(_tokens(127)), saved, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.processes
 def test_gqa_swiglu_rope_tp2_pp2_checkpoint_under_tp4_and_tp1_with_repadded_vocab(layouts) -> None:
     saved, true_vocab = layouts["llama_saved"], LLAMA_TRUE_VOCAB
     assert saved.shape[-1] == LLAMA_PADDED[2] and layouts["llama_tp4"].shape[-1] == LLAMA_PADDED[4]
@@ -232,6 +235,7 @@ def test_gqa_swiglu_rope_tp2_pp2_checkpoint_under_tp4_and_tp1_with_repadded_voca
         torch.testing.assert_close(model(_tokens(true_vocab))[..., :true_vocab], saved[..., :true_vocab])
 
 
+@pytest.mark.processes
 def test_layer_names_are_global_and_stages_record_their_layers(layouts) -> None:
     iteration_dir = f"{layouts['root']}/llama_tp2_pp2/iter_0000001"
     with safe_open(f"{iteration_dir}/mp_rank_01_001/model.safetensors", framework="pt") as handle:
@@ -245,6 +249,7 @@ def test_layer_names_are_global_and_stages_record_their_layers(layouts) -> None:
     assert (fc1["partition_dim"], fc1["partition_stride"]) == (0, 2)
 
 
+@pytest.mark.processes
 def test_converter_round_trip_is_bitwise(layouts, tmp_path) -> None:
     """TP2 x PP2 -> TP1 x PP1 -> TP2 x PP2 gives back every file's tensors and records, optimizer included."""
     source = f"{layouts['root']}/llama_tp2_pp2"
@@ -276,6 +281,7 @@ def test_converter_round_trip_is_bitwise(layouts, tmp_path) -> None:
                 assert json.load(a) == json.load(b)
 
 
+@pytest.mark.processes
 def test_converter_tp2_to_tp1_and_tp4_keeps_logits_and_adam_state(layouts, tmp_path) -> None:
     source = f"{layouts['root']}/gpt_tp2"
     saved = layouts["gpt"][(2, 1)]
@@ -312,6 +318,7 @@ def _tensor(path: str, name: str) -> torch.Tensor:
         return handle.get_tensor(name)
 
 
+@pytest.mark.processes
 def test_converter_command_line_splits_pipeline_stages(layouts, tmp_path) -> None:
     target = str(tmp_path / "tp2_pp2")
     command = [sys.executable, "-m", "megatron_train.tools.checkpoint_util", "--model-type", "GPT",
@@ -329,6 +336,7 @@ def test_converter_command_line_splits_pipeline_stages(layouts, tmp_path) -> Non
         torch.testing.assert_close(model(_tokens(127)), layouts["gpt"][(2, 1)], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize(
     ("source", "tp", "pp", "message"),
     [
@@ -346,6 +354,7 @@ def test_impossible_targets_are_refused_naming_the_setting(
     assert not os.path.exists(tmp_path / "out")  # nothing written for a refused target
 
 
+@pytest.mark.processes
 def test_impossible_conversions_are_refused(layouts, tmp_path, capsys) -> None:
     gpt, llama = f"{layouts['root']}/gpt_tp2", f"{layouts['root']}/llama_tp2_pp2"
     with pytest.raises(ValueError, match="--true-vocab-size 200 exceeds"):
@@ -361,6 +370,7 @@ def test_impossible_conversions_are_refused(layouts, tmp_path, capsys) -> None:
     assert not os.path.exists(tmp_path / "out")  # nothing written for a refused target
 
 
+@pytest.mark.processes
 def test_true_vocab_size_repads_exactly(layouts, tmp_path) -> None:
     source = f"{layouts['root']}/llama_tp2_pp2"
     convert_checkpoint(source, str(tmp_path / "tp4"), 4, 1, true_vocab_size=LLAMA_TRUE_VOCAB)
@@ -371,6 +381,7 @@ def test_true_vocab_size_repads_exactly(layouts, tmp_path) -> None:
     torch.testing.assert_close(logits[..., :LLAMA_TRUE_VOCAB], layouts["llama_saved"][..., :LLAMA_TRUE_VOCAB])
 
 
+@pytest.mark.processes
 def test_converted_down_to_tp1_without_true_vocab_size_loads_in_a_tp1_run(layouts, tmp_path) -> None:
     """TP2 (padded 144) -> TP1 keeps 144 rows; a TP1 run of the same tokenizer pads to 120 and must still load."""
     convert_checkpoint(f"{layouts['root']}/llama_tp2_pp2", str(tmp_path / "tp1"), 1, 1)
@@ -383,6 +394,7 @@ def test_converted_down_to_tp1_without_true_vocab_size_loads_in_a_tp1_run(layout
     torch.testing.assert_close(logits, layouts["llama_saved"][..., :LLAMA_TRUE_VOCAB])
 
 
+@pytest.mark.processes
 def test_missing_shard_file_is_named(layouts, tmp_path) -> None:
     broken = str(tmp_path / "broken")
     shutil.copytree(f"{layouts['root']}/gpt_tp2", broken)
@@ -397,6 +409,7 @@ def test_missing_shard_file_is_named(layouts, tmp_path) -> None:
     assert read_latest_iteration(str(tmp_path / "out")) is None  # no marker for an unfinished conversion
 
 
+@pytest.mark.processes
 def test_rng_states_are_skipped_with_a_log_line_on_a_layout_change(layouts, caplog) -> None:
     load_dir = f"{layouts['root']}/gpt_tp2"
     config = config_from_dict(read_metadata(resolve_iteration_dir(load_dir, None))["args"])
@@ -558,6 +571,7 @@ def test_version_1_checkpoints_load_and_unknown_versions_are_refused(tmp_path) -
         load_model_for_inference(str(tmp_path), device="cpu")
 
 
+@pytest.mark.processes
 def test_trained_checkpoint_converts_to_hf_and_through_megatron_with_its_logits(layouts, tmp_path) -> None:
     """A training run's TP2 checkpoint (optimizer state, distributed optimizer) through the other formats."""
     transformers = pytest.importorskip("transformers")

@@ -30,6 +30,8 @@ from megatron_train.tools.checkpoint_util import convert_checkpoint, main
 from tests.helpers.distributed import run_distributed
 from tests.helpers.training import pretrain_worker, tiny_args, write_corpus
 
+pytestmark = pytest.mark.processes  # every test here starts processes
+
 SAVED_AT = 2  # every run trains 4 iterations; the resumed ones start from the iteration-2 checkpoint
 RTOL = 1e-5
 # 4 layers, PP 2, global batch 8 in micro-batches of 2 (4 micro-batches: a multiple of PP for interleaving)

@@ -287,6 +287,7 @@ def _tp_save_worker(rank: int, world_size: int, save_dir: str, arch: str) -> tup
         state.destroy_model_parallel()
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("arch", TP_MODELS)
 def test_tensor_parallel_shards_record_sharding_and_merge_for_inference(tmp_path, arch: str) -> None:
     sharding, tp2_logits = run_distributed(_tp_save_worker, 2, str(tmp_path), arch)[1]
@@ -484,6 +485,7 @@ def _rerun_without_marker_worker(rank: int, world_size: int, save: str) -> tuple
     return before, after, errors
 
 
+@pytest.mark.processes
 def test_a_lost_marker_or_a_mistyped_load_is_an_error_and_touches_no_iteration(tmp_path) -> None:
     save = str(tmp_path / "run")
     before, after, errors = run_distributed(_rerun_without_marker_worker, 1, save, timeout=300)[0]
@@ -505,6 +507,7 @@ def _save_killed_while_writing(save_dir: str) -> None:
     _save(config, _build(config), iteration=1)
 
 
+@pytest.mark.processes
 def test_a_kill_during_a_save_leaves_only_temporary_files(tmp_path) -> None:
     process = multiprocessing.get_context("fork").Process(
         target=_save_killed_while_writing, args=(str(tmp_path),)

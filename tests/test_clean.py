@@ -168,6 +168,7 @@ def _same_shards(a, b) -> bool:
     )
 
 
+@pytest.mark.processes
 def test_process_pool_matches_serial(source, tmp_path):
     serial = clean.run(CleanParams(), [source], ArtifactStore(str(tmp_path / "a")), map_shards=SERIAL)
     pooled = clean.run(
@@ -200,6 +201,7 @@ def test_crash_then_rerun_skips_committed_shards(source, tmp_path, monkeypatch):
     assert resumed.manifest()["counts"] == fresh.manifest()["counts"]
 
 
+@pytest.mark.processes
 def test_embedded_corpus_mostly_passes(tmp_path):
     kjv = download.run(download.DownloadParams(docs_per_shard=400), [], ArtifactStore(str(tmp_path / "s")))
     counts = clean.run(

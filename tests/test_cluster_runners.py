@@ -26,6 +26,8 @@ from stages.tokenize_params import local_copy
 from storage.artifacts import ArtifactStore
 from tests.helpers.web_pages import Crawl, write_crawl
 
+pytestmark = pytest.mark.processes  # every test here starts processes
+
 
 @pytest.fixture(scope="module")
 def crawl(tmp_path_factory) -> Crawl:

@@ -67,6 +67,7 @@ def _token_files(refs: dict) -> dict[str, bytes]:
     return {Path(p).name: Path(p).read_bytes() for p in sorted(glob.glob(f"{url}/tokens_*"))}
 
 
+@pytest.mark.processes
 def test_flow_counts_caching_and_partial_rerun(prefect_api_url, corpus, tmp_path, monkeypatch, capsys):
     emitted: list[dict] = []  # the Prefect events the flow emits (new token data triggers the pipeline)
     monkeypatch.setattr("flows.events.emit_event", lambda **event: emitted.append(event))
@@ -168,6 +169,7 @@ def test_flow_counts_caching_and_partial_rerun(prefect_api_url, corpus, tmp_path
     assert shard.read_bytes() == original and _token_files(changed) == tokens
 
 
+@pytest.mark.processes
 def test_malformed_record_without_skip_names_file_and_line(prefect_api_url, corpus, tmp_path):
     config = corpus_config(
         tmp_path / "store", corpus, download=DownloadParams(source=str(corpus), docs_per_shard=16)
@@ -186,6 +188,7 @@ def _cli_source_args(corpus: Path) -> list[str]:
     ]  # fmt: skip
 
 
+@pytest.mark.processes
 def test_cli_runs_on_process_pool_and_matches_flow(prefect_api_url, corpus, tmp_path, capsys, monkeypatch):
     reference = corpus_flow(corpus_config(tmp_path / "a", corpus))
     argv = ["--store", str(tmp_path / "b"), *_cli_source_args(corpus), "--task-runner", "processes"]
@@ -245,6 +248,7 @@ def _no_server(*args, **kwargs):
     raise AssertionError("an all-cached corpus started a Prefect server or flow run")
 
 
+@pytest.mark.processes
 def test_sigkill_during_tokenize_then_rerun_is_byte_identical(prefect_api_url, corpus, tmp_path):
     reference = corpus_flow(corpus_config(tmp_path / "clean-run", corpus))
     store = tmp_path / "killed"
@@ -343,6 +347,7 @@ def test_a_bad_section_value_is_a_usage_error_naming_the_flag(capsys):
     )
 
 
+@pytest.mark.processes
 def test_bert_tokenizer_type_trains_wordpiece(prefect_api_url, corpus, tmp_path):
     config = corpus_config(
         tmp_path / "store",

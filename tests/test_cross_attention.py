@@ -105,6 +105,7 @@ def _tensor_parallel_worker(rank: int, world_size: int) -> dict[str, tuple[float
     return results
 
 
+@pytest.mark.processes
 def test_cross_attention_block_under_tensor_and_sequence_parallel_equals_one_process():
     results = run_distributed(_tensor_parallel_worker, 2)[0]
     assert len(results) == 4

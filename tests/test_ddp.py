@@ -4,6 +4,7 @@ several buckets) and torch's; buckets reduce during backward; unused params do n
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -75,12 +76,12 @@ def _dp_worker(rank: int, world_size: int) -> list[list]:
     ]
 
 
-def test_data_parallel_equals_single_process() -> None:
+@pytest.mark.processes
+def test_data_parallel_equals_single_process(two_rank_results) -> None:
     reference = _train(_model(), 0, 1)
-    results = run_distributed(_dp_worker, 2)
     for variant, (impl, config) in enumerate(VARIANTS):
         for rank in range(2):
-            for ours, expected in zip(results[rank][variant], reference, strict=True):
+            for ours, expected in zip(two_rank_results[rank]["dp"][variant], reference, strict=True):
                 torch.testing.assert_close(
                     torch.from_numpy(ours), expected, rtol=1e-5, atol=1e-6, msg=f"{impl} {config} rank {rank}"
                 )
@@ -104,8 +105,9 @@ def _overlap_worker(rank: int, world_size: int) -> dict:
     }
 
 
-def test_buckets_all_reduce_during_backward_and_average() -> None:
-    results = run_distributed(_overlap_worker, 2)
+@pytest.mark.processes
+def test_buckets_all_reduce_during_backward_and_average(two_rank_results) -> None:
+    results = [ranks["overlap"] for ranks in two_rank_results]
     assert results[0]["buckets"] >= 3
     assert all(results[0]["launched"])  # every bucket started its all-reduce before backward returned
     assert results[0]["contiguous"]
@@ -142,12 +144,28 @@ def _unused_worker(rank: int, world_size: int) -> list[float]:
     ]
 
 
-def test_unused_params_are_reduced_at_finish_and_weights_start_equal() -> None:
-    results = run_distributed(_unused_worker, 2)
+def _two_rank_worker(rank: int, world_size: int) -> dict:
+    """The three checks above in one process group: data parallel variants, overlapped buckets, unused params."""
+    return {
+        "dp": _dp_worker(rank, world_size),
+        "overlap": _overlap_worker(rank, world_size),
+        "unused": _unused_worker(rank, world_size),
+    }
+
+
+@pytest.fixture(scope="module")
+def two_rank_results() -> list[dict]:
+    return run_distributed(_two_rank_worker, 2)
+
+
+@pytest.mark.processes
+def test_unused_params_are_reduced_at_finish_and_weights_start_equal(two_rank_results) -> None:
+    results = [ranks["unused"] for ranks in two_rank_results]
     assert results[0] == results[1]
     assert results[0][:2] == [0.0, 1.0]
 
 
+@pytest.mark.processes
 def test_gpt_pretraining_dp2_and_tp2_equal_one_process(tmp_path) -> None:
     """pretrain_gpt at global batch 4: DP=1 with 2 micro-batches of 2 vs DP=2 with one each, for
     --ddp-impl local (with and without --overlap-grad-reduce) and torch, and vs TP=2 (with and without

@@ -265,6 +265,7 @@ def test_read_committed_npy_ranges(tmp_path, url):
     writer.release(remove=True)
 
 
+@pytest.mark.processes
 def test_parallel_pool_gives_identical_bytes(corpus_ref, tmp_path):
     serial = dedup.run(DedupParams(), [corpus_ref], ArtifactStore(str(tmp_path / "a")), map_shards=SERIAL)
     pooled = dedup.run(
@@ -323,6 +324,7 @@ dedup.run(params, [source], store, map_shards=process_pool(1))
 
 
 # Tasks: 5 signature shards, then bucket tasks (1, or 42 with 32 documents per task), the cluster task, 5 kept shards.
+@pytest.mark.processes
 @pytest.mark.parametrize(
     "kill_after, docs_per_bucket_task",
     [(2, 1 << 16), (8, 32), (6, 1 << 16), (9, 1 << 16)],

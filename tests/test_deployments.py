@@ -114,6 +114,7 @@ def test_no_event_when_the_tokenize_stage_was_a_cache_hit(monkeypatch):
     assert emitted == []
 
 
+@pytest.mark.processes
 def test_a_corpus_run_inside_another_flow_announces_nothing(prefect_api_url, monkeypatch):
     """A pipeline (or pretrain) run trains on the data its own corpus run built: announcing it would start a
     second pipeline run."""
@@ -225,6 +226,7 @@ if __name__ == "__main__":
 """
 
 
+@pytest.mark.processes
 def test_a_worker_loads_every_deployment_by_file_without_shadowing_a_package(tmp_path):
     """A worker loads a deployment's file as a script, putting the file's folder first on sys.path, which the
     processes it spawns inherit: a flow file named like a package of ours (`flows/retro.py` once) shadows it."""

@@ -209,6 +209,7 @@ def _relative_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor])
     return (sum(d for d, _ in squares) / sum(n for _, n in squares)).sqrt().item()
 
 
+@pytest.mark.processes
 def test_sharded_training_equals_one_process_without_it(runs) -> None:
     """DP=2 (also overlapped, accumulating, params straddling), DP=4 and TP2 x DP2 with SP: the losses and
     grad norms of 4 iterations, and the final weights, of DP=1."""
@@ -223,6 +224,7 @@ def test_sharded_training_equals_one_process_without_it(runs) -> None:
         assert _relative_difference(_final_weights(runs, name), reference) < 1e-5, name
 
 
+@pytest.mark.processes
 def test_clipping_is_global_across_shards(runs) -> None:
     """SGD clipped to 0.05 (every step clips): the sharded norm and update equal one process's."""
     clipped = _records(runs, "dp1_clip")
@@ -237,6 +239,7 @@ def test_clipping_is_global_across_shards(runs) -> None:
     assert _relative_difference(_final_weights(runs, "dp2_clip"), _final_weights(runs, "dp1_clip")) < 1e-5
 
 
+@pytest.mark.processes
 def test_bf16_and_fp16_equal_the_replicated_optimizer(runs) -> None:
     """Same DP=2 run with and without sharding; fp16 starts at 2^24 and skips until the scale fits."""
     np.testing.assert_allclose(_losses(runs, "dp2_bf16"), _losses(runs, "dp2_bf16_replicated"), rtol=1e-5)
@@ -250,6 +253,7 @@ def test_bf16_and_fp16_equal_the_replicated_optimizer(runs) -> None:
     np.testing.assert_allclose(*zip(*losses, strict=True), rtol=1e-3)
 
 
+@pytest.mark.processes
 def test_fp16_overflow_on_one_rank_skips_the_step_on_every_rank(runs) -> None:
     first, second = runs["overflow"]
     assert first["own_part_finite"] and not second["own_part_finite"]
@@ -259,6 +263,7 @@ def test_fp16_overflow_on_one_rank_skips_the_step_on_every_rank(runs) -> None:
     np.testing.assert_array_equal(first["final"], second["final"])  # the all-gather kept replicas equal
 
 
+@pytest.mark.processes
 def test_per_rank_memory_follows_megatrons_table(runs) -> None:
     for rank, held in enumerate(runs["memory"]):
         for (d, dtype, distributed), (held_bytes, numel, owned) in held.items():
@@ -283,6 +288,7 @@ def test_params_straddling_rank_parts_are_split_as_megatron_does(dp_size: int) -
         assert owned == [[(0, 0, 2), (1, 0, 1)], [(1, 1, 4)], [(1, 4, 5), (2, 0, 2)], [(2, 2, 3)]]
 
 
+@pytest.mark.processes
 def test_checkpoints_move_between_sharded_and_replicated_and_dp_sizes(runs) -> None:
     """Saved at iteration 2 with the distributed optimizer at DP=2, resumed at DP=1 without it; saved at
     DP=1 without it, resumed with it at DP=4: iterations 3 and 4 equal the uninterrupted run."""
@@ -323,6 +329,7 @@ def test_refuses_torch_ddp_and_a_plain_module() -> None:
         DistributedOptimizer(torch.nn.Linear(2, 2), OptimizerConfig(lr=1e-3))
 
 
+@pytest.mark.processes
 def test_bf16_checkpoint_holds_the_gathered_fp32_main_params(runs) -> None:
     """Every rank's fp32 main shard lands in its place: the gathered main params round exactly to the saved
     bf16 weights; resumed at DP=1 without sharding, iterations 3 and 4 follow the uninterrupted run."""

@@ -121,15 +121,18 @@ def _assert_trains_like(layouts: dict, name: str, reference: str) -> None:
         )
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("name", list(WORLD4))
 def test_distributed_optimizer_with_pipeline_trains_like_one_process(layouts, name) -> None:
     _assert_trains_like(layouts, name, "gpt")
 
 
+@pytest.mark.processes
 def test_distributed_optimizer_bf16_with_virtual_stages_and_overlap_logs_like_one_process(layouts) -> None:
     _assert_logs_like(layouts, "pp2-virtual-dp2-dist-bf16", "gpt-bf16", BF16_RTOL)
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("name", list(WORLD4))
 def test_distributed_optimizer_checkpoint_resumes_in_its_layout(layouts, name) -> None:
     """Two steps, save, exit; load and run two more: the uninterrupted run's losses and weights, bitwise."""
@@ -141,6 +144,7 @@ def test_distributed_optimizer_checkpoint_resumes_in_its_layout(layouts, name) -
         assert torch.equal(values, layouts[name]["weights"][param]), param
 
 
+@pytest.mark.processes
 def test_torch_ddp_accumulating_micro_batches_trains_like_one_process(layouts) -> None:
     """Without the no_sync fix torch's DDP never reduced: DP replicas diverged (merge_weights refuses them)."""
     _assert_trains_like(layouts, "dp2-torch", "gpt")
@@ -182,6 +186,7 @@ def _torch_ddp_worker(rank: int, world_size: int, micro_batches: int) -> tuple[i
     return len(reductions), model.module.weight.grad.clone()
 
 
+@pytest.mark.processes
 def test_no_pipelining_schedule_lets_torch_ddp_reduce_once_on_the_last_micro_batch() -> None:
     micro_batches, world_size = 3, 2
     results = run_distributed(_torch_ddp_worker, world_size, micro_batches)

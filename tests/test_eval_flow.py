@@ -6,6 +6,8 @@ import json
 import lzma
 from pathlib import Path
 
+import pytest
+
 from flows.corpus import CorpusConfig
 from flows.eval import EvalFlowConfig, eval_flow
 from flows.pretrain import PretrainFlowConfig
@@ -15,6 +17,8 @@ from stages.tokenize import TokenizeParams
 from stages.train_tokenizer import TrainTokenizerParams
 from storage.artifacts import ArtifactStore
 from tests.helpers.prefect_runs import artifacts
+
+pytestmark = pytest.mark.processes  # every test here starts processes
 
 TINY_GPT = (
     "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",

@@ -383,6 +383,7 @@ def test_harness_model_args_load_a_checkpoint_and_its_tokenizer(tmp_path):
         MegatronLMEval.create_from_arg_obj({"load": load, "pretrained": "gpt2"})
 
 
+@pytest.mark.processes
 def test_lm_eval_command_runs_a_local_task(tmp_path):
     """lm-eval's real command line (through our wrapper) on a task file and data of our own: its accuracy is
     the one the adapter's log-likelihoods give."""

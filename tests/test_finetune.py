@@ -368,6 +368,7 @@ def mnli_run(tmp_path_factory, pretrained, mnli) -> tuple[str, dict, str]:
     return save, metrics, printed
 
 
+@pytest.mark.processes
 def test_mnli_finetunes_well_above_chance_with_megatron_lines(mnli_run):
     save, metrics, printed = mnli_run
     lines = accuracy_lines(printed)
@@ -389,6 +390,7 @@ def training_losses(save: str) -> dict[int, float]:
     return {r["iteration"]: r["lm loss"] for r in read_metrics(save) if "split" not in r}
 
 
+@pytest.mark.processes
 def test_a_run_stopped_mid_epoch_resumes_to_the_same_model(tmp_path, pretrained, mnli, mnli_run):
     reference_save, reference, _ = mnli_run
     save = str(tmp_path / "resumed")
@@ -430,6 +432,7 @@ def layout_runs(tmp_path_factory, pretrained, mnli) -> dict[str, tuple[str, dict
     }
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("layout", list(PARALLEL_LAYOUTS))
 def test_parallel_finetuning_equals_one_process(layout_runs, layout):
     """The TP=2 run loads the TP=1 pretrained checkpoint resharded."""
@@ -451,6 +454,7 @@ def synthetic_tasks(tmp_path_factory) -> str:
     return str(root)
 
 
+@pytest.mark.processes
 def test_qqp_and_race_finetune_well_above_chance(tmp_path, pretrained, synthetic_tasks):
     root = synthetic_tasks
     qqp = finetune_argv(
@@ -545,6 +549,7 @@ def test_hf_dataset_reads_as_the_tsv_files(tmp_path, mnli):
         hf_records("MNLI", folder, ["test"])
 
 
+@pytest.mark.processes
 def test_epochs_0_evaluates_a_finetuned_checkpoint_read_from_a_hf_dataset(tmp_path, mnli, mnli_run):
     save, reference, _ = mnli_run
     folder = str(tmp_path / "glue_mnli")
@@ -571,50 +576,66 @@ def test_epochs_0_evaluates_a_finetuned_checkpoint_read_from_a_hf_dataset(tmp_pa
     assert metrics["epochs"][0]["splits"]["validation_matched"] == final["splits"]["dev-matched"]
 
 
-def refused_worker(rank: int, world_size: int, argv: list[str]) -> str:
+def refused_worker(rank: int, world_size: int, argvs: list[list[str]]) -> list[str]:
+    """What tasks.main prints on stderr as it refuses each argv (every one must end in SystemExit)."""
     import contextlib
     import io
 
     from megatron_train.tasks.main import main
 
-    printed = io.StringIO()
-    with pytest.raises(SystemExit), contextlib.redirect_stderr(printed):
-        main(argv)
-    return printed.getvalue()
+    errors = []
+    for argv in argvs:
+        printed = io.StringIO()
+        with pytest.raises(SystemExit), contextlib.redirect_stderr(printed):
+            main(argv)
+        errors.append(printed.getvalue())
+    return errors
 
 
-@pytest.mark.parametrize(
-    ("flags", "message"),
-    [
-        (["--epochs", "1"], "--task MNLI --epochs 1 needs --train-data (or --hf-dataset)"),
-        (["--epochs", "1", "--train-data", "nope.tsv"], "nope.tsv: file: no such file"),
-        (
-            ["--epochs", "0", "--hidden-size", "64"],
-            "--hidden-size (given: hidden_size=64) does not match checkpoint",
-        ),
-        (
-            ["--epochs", "1", "--train-data", "{mnli}/train.tsv", "--global-batch-size", "32"],
-            "one micro-batch per step",
-        ),
-    ],
-)
-def test_bad_finetuning_flags_are_named(tmp_path, pretrained, mnli, flags, message):
-    argv = finetune_argv(
-        "MNLI", pretrained[1], str(tmp_path / "out"), "--valid-data", f"{mnli}/dev_matched.tsv"
-    )
-    argv += [flag.format(mnli=mnli) for flag in flags]
-    (error,) = run_distributed(refused_worker, 1, argv, timeout=300)
-    assert message in error, error
+BAD_FLAGS = {  # name: (flags added to an MNLI finetuning of the pretrained BERT, the refusal)
+    "no-train-data": (["--epochs", "1"], "--task MNLI --epochs 1 needs --train-data (or --hf-dataset)"),
+    "missing-file": (["--epochs", "1", "--train-data", "nope.tsv"], "nope.tsv: file: no such file"),
+    "model-flag": (
+        ["--epochs", "0", "--hidden-size", "64"],
+        "--hidden-size (given: hidden_size=64) does not match checkpoint",
+    ),
+    "global-batch": (
+        ["--epochs", "1", "--train-data", "{mnli}/train.tsv", "--global-batch-size", "32"],
+        "one micro-batch per step",
+    ),
+}
 
 
-def test_a_gpt_checkpoint_is_refused_as_pretrained_bert(tmp_path, mnli):
+@pytest.fixture(scope="module")
+def refusals(tmp_path_factory, pretrained, mnli) -> dict[str, str]:
+    """The refusal printed for each BAD_FLAGS case and for a GPT checkpoint given as the pretrained BERT, all
+    from one process."""
     from tests.helpers.generation import save_tiny_checkpoint
 
-    gpt = save_tiny_checkpoint(str(tmp_path / "gpt"))
-    argv = finetune_argv(
-        "MNLI", gpt, str(tmp_path / "out"), "--valid-data", f"{mnli}/dev_matched.tsv", "--epochs", "0"
-    )
-    (error,) = run_distributed(refused_worker, 1, argv, timeout=300)
+    tmp = tmp_path_factory.mktemp("refusals")
+    valid = ["--valid-data", f"{mnli}/dev_matched.tsv"]
+    argvs = {
+        name: [
+            *finetune_argv("MNLI", pretrained[1], str(tmp / name), *valid),
+            *(f.format(mnli=mnli) for f in flags),
+        ]
+        for name, (flags, _) in BAD_FLAGS.items()
+    }
+    gpt = save_tiny_checkpoint(str(tmp / "gpt"))
+    argvs["gpt-checkpoint"] = finetune_argv("MNLI", gpt, str(tmp / "gpt-out"), *valid, "--epochs", "0")
+    (errors,) = run_distributed(refused_worker, 1, list(argvs.values()), timeout=300)
+    return dict(zip(argvs, errors, strict=True))
+
+
+@pytest.mark.processes
+@pytest.mark.parametrize("name", list(BAD_FLAGS))
+def test_bad_finetuning_flags_are_named(refusals, name):
+    assert BAD_FLAGS[name][1] in refusals[name], refusals[name]
+
+
+@pytest.mark.processes
+def test_a_gpt_checkpoint_is_refused_as_pretrained_bert(refusals):
+    error = refusals["gpt-checkpoint"]
     assert "holds a gpt model; finetuning needs a BERT (pretrain_bert) checkpoint" in error, error
 
 

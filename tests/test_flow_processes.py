@@ -18,6 +18,8 @@ import pytest
 
 from stages.download import EMBEDDED_CORPUS
 
+pytestmark = pytest.mark.processes  # every test here starts processes
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

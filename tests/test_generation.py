@@ -285,6 +285,7 @@ def _tensor_parallel_worker(rank: int, world_size: int) -> dict[str, list[list[i
     return results
 
 
+@pytest.mark.processes
 def test_tensor_parallel_generation_equals_single_process():
     from tests.helpers.distributed import run_distributed
 

@@ -17,6 +17,8 @@ from megatron_train.checkpointing import load_model_for_inference
 from megatron_train.tools.checkpoint_util import main as convert
 from tests.helpers.convert_models import LLAMA2_CHAT_TEMPLATE, VOCAB, hf_logits, ids, save_chat_tokenizer
 
+pytestmark = pytest.mark.processes  # every test here starts processes
+
 transformers = pytest.importorskip("transformers")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -76,6 +76,7 @@ def llama3_argv(tmp_path) -> list[str]:
     return example_argv(LLAMA3, tmp_path, str(tmp_path / "ckpt"), str(tmp_path / "tb"))
 
 
+@pytest.mark.processes
 def test_parser_takes_every_flag_of_both_examples(gpt3_argv, llama3_argv) -> None:
     parser = build_parser()
     for argv in (gpt3_argv, llama3_argv):
@@ -118,6 +119,7 @@ def test_parser_takes_every_flag_of_both_examples(gpt3_argv, llama3_argv) -> Non
     )
 
 
+@pytest.mark.processes
 @pytest.mark.skipif(
     __import__("torch").cuda.is_available() and __import__("torch").cuda.get_device_capability() >= (8, 9),
     reason="this machine has an FP8 GPU",
@@ -130,6 +132,7 @@ def test_fp8_flags_are_refused_naming_the_flag(llama3_argv, capsys) -> None:
     assert "drop the --fp8-format --fp8-amax-history-len --fp8-amax-compute-algo --fp8-param-gather" in error
 
 
+@pytest.mark.processes
 def test_accepted_only_flags_log_what_they_mean_here(llama3_argv, caplog) -> None:
     caplog.set_level("INFO", logger="megatron_train.arguments")
     parse_args(without(llama3_argv, *FP8_FLAGS), world_size=8)
@@ -166,6 +169,7 @@ def _tiny_gpt2_files(directory: Path) -> tuple[str, str, str]:
     return files["vocab_file"], files["merge_file"], prefix
 
 
+@pytest.mark.processes
 def test_tiny_gpt3_example_trains_on_two_pipeline_stages(tmp_path) -> None:
     vocab, merges, data = _tiny_gpt2_files(tmp_path)
     save = str(tmp_path / "ckpt")
@@ -195,6 +199,7 @@ def test_tiny_gpt3_example_trains_on_two_pipeline_stages(tmp_path) -> None:
     assert read_latest_iteration(save) == 3
 
 
+@pytest.mark.processes
 def test_tiny_llama3_example_trains_with_every_flag_but_fp8(tmp_path) -> None:
     save, tensorboard = tmp_path / "ckpt", tmp_path / "tb"
     argv = without(example_argv(LLAMA3, tmp_path, str(save), str(tensorboard)), *FP8_FLAGS)

@@ -124,6 +124,7 @@ def _per_token_worker(rank: int, world_size: int) -> tuple[torch.Tensor, torch.T
         state.destroy_model_parallel()
 
 
+@pytest.mark.processes
 def test_per_token_loss_is_the_sum_over_all_tokens_of_all_micro_batches_and_ranks() -> None:
     for grad, expected, logged, loss in run_distributed(_per_token_worker, 2):
         torch.testing.assert_close(grad, expected)
@@ -160,15 +161,22 @@ def _param_gather_worker(rank: int, world_size: int) -> list[bool]:
         state.destroy_model_parallel()
 
 
+def _param_gather_then_pretrain_worker(rank: int, world_size: int, runs: list[list[str]]) -> list[bool]:
+    """The buckets' gathers in flight (as _param_gather_worker), then `runs`, in one process group."""
+    in_flight = _param_gather_worker(rank, world_size)
+    pretrain_worker(rank, world_size, runs)
+    return in_flight
+
+
+@pytest.mark.processes
 def test_overlap_param_gather_defers_the_gather_to_the_forward_and_keeps_the_losses(tmp_path) -> None:
-    for flags in run_distributed(_param_gather_worker, 2):
-        assert flags == [True, True, False, False]
     common = ["--mock-data", "--train-iters", "4", "--use-distributed-optimizer", "--overlap-grad-reduce"]
     runs = [
         tiny_args(str(tmp_path / "plain"), *common),
         tiny_args(str(tmp_path / "overlap"), *common, "--overlap-param-gather"),
     ]
-    run_distributed(pretrain_worker, 2, runs)
+    for flags in run_distributed(_param_gather_then_pretrain_worker, 2, runs):
+        assert flags == [True, True, False, False]
     losses = train_losses(str(tmp_path / "plain"))
     assert len(losses) == 4 and losses == train_losses(str(tmp_path / "overlap"))
     with pytest.raises(SystemExit):  # Megatron's rule: only with the distributed optimizer

@@ -40,6 +40,7 @@ def _run(commands: list[list[str]], tmp_path) -> None:
     assert codes == [0] * len(commands), "\n\n".join(outputs)
 
 
+@pytest.mark.processes
 def test_two_nodes_with_c10d_rendezvous_train_like_one_node_of_two_processes(tmp_path):
     _run([torchrun_command(_config(tmp_path, "one-node"), 2)], tmp_path)
     endpoint = f"127.0.0.1:{free_port()}"
@@ -70,6 +71,7 @@ def test_torchrun_flags_for_one_node_and_for_many():
         LaunchParams(nnodes=2, node_rank=2, rdzv_endpoint="node0:29500")
 
 
+@pytest.mark.processes
 def test_slurm_script_starts_one_agent_per_node_with_the_same_flags(tmp_path):
     config = _config(tmp_path, "run")
     params = PretrainParams(config=config, nproc_per_node=8, launch=LaunchParams(nnodes=4, launcher="slurm"))

@@ -244,8 +244,19 @@ TWO_RANK_CASES = [
 ]
 
 
-def test_two_stage_schedules_equal_the_unpipelined_model():
-    all_results = run_distributed(run_cases, 2, TWO_RANK_CASES)
+def two_rank_worker(rank: int, world_size: int) -> tuple[list[dict], list[str]]:
+    """The two-stage cases, then the misuses below, in one process group."""
+    return run_cases(rank, world_size, TWO_RANK_CASES), constraint_errors(rank, world_size)
+
+
+@pytest.fixture(scope="module")
+def two_rank_results() -> list[tuple[list[dict], list[str]]]:
+    return run_distributed(two_rank_worker, 2)
+
+
+@pytest.mark.processes
+def test_two_stage_schedules_equal_the_unpipelined_model(two_rank_results):
+    all_results = [cases for cases, _ in two_rank_results]
     for i, case in enumerate(TWO_RANK_CASES):
         check_case([ranks[i] for ranks in all_results], case)
     # 1F1B, m = 4: each stage sends one [s, b, h] fp32 tensor per micro-batch (activations / grads).
@@ -267,6 +278,7 @@ FOUR_RANK_CASES = [
 ]
 
 
+@pytest.mark.processes
 def test_four_ranks_pipeline_and_data_parallel_layouts():
     all_results = run_distributed(run_cases, 4, FOUR_RANK_CASES)
     for i, case in enumerate(FOUR_RANK_CASES):
@@ -300,8 +312,9 @@ def constraint_errors(rank: int, world_size: int) -> list[str]:
     return messages
 
 
-def test_constraint_errors_name_the_flag_to_change():
-    messages = run_distributed(constraint_errors, 2)
+@pytest.mark.processes
+def test_constraint_errors_name_the_flag_to_change(two_rank_results):
+    messages = [errors for _, errors in two_rank_results]
     assert messages[0][:3] == messages[1]
     microbatches, iterators, chunks, shape = messages[0]
     assert "micro-batches (3)" in microbatches and "--pipeline-model-parallel-size (2)" in microbatches
@@ -474,6 +487,7 @@ GPT_CASES = [  # (tp, pp, vp, sequence_parallel, ddp) on 4 ranks
 ]
 
 
+@pytest.mark.processes
 def test_tiny_gpt_split_into_stages_equals_the_single_process_gpt():
     from megatron_train.models.gpt import GPTModel
 

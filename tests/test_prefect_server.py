@@ -42,7 +42,7 @@ TINY_GPT = (
     "--log-interval", "2", "--seed", "3",
 )  # fmt: skip
 
-pytestmark = [pytest.mark.slow, pytest.mark.prefect]
+pytestmark = [pytest.mark.slow, pytest.mark.prefect, pytest.mark.processes]
 
 
 def _chapters(source: Path, count: int) -> None:

@@ -65,6 +65,7 @@ FAMILY_ARGS = {"bert": (), "t5": ("--encoder-seq-length", "64", "--decoder-seq-l
 FAMILY_LOSSES = {"bert": ("lm loss", "sop loss"), "t5": ("lm loss",)}
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("model", ["bert", "t5"])
 def test_pretrain_flow_end_to_end_then_cached(prefect_api_url, tmp_path, model):
     module = get_family(model).entry_module

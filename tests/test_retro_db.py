@@ -142,6 +142,7 @@ def test_crashed_build_resumes_missing_blocks_only(tmp_path):
     _assert_same_files(tmp_path / "clean", tmp_path / "db")
 
 
+@pytest.mark.processes
 def test_sigkilled_build_resumes_to_identical_bytes(tmp_path):
     data_path, bert = _corpus(tmp_path), build_tokenizer(tmp_path)
     build_chunk_database(data_path, str(tmp_path / "clean"), CONFIG, WordTokenizer(), bert)

@@ -67,6 +67,7 @@ def test_a_plain_bert_directory_pools_as_megatron_one_text_or_a_sorted_batch(tmp
     np.testing.assert_allclose(embedder(texts[2:3]), expected[2:3], atol=1e-5)  # batch-independent
 
 
+@pytest.mark.processes
 def test_a_megatron_flow_bert_checkpoint_embeds_with_its_run_vocabulary(tmp_path):
     data = tmp_path / "data"
     data.mkdir()

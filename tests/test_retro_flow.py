@@ -33,6 +33,8 @@ from stages.retro_pretrain import RetroPretrainParams
 from tests.helpers.corpus_flow import clean_chapters, corpus_config
 from tests.helpers.prefect_runs import artifacts
 
+pytestmark = pytest.mark.processes  # every test here starts processes
+
 ROOT = Path(__file__).resolve().parents[1]
 RETRO_STAGES = [name for name in STAGE_MODULES if name.startswith("retro_")]
 TINY_DECODER = ("--num-layers", "6", "--hidden-size", "16", "--num-attention-heads", "2", "--micro-batch-size", "8",

@@ -133,6 +133,7 @@ def test_index_without_standalone_codes_is_refused(database, tmp_path):
         add_to_index(database, config, topic_embed, WordTokenizer(), str(tmp_path))
 
 
+@pytest.mark.processes
 def test_sigkilled_fill_resumes_to_identical_index(database, tmp_path):
     train_index(database, INDEX_CONFIG, topic_embed, WordTokenizer(), str(tmp_path / "clean"))
     shutil.copytree(tmp_path / "clean", tmp_path / "resumed")

@@ -136,6 +136,7 @@ def _copy_task_batch(generator: torch.Generator, chunk: int, chunks: int, batch:
     return text[:, :seq], text[:, 1 : seq + 1], neighbours
 
 
+@pytest.mark.slow  # 600 training steps in one process: a minute or more; make test-fast leaves it out
 def test_retro_learns_to_read_the_continuation_of_its_neighbours():
     """Trained where only retrieval helps, Retro's loss falls below chance from chunk 0's last token on (the
     first that may see chunk 0's neighbours) and not before; other samples' neighbours make it worse than
@@ -238,6 +239,7 @@ def _tensor_parallel_worker(rank: int, world_size: int) -> dict[str, tuple[float
     return results
 
 
+@pytest.mark.processes
 def test_retro_under_tensor_and_sequence_parallel_equals_one_process():
     """Loss and every gradient (chunked cross-attention and encoder included) within 1e-5 of one process; with
     dropout under SP, full recompute replays the masks of the first forward (the encoder's included)."""

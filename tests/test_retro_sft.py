@@ -164,6 +164,7 @@ def sft_runs(project, tmp_path_factory) -> dict:
     return {"sft": sft, "finetuned": finetuned, "sft-dir": first}
 
 
+@pytest.mark.processes
 def test_a_tiny_sft_lowers_the_loss_and_finetune_continues_from_it(sft_runs):
     sft, finetuned = sft_runs["sft"], sft_runs["finetuned"]
     losses = [r["lm loss"] for r in sft if "split" not in r]
@@ -173,6 +174,7 @@ def test_a_tiny_sft_lowers_the_loss_and_finetune_continues_from_it(sft_runs):
     assert continued[0]["lm loss"] < np.mean(losses[:3])
 
 
+@pytest.mark.processes
 def test_retro_qa_on_the_sft_checkpoint_retrieves_and_scores_known_answers(
     sft_runs, project, tmp_path, monkeypatch, capsys
 ):

@@ -201,6 +201,7 @@ KILLED_RUN = textwrap.dedent(
 )
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("stage", ["embed", "add"])
 def test_a_killed_stage_resumes_without_redoing_committed_blocks(setup, tmp_path, monkeypatch, stage):
     refs = run_all(setup, setup.store)

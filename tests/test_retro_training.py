@@ -199,6 +199,7 @@ def runs(project, tmp_path_factory) -> dict[str, list[dict]]:
     return {**results, **{f"{name}-dir": save for name, save in saves.items()}}
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("name", [name for name in LAYOUTS if name != "tp1"])
 def test_retro_layouts_log_the_losses_of_one_process(runs, name):
     reference = _train(runs["tp1"])
@@ -206,6 +207,7 @@ def test_retro_layouts_log_the_losses_of_one_process(runs, name):
     np.testing.assert_allclose(_train(runs[name]), reference, rtol=1e-5, err_msg=name)
 
 
+@pytest.mark.processes
 def test_retro_resumes_bitwise(runs):
     reference = _train(runs["first"])
     assert len(reference) == 6 and len(set(reference)) == 6
@@ -213,6 +215,7 @@ def test_retro_resumes_bitwise(runs):
     assert _train(runs["split-resumed"]) == reference  # metrics.jsonl holds the whole history
 
 
+@pytest.mark.processes
 def test_retro_killed_mid_run_resumes_with_the_same_losses(runs, project, tmp_path):
     """`python -m megatron_train.pretrain_retro` SIGKILLed after its iteration-4 checkpoint, then rerun: the losses
     are bit for bit those of the uninterrupted run (dropout on: the RNG states resume too)."""
@@ -233,12 +236,14 @@ def test_retro_killed_mid_run_resumes_with_the_same_losses(runs, project, tmp_pa
     assert _train(read_metrics(save)) == _train(runs["first"])
 
 
+@pytest.mark.processes
 def test_retro_trains_in_bf16(runs):
     losses = _train(runs["bf16"])
     assert len(losses) == 4 and all(np.isfinite(losses))
     assert abs(losses[0] - _train(runs["tp1"])[0]) < 0.1
 
 
+@pytest.mark.processes
 def test_the_gpt_baseline_trains_on_the_same_samples_without_retrieval(runs):
     metadata = SavedCheckpoint(glob.glob(os.path.join(runs["gpt-dir"], "iter_*"))[-1]).metadata
     assert metadata["model_type"] == "gpt" and len(_train(runs["gpt"])) == 3
@@ -250,6 +255,7 @@ def _weights(save: str, iteration: int) -> dict[str, torch.Tensor]:
     return {name: saved.global_tensor(name, "model", saved.padded_vocab_size) for name in saved.params}
 
 
+@pytest.mark.processes
 def test_retro_fitting_starts_from_the_gpt_decoder_and_freezing_keeps_it(runs, project, tmp_path):
     """Also when the TP=1 GPT checkpoint is retro-fitted at TP=2 with sequence parallelism."""
     gpt = _weights(runs["gpt-dir"], 3)
@@ -279,6 +285,7 @@ def test_retrieval_cuts_text_into_the_models_chunks():
     assert sequence_chunks(3, 4) == [(0, 3)]
 
 
+@pytest.mark.processes
 def test_generation_retrieves_for_the_text_so_far_from_a_saved_retro_checkpoint(runs, project):
     model, config = load_model_for_inference(runs["tp1-dir"], device="cpu")
     assert isinstance(model, RetroModel) and config.retro.retro_chunk_length == CHUNK_LENGTH

@@ -107,6 +107,7 @@ def first_batch_with_a_worker() -> tuple[dict, list[dict]]:
     return next(iter(loader)), [train[4], train[5]]
 
 
+@pytest.mark.processes
 def test_data_loader_over_gpt_dataset_with_workers():
     # In a fresh process: a worker forked from the test process, after the Prefect tests, exits with status 1
     # at shutdown (threading._shutdown's assertion in the child, after Prefect's at-fork handlers).
@@ -134,6 +135,7 @@ def build_on_two_ranks(rank, world_size, data_path, cache):
     return records, np.asarray(train.shuffle_index).tolist()
 
 
+@pytest.mark.processes
 def test_rank_zero_builds_and_other_ranks_load(tmp_path):
     from tests.helpers.gpt_dataset import random_documents, write_dataset
 

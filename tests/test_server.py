@@ -280,6 +280,7 @@ def test_real_server_answers_concurrent_requests(live_server, model, tokenizer):
         assert body["text"] == generate(model, tokenizer, request["prompts"], params).texts
 
 
+@pytest.mark.processes
 def test_cli_prints_the_response_and_errors(live_server):
     result = subprocess.run(
         [sys.executable, "-m", "megatron_train.tools.text_generation_cli", live_server],
@@ -294,6 +295,7 @@ def test_cli_prints_the_response_and_errors(live_server):
     assert "Error 400: tokens_to_generate must be an integer between 0 and 32" in result.stdout
 
 
+@pytest.mark.processes
 def test_run_text_generation_server_serves_a_checkpoint(tmp_path):
     load = save_tiny_checkpoint(str(tmp_path / "ckpt"))
     port = free_port()

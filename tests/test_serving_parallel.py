@@ -20,6 +20,8 @@ from tests.helpers.generation import one_torch_thread, save_tiny_checkpoint  # n
 from tests.helpers.readiness import wait_until_ready
 from tests.helpers.servers import generation_server_healthy
 
+pytestmark = pytest.mark.processes  # every test here starts processes
+
 PROMPTS = ["5 6 7", "1 2 3 4 5 6 7 8"]
 GREEDY = GenerationParams(tokens_to_generate=6, top_k=1, return_output_log_probs=True, top_logprobs=3)
 SEEDED = GenerationParams(tokens_to_generate=6, temperature=2.0, random_seed=3)

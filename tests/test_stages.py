@@ -50,6 +50,7 @@ def test_registry_names_every_stage_and_says_which_map_shards():
         assert "workers" not in parameters
 
 
+@pytest.mark.processes
 def test_registry_imports_a_stage_on_first_look_up_and_names_the_known_ones():
     # The corpus stages come without torch, so a command line with nothing to do stays quick.
     code = (
@@ -119,6 +120,7 @@ def _square(x: int) -> int:
     return x * x
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("workers", [1, 2])
 def test_process_pool_reports_each_result_as_it_finishes_and_returns_them_in_order(workers):
     seen: list[int] = []

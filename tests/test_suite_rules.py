@@ -1,5 +1,6 @@
 """The test suite's own rules: under CI=true a skip (a missing package or ../shared file) fails the run, a
-CUDA-only skip does not, and without CI=true skips stay skips."""
+CUDA-only skip does not, and without CI=true skips stay skips; a fast run (`-m "not processes"`) fails a test
+that starts a process without the `processes` marker."""
 
 from __future__ import annotations
 
@@ -58,3 +59,31 @@ def test_without_ci_skips_stay_skips(skipping_suite, monkeypatch) -> None:
     assert result.ret == pytest.ExitCode.OK
     assert result.parseoutcomes() == {"passed": 1, "skipped": 4}
     assert "CI=true" not in result.stdout.str()
+
+
+@pytest.mark.processes  # its tests start a subprocess (and the outer fast run's guard would refuse them)
+def test_a_fast_run_fails_a_test_that_starts_a_process_unmarked(pytester) -> None:
+    pytester.makepyfile(
+        test_spawns="""
+        import subprocess
+        import sys
+
+        import pytest
+
+        def test_unmarked():
+            subprocess.run([sys.executable, "-c", "pass"], check=True)
+
+        @pytest.mark.processes
+        def test_marked():
+            subprocess.run([sys.executable, "-c", "pass"], check=True)
+
+        def test_in_process():
+            assert sum(range(4)) == 6
+        """
+    )
+    pytester.makeini("[pytest]\nmarkers = processes: starts processes")
+    fast = pytester.runpytest_inprocess("-p", "tests.helpers.process_guard", "-m", "not processes")
+    assert fast.parseoutcomes() == {"passed": 1, "failed": 1, "deselected": 1}
+    fast.stdout.fnmatch_lines(["*this test starts a process (a subprocess): mark it @pytest.mark.processes*"])
+    whole = pytester.runpytest_inprocess("-p", "tests.helpers.process_guard")
+    assert whole.parseoutcomes() == {"passed": 3}

@@ -84,6 +84,7 @@ def layout_losses(tmp_path_factory, corpus) -> dict[str, list[float]]:
     return results
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("name", [name for name in LAYOUTS if name != "tp1"])
 def test_t5_losses_equal_one_process_under_every_layout(layout_losses, name) -> None:
     reference = layout_losses["tp1"]
@@ -91,11 +92,13 @@ def test_t5_losses_equal_one_process_under_every_layout(layout_losses, name) -> 
     np.testing.assert_allclose(layout_losses[name], reference, rtol=1e-5, err_msg=name)
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("name", MIXED_PRECISION)
 def test_t5_trains_in_bf16_and_fp16_close_to_fp32(layout_losses, name) -> None:
     np.testing.assert_allclose(layout_losses[name], layout_losses["tp1"], rtol=1e-3, err_msg=name)
 
 
+@pytest.mark.processes
 def test_checkpoint_saved_at_tp2_continues_at_tp1_with_tp2s_losses(tmp_path, corpus) -> None:
     """Relative positions: the bias tables are split over TP by head (dim 1), merged back at TP=1."""
     full, split = str(tmp_path / "full"), str(tmp_path / "split")
@@ -125,6 +128,7 @@ def test_checkpoint_saved_at_tp2_continues_at_tp1_with_tp2s_losses(tmp_path, cor
     assert torch.isinf(converted_logits[..., 158:]).all() and logits.abs()[..., :158].max() > 0.1
 
 
+@pytest.mark.processes
 def test_sigkill_and_resume_is_bitwise(tmp_path, corpus) -> None:
     """Learned positions (Megatron's default), dropout on: a run killed by SIGKILL and resumed with --load logs
     exactly the uninterrupted losses."""
@@ -168,6 +172,7 @@ def test_encoder_flags_are_other_names_of_num_layers_and_seq_length(tmp_path, co
         TransformerConfig(num_layers=1, max_position_embeddings=16, **shape)
 
 
+@pytest.mark.processes
 def test_megatron_t5_example_parses_with_its_t5_settings(tmp_path) -> None:
     """Megatron's examples/t5/train_t5_220m_distributed.sh, run unchanged: every flag it gives pretrain_t5.py
     is ours, and the T5 shape lands where pretrain_t5 reads it."""

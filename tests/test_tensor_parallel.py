@@ -75,6 +75,7 @@ def equivalence_results() -> dict:
     return run_distributed(_equivalence_worker, 4, EQUIVALENCE_CASES)[0]
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("case", [name for name, *_ in EQUIVALENCE_CASES])
 def test_tensor_and_sequence_parallel_losses_and_grads_equal_one_process(equivalence_results, case):
     loss_error, grad_error, worst = equivalence_results[case]
@@ -278,38 +279,45 @@ def two_rank_results() -> list[dict]:
     return run_distributed(_two_rank_worker, 2)
 
 
+@pytest.mark.processes
 def test_mappings_forward_and_backward_values(two_rank_results):
     for results in two_rank_results:
         assert results["mappings"] == pytest.approx(dict.fromkeys(results["mappings"], 0.0), abs=1e-6)
         assert len(results["mappings"]) == 8
 
 
+@pytest.mark.processes
 def test_vocab_parallel_cross_entropy_equals_full_softmax(two_rank_results):
     for results in two_rank_results:
         loss_error, grad_error = results["cross_entropy"]
         assert loss_error < 1e-5 and grad_error < 1e-6
 
 
+@pytest.mark.processes
 def test_rng_tracker_splits_streams_across_tp(two_rank_results):
     for results in two_rank_results:
         assert all(results["rng"].values()), results["rng"]
 
 
+@pytest.mark.processes
 def test_recompute_under_tp_and_sp_replays_dropout_exactly(two_rank_results):
     for results in two_rank_results:
         assert max(results["recompute"].values()) < 1e-6, results["recompute"]
 
 
+@pytest.mark.processes
 def test_parallel_linear_gather_and_scatter_options_equal_a_full_linear(two_rank_results):
     for results in two_rank_results:
         assert max(results["linear_options"].values()) < 1e-5, results["linear_options"]
 
 
+@pytest.mark.processes
 def test_kv_cache_decoding_under_tp_equals_full_forward(two_rank_results):
     for results in two_rank_results:
         assert results["kv_cache"] < 1e-5
 
 
+@pytest.mark.processes
 def test_pipeline_hooks_split_the_model_into_stages(two_rank_results):
     assert two_rank_results[1]["pipeline"] < 1e-5
 

@@ -164,6 +164,7 @@ def test_units_read_back_every_line_once(tmp_path, suffix):
 # --- end to end ------------------------------------------------------------------------------------------
 
 
+@pytest.mark.processes
 def test_output_is_megatrons_bytes_whatever_the_cut(tmp_path, caplog):
     texts = [null_text(i) for i in range(400)]
     rows = [{"text": t, "title": t[:9], "id": i} for i, t in enumerate(texts)]
@@ -206,6 +207,7 @@ def test_output_is_megatrons_bytes_whatever_the_cut(tmp_path, caplog):
     assert hit.cache_hit and hit.url == again.url and time.time() - started < 5
 
 
+@pytest.mark.processes
 def test_parquet_artifact_input_matches_jsonl(tmp_path):
     texts = [null_text(i) for i in range(120)]
     store = ArtifactStore(str(tmp_path / "store"))
@@ -255,6 +257,7 @@ def write_lines(path: str, bad: list[int]) -> str:
     return path
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("line", sorted(BAD_LINES))
 def test_a_bad_record_stops_the_run_naming_file_line_and_problem(tmp_path, line):
     path = write_lines(str(tmp_path / "bad.jsonl"), [line])
@@ -264,6 +267,7 @@ def test_a_bad_record_stops_the_run_naming_file_line_and_problem(tmp_path, line)
         run(NULL, path, ArtifactStore(str(tmp_path / "store")))
 
 
+@pytest.mark.processes
 def test_skip_bad_records_counts_them(tmp_path):
     path = write_lines(str(tmp_path / "bad.jsonl"), sorted(BAD_LINES))
     params = dataclasses.replace(NULL, skip_bad_records=True, vocab_size=70000)
@@ -277,6 +281,7 @@ def test_skip_bad_records_counts_them(tmp_path):
     assert [dataset[i].tolist() for i in range(len(dataset))] == [[1, 2, 70000], [6, 70000], [7, 70000]]
 
 
+@pytest.mark.processes
 def test_cli_resumes_after_kill_9_with_identical_bytes(tmp_path, caplog, capsys):
     path = write_jsonl(str(tmp_path / "in.jsonl"), [{"text": null_text(i)} for i in range(3000)])
     out = str(tmp_path / "out" / "corpus")
@@ -329,6 +334,7 @@ def test_cli_resumes_after_kill_9_with_identical_bytes(tmp_path, caplog, capsys)
     assert not os.path.exists(os.path.join(shards, artifact, PARTIALS_DIR))
 
 
+@pytest.mark.processes
 @needs_gpt2
 @pytest.mark.parametrize("split", [False, True])
 def test_gpt2_matches_megatron_per_document_encoding(tmp_path, split):
@@ -386,6 +392,7 @@ def test_empty_input_and_a_remote_store(tmp_path, monkeypatch):
     assert not ref.files(PARTIALS_DIR)
 
 
+@pytest.mark.processes
 def test_an_input_without_documents_warns_or_fails_on_request(tmp_path, caplog, capsys):
     blank = str(tmp_path / "blank.jsonl")
     with open(blank, "w") as f:
@@ -453,6 +460,7 @@ def test_key_depends_on_tokenizer_content_not_paths_or_workers(tmp_path):
     assert a.output_name("text") == "tokens_text_document"
 
 
+@pytest.mark.processes
 def test_a_crash_after_the_merge_is_resumed_without_tokenizing_again(tmp_path, monkeypatch):
     path = write_jsonl(str(tmp_path / "in.jsonl"), [{"text": null_text(i)} for i in range(200)])
     params = dataclasses.replace(NULL, shard_size_mb=500 / 2**20)
@@ -518,6 +526,7 @@ def test_hugging_face_tokenizer_json_with_special_tokens(tmp_path):
         run(dataclasses.replace(params, tokenizer_model=no_eos), path, ArtifactStore(str(tmp_path / "store")))
 
 
+@pytest.mark.processes
 def test_cli_parses_its_flags_without_importing_torch():
     """The command line's tokenizer flags come from the config dataclasses (`megatron_train.config_flags`),
     not from the training engine: no torch import (seconds) before tokenizing."""

@@ -166,6 +166,7 @@ def two_losses_worker(rank: int, world_size: int, argv: list[str]) -> list[dict]
     return read_metrics(argv[argv.index("--save") + 1]) if rank == world_size - 1 else []
 
 
+@pytest.mark.processes
 def test_loop_averages_and_logs_every_key_of_the_loss_dict(tmp_path) -> None:
     argv = tiny_args(
         str(tmp_path), "--mock-data", "--train-iters", "3", "--eval-interval", "2", "--micro-batch-size", "1"
@@ -186,28 +187,29 @@ def _cli(argv: list[str], **popen: object) -> subprocess.Popen:
     return run_entry_point("megatron_train.pretrain_gpt", argv, **popen)
 
 
+@pytest.mark.processes
 def test_cli_mock_data_end_to_end_then_sigkill_and_resume(tmp_path) -> None:
     """`python -m megatron_train.pretrain_gpt --mock-data`: console lines, metrics, TensorBoard, checkpoints;
     a copy killed with SIGKILL mid-run and resumed with --load logs exactly the same losses."""
     reference = str(tmp_path / "reference")
-    argv = ["--mock-data", "--train-iters", "30", "--save-interval", "2", "--hidden-dropout", "0.1"]
+    argv = ["--mock-data", "--train-iters", "10", "--save-interval", "2", "--hidden-dropout", "0.1"]
     proc = _cli([*tiny_args(reference, *argv), "--tensorboard-dir", str(tmp_path / "tb")])
     output, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0, output
     lines = [line for line in output.splitlines() if line.startswith(" iteration")]
     assert [LINE.match(line).group(1, 2, 3, 4) for line in lines] == [
-        (str(i), "30", str(4 * i), "4") for i in range(1, 31)
+        (str(i), "10", str(4 * i), "4") for i in range(1, 11)
     ]
     assert "validation loss at the end of training for test data |" in output
     records = [r for r in read_metrics(reference) if "split" not in r]
-    assert [r["iteration"] for r in records] == list(range(1, 31))
+    assert [r["iteration"] for r in records] == list(range(1, 11))
     assert {"lm loss", "learning rate", "grad norm", "tokens per second", "loss scale"} <= set(records[0])
     assert glob.glob(str(tmp_path / "tb" / "events.out.tfevents.*"))
-    assert read_marker(reference) == 30
+    assert read_marker(reference) == 10
 
     killed = str(tmp_path / "killed")
     sigkill_at_iteration(_cli(tiny_args(killed, *argv)), 5)  # checkpoints at 2 and 4 are on disk
-    assert 4 <= read_marker(killed) < 30
+    assert 4 <= read_marker(killed) < 10
     proc = _cli(tiny_args(killed, *argv))
     output, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0, output
@@ -225,6 +227,7 @@ def test_signal_handler_records_sigterm_and_restores_the_old_handler() -> None:
     assert signal.getsignal(signal.SIGTERM) is before
 
 
+@pytest.mark.processes
 def test_sigterm_with_exit_signal_handler_saves_and_exits(tmp_path) -> None:
     save = str(tmp_path / "run")
     argv = ["--data-path", write_corpus(str(tmp_path)), "--split", "90,10,0", "--train-iters", "100000",
@@ -277,6 +280,7 @@ def _train(records: list[dict]) -> list[float]:
     return [r["lm loss"] for r in records if "split" not in r]
 
 
+@pytest.mark.processes
 def test_loss_falls_on_a_real_bin_idx(single_process_runs) -> None:
     records = single_process_runs["falls"]
     losses = _train(records)
@@ -286,6 +290,7 @@ def test_loss_falls_on_a_real_bin_idx(single_process_runs) -> None:
     assert valid[-1] < losses[0]
 
 
+@pytest.mark.processes
 def test_reproducible_and_exit_interval_resume_is_bitwise(single_process_runs) -> None:
     reference = _train(single_process_runs["first"])
     assert len(reference) == 8 and len(set(reference)) == 8
@@ -299,12 +304,14 @@ def test_reproducible_and_exit_interval_resume_is_bitwise(single_process_runs) -
     assert read_marker(single_process_runs["split-dir"]) == 8
 
 
+@pytest.mark.processes
 def test_grad_accumulation_equals_one_big_micro_batch(single_process_runs) -> None:
     accumulate, big = _train(single_process_runs["accumulate"]), _train(single_process_runs["big"])
     np.testing.assert_allclose(accumulate, big, rtol=1e-5)
     assert len(accumulate) == 4 and accumulate[0] != accumulate[-1]
 
 
+@pytest.mark.processes
 def test_bf16_trains_and_fp16_skips_overflowing_steps(single_process_runs) -> None:
     bf16 = _train(single_process_runs["bf16"])
     assert len(bf16) == 4 and all(np.isfinite(bf16))
@@ -322,6 +329,7 @@ class _OrchestratorCrash(Exception):
     pass
 
 
+@pytest.mark.processes
 def test_pretrain_stage_resumes_after_a_crash_then_hits_the_cache(tmp_path, monkeypatch) -> None:
     """Killed after a checkpoint: the rerun trains from it; killed while moving the finished run into the
     artifact: the rerun finishes the move without training."""
@@ -381,6 +389,7 @@ def test_pretrain_stage_resumes_after_a_crash_then_hits_the_cache(tmp_path, monk
     assert loaded_config.model.hidden_size == 32 and not model.training
 
 
+@pytest.mark.processes
 def test_rampup_batch_size_with_train_samples(single_process_runs) -> None:
     steps = [r for r in single_process_runs["rampup"] if "split" not in r]
     # 2+2+2+2+4 = 12 samples in the ramp (it ends once more than 8 are consumed), then (40 - 12) // 4 = 7

@@ -77,6 +77,7 @@ def layout_losses(layout_runs) -> dict[str, dict[str, list[float]]]:
     }
 
 
+@pytest.mark.processes
 def test_params_norm_and_num_zeros_are_the_whole_models_under_every_layout(layout_runs) -> None:
     """The params norm is equal across layouts of one padding; the zero grad entries are the padded rows' (16 x 32
     at TP=1, 64 x 32 at TP=2) and the odd entry that rounds to exactly 0 (which differs with the summation order)."""
@@ -88,6 +89,7 @@ def test_params_norm_and_num_zeros_are_the_whole_models_under_every_layout(layou
         np.testing.assert_allclose(norms, [r["params norm"] for r in reference], rtol=1e-5, err_msg=name)
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("name", [name for name in LAYOUTS if name != "tp1"])
 def test_use_cpu_initialization_logs_the_same_losses_under_every_layout(layout_losses, name) -> None:
     reference = layout_losses["cpu-init"]["tp1"]
@@ -95,6 +97,7 @@ def test_use_cpu_initialization_logs_the_same_losses_under_every_layout(layout_l
     np.testing.assert_allclose(layout_losses["cpu-init"][name], reference, rtol=1e-5, err_msg=name)
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("name", [name for name in LAYOUTS if name != "tp1"])
 def test_document_attention_masks_log_the_same_losses_under_every_layout(layout_losses, name) -> None:
     reference = layout_losses["documents"]["tp1"]
@@ -103,12 +106,14 @@ def test_document_attention_masks_log_the_same_losses_under_every_layout(layout_
     assert abs(reference[-1] - layout_losses["cpu-init"]["tp1"][-1]) > 1e-4
 
 
+@pytest.mark.processes
 def test_without_cpu_initialization_pipeline_stages_draw_other_weights(layout_losses) -> None:
     """The default keeps Megatron's per-stage seed offset: PP=2 starts from other layers than TP=1."""
     default = layout_losses["default"]
     assert abs(default["pp2"][0] - default["tp1"][0]) > 1e-4
 
 
+@pytest.mark.processes
 def test_checkpoint_saved_at_tp2_continues_at_tp1_with_tp2s_losses(tmp_path) -> None:
     """The padding shrinks from 64 to 16 rows when a TP=2 checkpoint is loaded at TP=1: the losses stay."""
     data = write_corpus(str(tmp_path))
@@ -159,6 +164,7 @@ def _tp2_cross_entropy(
         state.destroy_model_parallel()
 
 
+@pytest.mark.processes
 def test_cross_entropy_under_tp2_with_a_rank_of_only_padding() -> None:
     """TP=2 over 16 columns with 6 real ones: rank 1 holds only padding; the loss equals TP=1's over 6 columns."""
     torch.manual_seed(1)

@@ -109,6 +109,7 @@ def layouts(tmp_path_factory) -> dict[str, dict]:
     return results
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("name", [name for name, case in CASES.items() if case.reference is not None])
 def test_pipeline_layouts_train_like_one_process(layouts, name) -> None:
     case = CASES[name]
@@ -137,11 +138,13 @@ def test_pipeline_layouts_train_like_one_process(layouts, name) -> None:
         )
 
 
+@pytest.mark.processes
 def test_fp16_overflow_skips_steps_on_every_stage(layouts) -> None:
     skipped = _train(layouts["pp2-fp16"]["metrics"], "number of skipped iterations")
     assert skipped[0] == 1 and skipped[-1] == 0
 
 
+@pytest.mark.processes
 def test_pretrain_gpt_pp2_resumes_bitwise(tmp_path) -> None:
     """`pretrain_gpt` at PP=2 (its own random init): a run stopped by --exit-interval and resumed from its
     checkpoint logs the uninterrupted run's losses."""
