@@ -12,9 +12,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from stages import clean, pretrain
 from stages.download import EMBEDDED_CORPUS
 from storage.code_fingerprint import describe_code
+
+pytestmark = pytest.mark.processes  # every test here starts processes
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("storage", "stages", "megatron_train", "retro", "flows")

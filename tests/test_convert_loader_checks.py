@@ -233,6 +233,7 @@ def test_headers_and_metadata_are_bounded_before_they_are_read(sources, tmp_path
     )
 
 
+@pytest.mark.processes
 def test_fuzzed_configs_end_in_a_named_error_or_the_sources_tensors(tmp_path):
     """Three hundred seeded random edits of the sizes, types and signs in config.json, Megatron's args (legacy
     and torch_dist) and our metadata.json, in a subprocess whose address space is capped 1 GiB above what it holds

@@ -182,6 +182,7 @@ FULL_DISK = textwrap.dedent(
 )
 
 
+@pytest.mark.processes
 def test_a_full_disk_is_one_line_per_saver_and_leaves_no_partial_file(checkpoint, tmp_path):
     """RLIMIT_FSIZE in a subprocess makes every writer (safetensors, torch.save, DCP) fail the way a full disk does;
     before, the hf and flow savers raised a raw SafetensorError and torch_dist left a partial __0_0.distcp."""

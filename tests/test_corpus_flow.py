@@ -224,6 +224,7 @@ def test_cli_runs_on_process_pool_and_matches_flow(prefect_api_url, corpus, tmp_
     assert "cache hits: 5/5 stages" in done.stdout and done.stdout.split()[-2:] == ["False", "False"]
 
 
+@pytest.mark.processes
 def test_a_read_only_store_ends_in_one_line_naming_it(corpus, tmp_path, capsys):
     """`make corpus` (and `python -m stages.tokenize`) with a --store that cannot be written: one line, before any
     work and without a Prefect server, naming the store and what to do."""

@@ -4,6 +4,8 @@ import torch.distributed as dist
 
 from tests.helpers.distributed import run_distributed
 
+pytestmark = pytest.mark.processes  # every test here starts processes
+
 
 def _all_reduce_rank(rank: int, world_size: int, scale: float) -> float:
     t = torch.tensor([float(rank) * scale])

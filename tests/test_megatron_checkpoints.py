@@ -22,6 +22,8 @@ from tests.helpers.distributed import run_distributed
 from tests.helpers.generation import one_torch_thread  # noqa: F401 (autouse fixture)
 from tests.helpers.servers import put, serve
 
+pytestmark = pytest.mark.processes  # every test here starts processes
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The tiny GPT on mock data; --vocab-size 127 is NullTokenizer's 128 tokens, so no padding row changes the loss.
 ARGV = [

@@ -268,6 +268,7 @@ def _project_files(ref) -> dict[str, bytes]:
     return {name: Path(ref.local_path(name)).read_bytes() for name in ref.files()}
 
 
+@pytest.mark.processes
 def test_a_changed_retro_index_is_refused_and_rebuild_recovers_it(setup, tmp_path):
     store, refs = _copy_of_store(setup, tmp_path)
     rebuild = store.with_policy(CachePolicy(rebuild=True))
@@ -305,6 +306,7 @@ def test_a_changed_retro_index_is_refused_and_rebuild_recovers_it(setup, tmp_pat
     project_ref.verify()
 
 
+@pytest.mark.processes
 def test_random_byte_flips_in_every_kind_of_committed_file_are_refused(setup, tmp_path):
     """Fuzz: each kind of file the stages commit (Parquet shards, token data, NumPy arrays, JSON, faiss indexes,
     safetensors, vocabularies), a random byte changed: verification names it, every time; the manifest itself

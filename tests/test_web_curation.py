@@ -342,6 +342,7 @@ def _committed(store: Path) -> list[str]:
     ]
 
 
+@pytest.mark.processes
 def test_sigkill_mid_extraction_then_rerun_is_byte_identical(crawl, tmp_path):
     """The clean stage of one page a shard, killed after its first shard; the rerun skips what was committed and
     writes what an uninterrupted run writes."""
@@ -393,6 +394,7 @@ def file_hashes(ref) -> dict:
     return files
 
 
+@pytest.mark.processes
 def test_the_issue_command_runs_warc_to_megatron_token_files(prefect_api_url, crawl, tmp_path):
     """`python -m flows.corpus --download.source 'crawl/*.warc.gz' --clean.url-blocklist domains.txt
     --clean.languages en --clean.decontaminate lambada_test.jsonl`, word for word, in the crawl's folder."""

@@ -23,6 +23,8 @@ from tests.helpers.distributed import free_port, run_distributed
 from tests.helpers.generation import one_torch_thread, save_tiny_checkpoint  # noqa: F401 (autouse fixture)
 from tests.helpers.tiny import tiny_config
 
+pytestmark = pytest.mark.processes  # every test here starts processes
+
 # (TP, PP, checkpoint) on 4 ranks, so TP2 and PP2 also run 2 data-parallel replicas; ours, and Megatron-LM's
 # legacy files of the same weights
 RUNS = [(2, 1, "flow"), (1, 2, "flow"), (2, 2, "flow"), (2, 2, "torch")]
