@@ -359,12 +359,20 @@ def config_to_dict(config: MegatronConfig) -> dict[str, dict[str, Any]]:
     return {name: dataclasses.asdict(getattr(config, name)) for name in SECTIONS}
 
 
+# Settings added after checkpoints were first saved, with the value those checkpoints (which lack them) ran with
+# where it differs from the new default: the MLP's exact GELU before Megatron's bias-GELU fusion (tanh) existed.
+BEFORE_ADDED: dict[str, dict[str, Any]] = {"model": {"bias_gelu_fusion": False}}
+
+
 def config_from_dict(values: dict[str, dict[str, Any]]) -> MegatronConfig:
-    """Inverse of `config_to_dict`; keys this version does not know are ignored, missing ones take defaults."""
+    """Inverse of `config_to_dict`; keys this version does not know are ignored, missing ones take defaults
+    (or, for a setting in BEFORE_ADDED, the value the checkpoint was computed with)."""
     sections = {}
     for name, cls in SECTIONS.items():
         known = {f.name for f in dataclasses.fields(cls)}
-        sections[name] = cls(**{k: v for k, v in values.get(name, {}).items() if k in known})
+        given = values.get(name, {})
+        before = {k: v for k, v in BEFORE_ADDED.get(name, {}).items() if name in values and k not in given}
+        sections[name] = cls(**before, **{k: v for k, v in given.items() if k in known})
     return MegatronConfig(**sections)
 
 

@@ -151,7 +151,7 @@ def test_model_type_must_match_the_source_and_pre_ln_bert_is_refused_by_hf(tmp_p
     assert "Hugging Face BERT is post-LN (train with --post-ln)" in capsys.readouterr().err
     config, model = _our_bert(post_ln=True, bias_gelu_fusion=True)  # Megatron's default: tanh GELU in the MLP
     flow.save(
-        ModelWeights(config, trim_vocab(model.state_dict(), VOCAB), model_type="bert"),
+        ModelWeights(config, trim_vocab(model.state_dict(), VOCAB), family=BERT),
         str(tmp_path / "fused"),
     )
     with pytest.raises(SystemExit):

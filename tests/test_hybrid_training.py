@@ -80,6 +80,7 @@ def continued(tmp_path_factory) -> tuple[str, dict[str, list[float]]]:
     return str(tmp), losses
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("name", [name for name in LAYOUTS if name != "tp1"])
 def test_a_hybrid_model_continues_a_one_process_checkpoint_with_the_same_losses(continued, name) -> None:
     _, losses = continued
@@ -88,6 +89,7 @@ def test_a_hybrid_model_continues_a_one_process_checkpoint_with_the_same_losses(
     np.testing.assert_allclose(losses[name], reference, rtol=1e-5, err_msg=name)
 
 
+@pytest.mark.processes
 def test_a_tp2_checkpoint_loads_at_tp1_with_the_tp1_runs_logits(continued, tmp_path) -> None:
     tmp, _ = continued
     split, config = load_model_for_inference(f"{tmp}/tp2-sp", device="cpu")
@@ -105,6 +107,7 @@ def test_a_tp2_checkpoint_loads_at_tp1_with_the_tp1_runs_logits(continued, tmp_p
         torch.testing.assert_close(offline(tokens), split(tokens))
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("task", ["WIKITEXT103", "LAMBADA"])
 def test_zero_shot_tasks_score_a_hybrid_checkpoint(continued, tmp_path, task) -> None:
     tmp, _ = continued
@@ -121,6 +124,7 @@ def test_zero_shot_tasks_score_a_hybrid_checkpoint(continued, tmp_path, task) ->
         assert metrics["total"] == 1 and metrics["accuracy"] in (0.0, 1.0)
 
 
+@pytest.mark.processes
 def test_a_sigkilled_hybrid_run_resumes_bitwise(tmp_path) -> None:
     data = write_corpus(str(tmp_path))
 

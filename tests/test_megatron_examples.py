@@ -15,12 +15,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from megatron_train import pretrain, pretrain_hybrid, pretrain_mamba
 from megatron_train.arguments import build_parser, parse_args
 from megatron_train.checkpointing import read_latest_iteration
+from megatron_train.legacy_flags import TRAINING_FLAGS
 from megatron_train.tasks import main as tasks_main
 from megatron_train.tasks.finetune.finetune import finetune_config
 from megatron_train.tokenizer.train import train_byte_level_bpe
-from megatron_train.tools import checkpoint_util
+from megatron_train.tools import checkpoint_util, run_hybrid_text_generation_server
 from megatron_train.tools import run_text_generation_server as text_generation_server
 from stages import tokenize as tokenize_stage
 from storage.indexed_dataset import IndexedDatasetBuilder
@@ -350,6 +352,34 @@ def test_preprocess_data_and_checkpoint_util_take_their_old_spellings(tmp_path, 
         ["--load-dir", "a", "--save-dir", "b", "--target-pipeline-paralle-size", "2"]
     )
     assert args.target_pipeline_parallel_size == 2
+
+
+# The Megatron flags of this issue beside the old ones: current in Megatron, missing here before.
+ADDED_FLAGS = (
+    "--embedding-weights-in-fp32", "--no-bias-gelu-fusion", "--use-checkpoint-args", "--log-params-norm",
+    "--log-num-zeros-in-grad", "--dataset-impl", "--data-parallel-sharding-strategy",
+)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "main",
+    [pretrain.main, pretrain_hybrid.main, pretrain_mamba.main, run_hybrid_text_generation_server.main],
+    ids=["pretrain", "pretrain_hybrid", "pretrain_mamba", "run_hybrid_text_generation_server"],
+)
+def test_the_family_entry_points_take_the_old_and_added_flags(main, capsys) -> None:
+    """The generic and hybrid entry points parse with the same parser: they list every old and added flag, and
+    refuse a retired one in one line naming the flag to use."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--help"])
+    assert exit_info.value.code == 0
+    listed = capsys.readouterr().out
+    flags = [legacy.flag for legacy in TRAINING_FLAGS] + list(ADDED_FLAGS)
+    assert [flag for flag in flags if not re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", listed)] == []
+    with pytest.raises(SystemExit):
+        main(["--load", "ckpt", "--batch-size", "8"])
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert error.endswith("error: --batch-size is no longer valid (Megatron retired it): use --micro-batch-size "
+                          "(per rank) and --global-batch-size")  # fmt: skip
 
 
 def _readme_command(entry: str, task: str | None = None) -> list[str]:

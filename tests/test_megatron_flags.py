@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megatron_train.arguments import parse_args
+from megatron_train.arguments import config_from_dict, config_to_dict, parse_args
 from megatron_train.distributed.ddp import DDPConfig, DistributedDataParallel
 from megatron_train.models.config import TransformerConfig
 from megatron_train.models.gpt import GPTModel
@@ -382,10 +382,15 @@ def test_bias_gelu_fusion_is_megatrons_tanh_gelu_and_no_bias_gelu_fusion_the_exa
 
 
 def test_no_bias_gelu_fusion_flag(tmp_path) -> None:
-    assert parse_args(tiny_args(str(tmp_path), "--train-iters", "1")).model.bias_gelu_fusion
+    config = parse_args(tiny_args(str(tmp_path), "--train-iters", "1"))
+    assert config.model.bias_gelu_fusion
     assert not parse_args(
         tiny_args(str(tmp_path), "--train-iters", "1", "--no-bias-gelu-fusion")
     ).model.bias_gelu_fusion
+    saved = config_to_dict(config)
+    assert config_from_dict(saved).model.bias_gelu_fusion
+    del saved["model"]["bias_gelu_fusion"]  # a checkpoint saved before the flag: its MLP ran the exact GELU
+    assert config_from_dict(saved).model.gelu_approximate == "none"
 
 
 def test_num_zeros_and_params_norm_follow_the_grad_norm_in_megatrons_line() -> None:

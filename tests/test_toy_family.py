@@ -24,6 +24,7 @@ from tests.helpers.toy_family import TOY
 from tests.helpers.training import ROOT, read_metrics, tiny_args, write_corpus
 
 SPEC = "tests.helpers.toy_family:TOY"
+pytestmark = pytest.mark.processes  # every test here uses the torchrun-trained checkpoint
 
 
 @pytest.fixture(scope="module")
