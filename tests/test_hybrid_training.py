@@ -138,6 +138,7 @@ def test_a_sigkilled_hybrid_run_resumes_bitwise(tmp_path) -> None:
     assert len(reference) == 8
 
 
+@pytest.mark.processes  # the script runs under bash with a stand-in torchrun
 def test_every_flag_of_megatrons_mamba_examples_is_known(tmp_path) -> None:
     train = example_argv("mamba_train.sh", tmp_path, "data_text_document", "tokenizer.model",
                          entry="../../pretrain_hybrid.py")  # fmt: skip
@@ -155,6 +156,7 @@ def test_every_flag_of_megatrons_mamba_examples_is_known(tmp_path) -> None:
     assert (args.load, args.hybrid_layer_pattern.count("*"), args.seed) == ("ckpt", 4, 42)
 
 
+@pytest.mark.processes  # the script runs under bash with a stand-in torchrun
 def test_megatrons_mamba_example_trains_tiny_under_pretrain_mamba(tmp_path) -> None:
     """examples/mamba/train.sh with its sizes shrunk (and the tokenizer, data and batch to this machine's): every
     other flag as the script passes it."""

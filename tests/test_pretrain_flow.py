@@ -55,6 +55,7 @@ def test_each_model_launches_its_entry_point():
         "gpt": "megatron_train.pretrain_gpt",
         "bert": "megatron_train.pretrain_bert",
         "t5": "megatron_train.pretrain_t5",
+        "hybrid": "megatron_train.pretrain_hybrid",
     }
     with pytest.raises(ValueError, match="model family 'bart' is neither one of this project's"):
         params_from_argv(TINY_BERT, model="bart")
