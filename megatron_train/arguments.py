@@ -74,7 +74,6 @@ ACCEPTED_FLAG_NOTES: dict[str, str] = {
     "create_attention_mask_in_dataloader": "the data loader never builds attention masks (attention is causal)",
     "mmap_bin_files": ".bin files are always memory-mapped (read-only, nothing is loaded up front)",
     "ckpt_format": "checkpoints are always the run-directory format that reshards across TP/PP/DP",
-    "context_parallel_size": "context parallel size 1 is no context parallelism",
     "spec": "the model family builds its own layers (Megatron-Core's local spec names); no spec is imported",
     "log_throughput": "every log line already carries 'throughput per GPU (TFLOP/s/GPU)'",
     "use_pytorch_profiler": "--profile always uses torch's profiler here",
@@ -280,11 +279,7 @@ def validate_config(config: MegatronConfig, world_size: int) -> None:
             "--overlap-param-gather overlaps the distributed optimizer's param all-gather: it needs "
             "--use-distributed-optimizer and --overlap-grad-reduce (as in Megatron)"
         )
-    if config.compat.context_parallel_size != 1:
-        raise ValueError(
-            f"--context-parallel-size {config.compat.context_parallel_size}: context parallelism is not "
-            "implemented here; use --context-parallel-size 1 (or drop the flag)"
-        )
+    validate_context_parallel(config)
     logging_config = config.logging
     if logging_config.profile and logging_config.profile_step_end <= logging_config.profile_step_start:
         raise ValueError(
@@ -295,6 +290,40 @@ def validate_config(config: MegatronConfig, world_size: int) -> None:
         raise ValueError(f"--manual-gc-interval must be >= 0, got {training.manual_gc_interval}")
     if config.model.seq_length is None:
         raise ValueError("set --seq-length")
+
+
+def validate_context_parallel(config: MegatronConfig) -> None:
+    """What --context-parallel-size needs (as Megatron): the sequence cut into 2 x CP equal chunks (each a multiple
+    of TP under sequence parallelism), no attention dropout (the ring's blocks draw no masks here), no
+    flash-attn kernel (the ring computes its blocks itself) and --cp-comm-type a2a's heads split evenly."""
+    cp, model = config.parallel.context_parallel_size, config.model
+    if cp == 1:
+        return
+    tp = config.parallel.tensor_model_parallel_size
+    multiple = 2 * cp * (tp if config.parallel.sequence_parallel else 1)
+    if model.seq_length % multiple:
+        split = f" x --tensor-model-parallel-size {tp} (--sequence-parallel)" if multiple != 2 * cp else ""
+        raise ValueError(
+            f"--seq-length {model.seq_length} is not divisible by 2 x --context-parallel-size {cp}{split} = "
+            f"{multiple}: each sequence is cut into {2 * cp} equal chunks (causal load balance); change the "
+            "sequence length or the parallel sizes"
+        )
+    if model.attention_dropout > 0:
+        raise ValueError(
+            f"--context-parallel-size {cp} needs --attention-dropout 0 (got {model.attention_dropout}): the "
+            "ring attention here computes its blocks without dropout"
+        )
+    if model.use_flash_attn:
+        raise ValueError(
+            f"--use-flash-attn with --context-parallel-size {cp}: context-parallel attention computes its blocks "
+            "itself; drop --use-flash-attn"
+        )
+    groups = model.num_query_groups_effective // tp
+    if model.cp_comm_type == "a2a" and groups % cp:
+        raise ValueError(
+            f"--cp-comm-type a2a splits each tensor-parallel rank's {groups} key/value heads over "
+            f"--context-parallel-size {cp}, which does not divide them; use --cp-comm-type p2p or all_gather"
+        )
 
 
 def validate_step_batch_size_schedule(config: MegatronConfig) -> None:
@@ -321,7 +350,10 @@ def validate_pipeline_parallel(config: MegatronConfig, data_parallel_size: int) 
     interleaved schedule runs micro-batches in groups of --pipeline-model-parallel-size."""
     parallel, training = config.parallel, config.training
     pp = parallel.pipeline_model_parallel_size
-    parallel.check_num_layers(config.model.num_layers)
+    model = config.model
+    parallel.check_num_layers(
+        model.num_layers, model.num_layers_in_first_pipeline_stage, model.num_layers_in_last_pipeline_stage
+    )
     if pp > 1 and training.ddp_impl != "local":
         raise ValueError(
             "--pipeline-model-parallel-size > 1 needs --ddp-impl local: torch's DDP decides at forward time "

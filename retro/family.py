@@ -363,7 +363,13 @@ RETRO = ModelFamily(
     model_class=RetroModel,
     model_options=retro_model_options,
     terms=retro_terms,
-    layouts=Layouts(ALL_DIMENSIONS),
+    layouts=Layouts(
+        ALL_DIMENSIONS - {"context"},
+        {
+            "context": "Retro's chunked cross-attention needs every chunk of the sequence on one rank (Megatron's "
+            "Retro has no context parallelism); use tensor and sequence parallelism"
+        },
+    ),
     pipeline=DECODER_PIPELINE,
     forward_step=functools.partial(forward_step, inputs=("neighbor_tokens", "document_ids")),
     datasets_provider=datasets_provider,

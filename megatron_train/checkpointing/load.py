@@ -151,10 +151,14 @@ def load_checkpoint(
         )
     check_compatible(metadata, config, padded_vocab_size, iteration_dir)
     tp_size, tp_rank = state.get_tensor_model_parallel_world_size(), state.get_tensor_model_parallel_rank()
-    saved_layout = (saved.tp_size, saved.pp_size)
-    our_layout = (tp_size, state.get_pipeline_model_parallel_world_size())
+    saved_layout = (saved.tp_size, saved.pp_size, metadata.get("context_parallel_size", 1))
+    our_layout = (
+        tp_size,
+        state.get_pipeline_model_parallel_world_size(),
+        state.get_context_parallel_world_size(),
+    )
     if saved_layout != our_layout and global_rank() == 0:
-        logger.info("resharding %s from (TP, PP) = %s to %s", iteration_dir, saved_layout, our_layout)
+        logger.info("resharding %s from (TP, PP, CP) = %s to %s", iteration_dir, saved_layout, our_layout)
     names = global_names(model, config)
     model = stage_module(model)
     load_model_weights(model, saved, names, padded_vocab_size, tp_size, tp_rank)

@@ -1,6 +1,6 @@
 """Every rank's random states in a checkpoint: python, numpy, torch CPU and CUDA, and the model-parallel tracker.
 
-They are per rank, so they load only under the (TP, PP) layout that saved them, as in Megatron: a resumed run
+They are per rank, so they load only under the (TP, PP, CP) layout that saved them, as in Megatron: a resumed run
 then draws the dropout masks the uninterrupted run would have drawn (docs/architecture.md, reproducibility).
 """
 
@@ -80,14 +80,14 @@ def save_rng_state(iteration_dir: str) -> dict[str, FileRecord]:
 
 
 def load_rng_state(
-    files: CheckpointFiles, metadata: dict, saved_layout: tuple[int, int], our_layout: tuple[int, int]
+    files: CheckpointFiles, metadata: dict, saved_layout: tuple[int, ...], our_layout: tuple[int, ...]
 ) -> None:
-    """This rank's RNG states; skipped (as --no-load-rng) when (TP, PP) changed, as Megatron does: another
+    """This rank's RNG states; skipped (as --no-load-rng) when (TP, PP, CP) changed, as Megatron does: another
     layout's per-rank streams mean nothing here."""
     if saved_layout != our_layout:
         if global_rank() == 0:
             logger.warning(
-                "(TP, PP) changed from %s to %s: RNG states are per rank and do not carry over, so they are "
+                "(TP, PP, CP) changed from %s to %s: RNG states are per rank and do not carry over, so they are "
                 "not loaded (as --no-load-rng); dropout continues from this run's --seed",
                 saved_layout,
                 our_layout,

@@ -162,7 +162,7 @@ def save_checkpoint(
         if optimizer is not None and not config.checkpoint.no_save_optim:
             # every DP rank asks: a distributed optimizer gathers its shards into per-param tensors here
             optimizer_state = rename_optimizer_state(*optimizer.state_dict(), names)
-        if state.get_data_parallel_rank() == 0:
+        if state.get_data_parallel_rank(with_context_parallel=True) == 0:
             weights = {
                 names[local]: tensor for local, tensor in module.state_dict().items() if local in names
             }
@@ -231,6 +231,7 @@ def _metadata(
         # informative only: loading does not depend on it
         "virtual_pipeline_model_parallel_size": state.get_virtual_pipeline_model_parallel_world_size(),
         "data_parallel_size": state.get_data_parallel_world_size(),
+        "context_parallel_size": state.get_context_parallel_world_size(),
         "opt_param_scheduler": opt_param_scheduler.state_dict() if opt_param_scheduler is not None else None,
         "args": config_to_dict(config),
     }

@@ -135,7 +135,13 @@ BERT = ModelFamily(
     model_class=BertModel,
     model_options=bert_model_options,
     terms=bert_terms,
-    layouts=Layouts(ALL_DIMENSIONS),
+    layouts=Layouts(
+        ALL_DIMENSIONS - {"context"},
+        {
+            "context": "BERT's attention is bidirectional over padding, and context parallelism splits causal "
+            "attention only (Megatron's pretrain_bert has none either); use tensor and sequence parallelism"
+        },
+    ),
     pipeline=ENCODER_PIPELINE,
     forward_step=forward_step,
     datasets_provider=datasets_provider,

@@ -70,6 +70,7 @@ PARALLEL_DIMENSIONS = (
     ParallelDimension(
         "pipeline", "--pipeline-model-parallel-size", lambda c: c.parallel.pipeline_model_parallel_size
     ),
+    ParallelDimension("context", "--context-parallel-size", lambda c: c.parallel.context_parallel_size),
     ParallelDimension(
         "virtual pipeline",
         "--num-layers-per-virtual-pipeline-stage",
@@ -103,8 +104,17 @@ class Layouts:
 def uniform_layer_range(
     model: TransformerConfig, pp_rank: int, pp_size: int, vp_rank: int = 0, vp_size: int | None = None
 ) -> range:
-    """Megatron's split: every pipeline stage (virtual stage) holds as many consecutive layers as the others."""
-    return get_layer_range(model.num_layers, pp_rank, pp_size, vp_rank, vp_size)
+    """Megatron's split: every pipeline stage (virtual stage) holds as many consecutive layers as the others, but
+    the first and last stages where --num-layers-in-first/last-pipeline-stage fix theirs."""
+    return get_layer_range(
+        model.num_layers,
+        pp_rank,
+        pp_size,
+        vp_rank,
+        vp_size,
+        model.num_layers_in_first_pipeline_stage,
+        model.num_layers_in_last_pipeline_stage,
+    )
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,9 @@ from megatron_train.models.hf_gpt import (
     export_gpt,
 )
 from megatron_train.models.terms import ModelTerms, embedding_terms, layer_stack_terms, output_layer_terms
+from megatron_train.parallel.context_parallel import slice_batch
 from megatron_train.parallel.schedules import LossFunc
+from megatron_train.parallel.state import process_groups
 from megatron_train.tokenizer import MegatronTokenizer
 from megatron_train.training.loop import get_batch
 from megatron_train.training.per_token_loss import language_model_loss
@@ -47,12 +49,14 @@ def forward_step(
 ) -> tuple[torch.Tensor, LossFunc]:
     """Megatron's GPT forward step: per-token losses [b, s] on the last pipeline stage (hidden states [s, b, h]
     elsewhere, the input coming from the previous stage), and the loss function for them. `inputs`: the batch's
-    optional entries the model takes when present (--reset-attention-mask and packed SFT's document ids)."""
-    batch = get_batch(data_iterator, get_device())
+    optional entries the model takes when present (--reset-attention-mask and packed SFT's document ids). Under
+    context parallelism each rank takes its chunks of the sequence and the loss is the whole sequence's."""
+    cp_group = process_groups().cp
+    batch = slice_batch(get_batch(data_iterator, get_device()), cp_group)
     extra = {key: batch[key] for key in inputs if key in batch}
     output_tensor = model(batch["tokens"], batch["position_ids"], labels=batch["labels"], **extra)
     return output_tensor, functools.partial(
-        language_model_loss, batch["loss_mask"], per_token_loss=per_token_loss
+        language_model_loss, batch["loss_mask"], per_token_loss=per_token_loss, cp_group=cp_group
     )
 
 

@@ -19,6 +19,8 @@ Normalization = Literal["LayerNorm", "RMSNorm"]
 ActivationFunc = Literal["gelu", "relu"]
 RecomputeGranularity = Literal["full", "selective"]
 RecomputeMethod = Literal["uniform", "block"]
+# --cp-comm-type: ring (p2p), all-gathered keys and values (Megatron spells it allgather), or all-to-all (a2a).
+CPCommType = Literal["p2p", "all_gather", "allgather", "a2a"]
 
 
 @dataclass
@@ -36,6 +38,20 @@ class TransformerConfig:
         default=None,
         kw_only=True,
         metadata={"help": "Number of transformer layers (T5: the encoder's; default --encoder-num-layers)."},
+    )
+    num_layers_in_first_pipeline_stage: int | None = field(
+        default=None,
+        kw_only=True,
+        metadata={
+            "help": "Layers of the first pipeline stage (uneven split); the other stages share the rest."
+        },
+    )
+    num_layers_in_last_pipeline_stage: int | None = field(
+        default=None,
+        kw_only=True,
+        metadata={
+            "help": "Layers of the last pipeline stage (uneven split); the other stages share the rest."
+        },
     )
     hidden_size: int = field(metadata={"help": "Transformer hidden size."})
     num_attention_heads: int = field(metadata={"help": "Number of attention heads."})
@@ -163,6 +179,14 @@ class TransformerConfig:
         default=False,
         metadata={"help": "Use flash-attn's kernel (CUDA, fp16/bf16; errors where unavailable)."},
     )
+    cp_comm_type: CPCommType = field(
+        default="p2p",
+        metadata={
+            "help": "How attention reaches the keys and values of the other --context-parallel-size ranks: p2p "
+            "(ring: blocks passed around with overlapped isend/irecv), all_gather (allgather) or a2a (heads "
+            "exchanged for the whole sequence)."
+        },
+    )
     recompute_granularity: RecomputeGranularity | None = field(
         default=None,
         metadata={
@@ -253,6 +277,8 @@ class TransformerConfig:
             raise ValueError("set --num-layers (T5: or --encoder-num-layers)")
         if self.recompute_activations:
             self.recompute_granularity = "selective"
+        if self.cp_comm_type == "allgather":  # Megatron's spelling
+            self.cp_comm_type = "all_gather"
         if self.kv_channels is None:
             if self.hidden_size % self.num_attention_heads:
                 raise ValueError(
@@ -283,6 +309,15 @@ class TransformerConfig:
             (
                 self.recompute_granularity in (None, *get_args(RecomputeGranularity)),
                 f"--recompute-granularity must be 'full' or 'selective', got {self.recompute_granularity!r}",
+            ),
+            (
+                self.cp_comm_type in get_args(CPCommType),
+                f"--cp-comm-type must be p2p, all_gather (allgather) or a2a, got {self.cp_comm_type!r}"
+                + (
+                    "; a2a+p2p (hierarchical context parallelism) is not implemented"
+                    if "+" in self.cp_comm_type
+                    else ""
+                ),
             ),
             (
                 self.recompute_method in (None, *get_args(RecomputeMethod)),

@@ -20,10 +20,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_train.models.config import TransformerConfig
+from megatron_train.models.context_attention import ContextParallelDocuments, context_parallel_attention
 from megatron_train.models.kv_cache import KVCache
 from megatron_train.models.norms import build_norm
 from megatron_train.models.rotary import apply_rotary_pos_emb
 from megatron_train.parallel import state
+from megatron_train.parallel.config import pipeline_stage_layer_counts
 from megatron_train.parallel.layers import ColumnParallelLinear, RowParallelLinear, divide
 from megatron_train.parallel.random import checkpoint, get_rng_tracker, initialization_stream
 
@@ -75,20 +77,24 @@ def get_layer_range(
     pipeline_size: int = 1,
     virtual_rank: int = 0,
     virtual_size: int | None = None,
+    first: int | None = None,
+    last: int | None = None,
 ) -> range:
     """Global indices of the layers one pipeline stage (model chunk, when interleaved) holds.
 
-    Megatron's interleaved order: chunk v of stage p holds layers starting at
-    v * num_layers / virtual_size + p * layers_per_chunk.
+    Stage p holds `pipeline_stage_layer_counts` [p] layers after those of the stages before it. Interleaved,
+    each stage's layers split into `virtual_size` equal chunks in Megatron's order: chunk v of stage p starts at
+    v * num_layers / virtual_size plus the chunk-sized shares of the stages before p.
     """
-    chunks = pipeline_size * (virtual_size or 1)
-    if num_layers % chunks:
+    counts = pipeline_stage_layer_counts(num_layers, pipeline_size, first, last)
+    chunks = virtual_size or 1
+    if any(count % chunks for count in counts):
         raise ValueError(
             f"--num-layers {num_layers} is not divisible by --pipeline-model-parallel-size {pipeline_size}"
             + (f" x {virtual_size} virtual stages" if virtual_size else "")
         )
-    per_chunk = num_layers // chunks
-    start = virtual_rank * (num_layers // (virtual_size or 1)) + pipeline_rank * per_chunk
+    per_chunk = counts[pipeline_rank] // chunks
+    start = virtual_rank * (num_layers // chunks) + sum(count // chunks for count in counts[:pipeline_rank])
     return range(start, start + per_chunk)
 
 
@@ -103,7 +109,9 @@ def document_causal_mask(document_ids: torch.Tensor) -> torch.Tensor:
 
 
 class CoreAttention(nn.Module):
-    """softmax(q k^T / sqrt(d) + mask) v, by flash-attn or torch's scaled_dot_product_attention.
+    """softmax(q k^T / sqrt(d) + mask) v, by flash-attn or torch's scaled_dot_product_attention; over a sequence
+    split across `cp_group` (context parallelism), by `models.context_attention` (--cp-comm-type), causal, its
+    `attention_mask` then None or the whole sequence's documents (`ContextParallelDocuments`).
 
     Causal by default; with an `attention_mask` (bool, True where a key may be attended: [b, 1, 1, s_k], BERT's
     padding mask, bidirectional over the unmasked keys; or [b, 1, s_q, s_k], e.g. `document_causal_mask`)
@@ -115,17 +123,38 @@ class CoreAttention(nn.Module):
     bottom-right. Returns the context in the model's layout [s_q, b, heads * d].
     """
 
-    def __init__(self, config: TransformerConfig, sequence_parallel: bool, causal: bool = True) -> None:
+    def __init__(
+        self,
+        config: TransformerConfig,
+        sequence_parallel: bool,
+        causal: bool = True,
+        cp_group: dist.ProcessGroup | None = None,
+    ) -> None:
         super().__init__()
         self.causal = causal
         self.dropout_p = config.attention_dropout
         # Under sequence parallelism the whole block already runs on the tracked RNG stream.
         self.fork_rng = not sequence_parallel
         self.flash_attn_func = _load_flash_attn() if config.use_flash_attn else None
+        self.cp_group = cp_group if state.group_size(cp_group) > 1 else None
+        self.cp_comm_type = config.cp_comm_type
+        if self.cp_group is not None and (self.dropout_p > 0 or not causal):
+            raise ValueError(
+                "context parallelism splits causal self-attention without dropout: pass --attention-dropout 0"
+                if causal
+                else "context parallelism splits causal self-attention only, not this attention"
+            )
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attention_mask: torch.Tensor | None = None
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        attention_mask: torch.Tensor | ContextParallelDocuments | None = None,
     ) -> torch.Tensor:
+        if self.cp_group is not None:
+            context = context_parallel_attention(q, k, v, self.cp_group, self.cp_comm_type, attention_mask)
+            return context.reshape(*context.shape[:2], -1)
         dropout_p = self.dropout_p if self.training else 0.0
         rng = get_rng_tracker().fork() if dropout_p > 0 and self.fork_rng else contextlib.nullcontext()
         with rng:
@@ -203,7 +232,7 @@ def attention_output_projection(
 
 class SelfAttention(nn.Module):
     """Self-attention with this TP rank's query groups (causal, or over `attention_mask`); optional RoPE and KV
-    cache. The heads are split over `tp_group`."""
+    cache. The heads are split over `tp_group`, the sequence over `cp_group` (context parallelism)."""
 
     def __init__(
         self,
@@ -211,6 +240,7 @@ class SelfAttention(nn.Module):
         layer_index: int,
         sequence_parallel: bool,
         tp_group: dist.ProcessGroup | None = None,
+        cp_group: dist.ProcessGroup | None = None,
     ) -> None:
         super().__init__()
         world_size = state.group_size(state.tensor_group_or_default(tp_group))
@@ -231,7 +261,7 @@ class SelfAttention(nn.Module):
             params_dtype=config.params_dtype,
             tp_group=tp_group,
         )
-        self.core_attention = CoreAttention(config, sequence_parallel)
+        self.core_attention = CoreAttention(config, sequence_parallel, cp_group=cp_group)
         self.linear_proj = attention_output_projection(config, sequence_parallel, tp_group)
 
     def forward(
@@ -251,6 +281,8 @@ class SelfAttention(nn.Module):
             q, k = apply_rotary_pos_emb(q, *rotary), apply_rotary_pos_emb(k, *rotary)
         q, k, v = (t.transpose(0, 1) for t in (q, k, v))  # [b, s, heads, d]: the layout both kernels take
         if kv_cache is not None:
+            if self.core_attention.cp_group is not None:
+                raise ValueError("a KV cache (generation) runs without context parallelism")
             k, v = kv_cache.update(self.layer_index, k, v)
         if self.recompute_core_attention and self.training and torch.is_grad_enabled():
             context = checkpoint(self.core_attention, q, k, v, attention_mask)
@@ -322,12 +354,13 @@ class TransformerLayer(nn.Module):
         sequence_parallel: bool,
         cross_attention: nn.Module | None = None,
         tp_group: dist.ProcessGroup | None = None,
+        cp_group: dist.ProcessGroup | None = None,
     ) -> None:
         super().__init__()
         self.post_ln = config.post_ln
         if not self.post_ln:
             self.input_layernorm = build_norm(config, sequence_parallel)
-        self.self_attention = SelfAttention(config, layer_index, sequence_parallel, tp_group)
+        self.self_attention = SelfAttention(config, layer_index, sequence_parallel, tp_group, cp_group)
         if self.post_ln:
             self.post_attention_layernorm = build_norm(config, sequence_parallel)
         self.cross_attention = cross_attention
@@ -401,13 +434,17 @@ class TransformerBlock(nn.Module):
             state.group_size(pg_collection.pp),
             vp_stage,
             state.get_virtual_pipeline_model_parallel_world_size(),
+            config.num_layers_in_first_pipeline_stage,
+            config.num_layers_in_last_pipeline_stage,
         )
         layers = []
         for index, global_index in enumerate(self.layer_range):
             with initialization_stream(init_seed, first_init_stream + global_index):
                 cross_attention = cross_attention_for(global_index) if cross_attention_for else None
                 layers.append(
-                    TransformerLayer(config, index, sequence_parallel, cross_attention, pg_collection.tp)
+                    TransformerLayer(
+                        config, index, sequence_parallel, cross_attention, pg_collection.tp, pg_collection.cp
+                    )
                 )
         self.layers = nn.ModuleList(layers)
         self.final_layernorm = (

@@ -54,7 +54,9 @@ def get_forward_backward_func() -> Callable[..., list[dict[str, Any]]]:
 def pipeline_tensor_shape(
     seq_length: int, micro_batch_size: int, hidden_size: int, sequence_parallel: bool = False
 ) -> tuple[int, int, int]:
-    """[seq, micro_batch, hidden] exchanged between stages; sequence parallel leaves seq / TP on each rank."""
+    """[seq, micro_batch, hidden] exchanged between stages; context parallelism leaves seq / CP on each rank,
+    sequence parallel a further 1 / TP of that."""
+    seq_length //= state.get_context_parallel_world_size()
     if sequence_parallel:
         tp_size = state.get_tensor_model_parallel_world_size()
         if seq_length % tp_size:

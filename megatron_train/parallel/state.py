@@ -1,8 +1,13 @@
-"""Process groups for tensor, data and pipeline parallelism, in Megatron's rank order.
+"""Process groups for tensor, context, data and pipeline parallelism, in Megatron's rank order.
 
-Ranks are laid out with tensor parallel fastest, then data parallel, then pipeline parallel:
+Ranks are laid out as Megatron-Core's `RankGenerator` lays them out for its default order "tp-cp-ep-dp-pp":
+tensor parallel fastest, then context, then data, then pipeline parallel. Without context parallelism,
 global rank = pp_rank * (DP * TP) + dp_rank * TP + tp_rank. Example (Megatron's), 16 ranks, TP=2, PP=4:
 TP groups [0, 1], [2, 3], ...; DP groups [0, 2], [1, 3], [4, 6], ...; PP groups [0, 4, 8, 12], [1, 5, 9, 13], ...
+With CP=2, TP=2 on 8 ranks: CP groups [0, 2], [1, 3], [4, 6], [5, 7]; DP groups [0, 4], [1, 5], ...; the ranks of
+one CP group hold the same weights and different parts of each sequence, so gradients are reduced (and the
+distributed optimizer shards) over data x context parallel (`data_with_context`: [0, 2, 4, 6], [1, 3, 5, 7]),
+while the data loader splits samples over data parallel alone.
 
 Before `initialize_model_parallel` (or with torch.distributed uninitialised) every size is 1 and
 every rank 0, so single-process code runs unchanged; asking for a group then raises.
@@ -15,10 +20,50 @@ and the cross entropy; a layer given no group takes this state's (`tensor_group_
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch.distributed as dist
+
+ORDER = "tp-cp-ep-dp-pp"  # Megatron-Core's default --order
+
+
+def masked_rank_groups(sizes: list[int], mask: list[bool]) -> list[list[int]]:
+    """The groups of ranks that differ only along the dimensions `mask` selects (Megatron-Core's
+    `generate_masked_orthogonal_rank_groups`): `sizes` lists each dimension's size, fastest first, so that
+    global rank = sum(index_d * prod(sizes before d)). Groups are ordered by the indices of the other
+    dimensions (fastest first), ranks within a group by the selected indices (fastest first)."""
+    strides = [math.prod(sizes[:d]) for d in range(len(sizes))]
+    selected = [d for d, on in enumerate(mask) if on]
+    others = [d for d, on in enumerate(mask) if not on]
+
+    def positions(dims: list[int]) -> list[int]:
+        """Offsets of every index combination of `dims` (the first dimension fastest)."""
+        offsets = [0]
+        for d in dims:
+            offsets = [offset + i * strides[d] for i in range(sizes[d]) for offset in offsets]
+        return offsets
+
+    return [[base + inner for inner in positions(selected)] for base in positions(others)]
+
+
+@dataclass(frozen=True)
+class RankGenerator:
+    """Megatron-Core's RankGenerator: the rank groups of any combination of parallel dimensions (`tp`, `cp`, `ep`,
+    `dp`, `pp`) of one layout, in `ORDER`."""
+
+    tp: int
+    cp: int
+    ep: int
+    dp: int
+    pp: int
+
+    def ranks(self, token: str) -> list[list[int]]:
+        """The groups of the dimensions in `token` ("tp", "tp-ep", "tp-cp-dp", ...)."""
+        names = ORDER.split("-")
+        sizes = [getattr(self, name) for name in names]
+        return masked_rank_groups(sizes, [name in token.split("-") for name in names])
 
 
 @dataclass(frozen=True)
@@ -30,30 +75,38 @@ class RankGroups:
     pipeline: list[list[int]]
     model: list[list[int]]  # TP x PP: all ranks holding one full model replica
     embedding: list[list[int]]  # first and last pipeline stage: they share the tied word embedding
+    context: list[list[int]]  # CP: the ranks splitting one sequence
+    data_with_context: list[list[int]]  # DP x CP: the ranks whose gradients are reduced together
+    tensor_and_context: list[list[int]]  # TP x CP: the tokens of one micro-batch
 
 
-def build_rank_groups(world_size: int, tensor_size: int, pipeline_size: int) -> RankGroups:
+def build_rank_groups(
+    world_size: int, tensor_size: int, pipeline_size: int, context_size: int = 1
+) -> RankGroups:
     """Partition `world_size` ranks into groups; raises when the sizes do not divide the world."""
-    if tensor_size < 1 or pipeline_size < 1 or world_size % (tensor_size * pipeline_size):
+    dense = tensor_size * context_size * pipeline_size
+    if min(tensor_size, pipeline_size, context_size) < 1 or world_size % dense:
+        context = f" x context-parallel-size {context_size}" if context_size != 1 else ""
         raise ValueError(
-            f"world size {world_size} is not divisible by tensor-model-parallel-size {tensor_size} x "
-            f"pipeline-model-parallel-size {pipeline_size}; launch a multiple of {tensor_size * pipeline_size} "
-            "processes or change the parallel sizes"
+            f"world size {world_size} is not divisible by tensor-model-parallel-size {tensor_size}{context} x "
+            f"pipeline-model-parallel-size {pipeline_size}; launch a multiple of {dense} processes or change the "
+            "parallel sizes"
         )
-    data_size = world_size // (tensor_size * pipeline_size)
-
-    def rank(pp: int, dp: int, tp: int) -> int:
-        return pp * data_size * tensor_size + dp * tensor_size + tp
-
-    pp_range, dp_range, tp_range = range(pipeline_size), range(data_size), range(tensor_size)
-    pipeline = [[rank(pp, dp, tp) for pp in pp_range] for dp in dp_range for tp in tp_range]
+    layers = RankGenerator(tensor_size, context_size, 1, world_size // dense, pipeline_size)
+    pipeline = layers.ranks("pp")
     return RankGroups(
-        tensor=[[rank(pp, dp, tp) for tp in tp_range] for pp in pp_range for dp in dp_range],
-        data=[[rank(pp, dp, tp) for dp in dp_range] for pp in pp_range for tp in tp_range],
+        tensor=layers.ranks("tp"),
+        data=layers.ranks("dp"),
         pipeline=pipeline,
-        model=[[rank(pp, dp, tp) for pp in pp_range for tp in tp_range] for dp in dp_range],
+        model=layers.ranks("tp-pp"),
         embedding=[sorted({ranks[0], ranks[-1]}) for ranks in pipeline],
+        context=layers.ranks("cp"),
+        data_with_context=layers.ranks("cp-dp"),
+        tensor_and_context=layers.ranks("tp-cp"),
     )
+
+
+GROUP_KINDS = tuple(RankGroups.__dataclass_fields__)
 
 
 @dataclass
@@ -69,16 +122,19 @@ _STATE: _ParallelState | None = None
 @dataclass(frozen=True)
 class ProcessGroupCollection:
     """The process groups a model communicates over (Megatron-Core's ProcessGroupCollection): tensor parallel
-    (`tp`), pipeline (`pp`), data parallel (`dp`), model parallel (`mp`: TP x PP) and the tied embedding's first
-    and last stage (`embd`). None: no group, this process alone (a model built without process groups). A new
-    parallel dimension adds its groups here (context parallel, expert parallel and its data-parallel group), made
-    by `initialize_model_parallel` and handed to the layers that use them the same way."""
+    (`tp`), pipeline (`pp`), data parallel (`dp`), model parallel (`mp`: TP x PP), the tied embedding's first
+    and last stage (`embd`), context parallel (`cp`) and data x context parallel (`dp_cp`: gradients). None: no
+    group, this process alone (a model built without process groups). A new parallel dimension adds its groups here
+    (expert parallel and its data-parallel group), made by `initialize_model_parallel` and handed to the layers
+    that use them the same way."""
 
     tp: dist.ProcessGroup | None = None
     pp: dist.ProcessGroup | None = None
     dp: dist.ProcessGroup | None = None
     mp: dist.ProcessGroup | None = None
     embd: dist.ProcessGroup | None = None
+    cp: dist.ProcessGroup | None = None
+    dp_cp: dist.ProcessGroup | None = None
 
 
 def process_groups() -> ProcessGroupCollection:
@@ -93,6 +149,8 @@ def process_groups() -> ProcessGroupCollection:
         dp=groups["data"],
         mp=groups["model"],
         embd=groups.get("embedding"),  # only the first and last pipeline stages are in one
+        cp=groups["context"],
+        dp_cp=groups["data_with_context"],
     )
 
 
@@ -117,6 +175,7 @@ def initialize_model_parallel(
     tensor_model_parallel_size: int = 1,
     pipeline_model_parallel_size: int = 1,
     virtual_pipeline_model_parallel_size: int | None = None,
+    context_parallel_size: int = 1,
 ) -> None:
     """Create every process group; all ranks must call this together after `dist.init_process_group`."""
     global _STATE
@@ -128,12 +187,12 @@ def initialize_model_parallel(
     if _STATE is not None:
         raise RuntimeError("model parallel groups are already initialised; call destroy_model_parallel first")
     layout = build_rank_groups(
-        dist.get_world_size(), tensor_model_parallel_size, pipeline_model_parallel_size
+        dist.get_world_size(), tensor_model_parallel_size, pipeline_model_parallel_size, context_parallel_size
     )
     me = dist.get_rank()
     groups: dict[str, dist.ProcessGroup] = {}
     ranks: dict[str, list[int]] = {}
-    for kind in ("tensor", "data", "pipeline", "model", "embedding"):
+    for kind in GROUP_KINDS:
         for group_ranks in getattr(layout, kind):
             group = dist.new_group(group_ranks)  # every rank creates every group, in the same order
             if me in group_ranks:
@@ -196,16 +255,31 @@ def get_tensor_model_parallel_src_rank() -> int:
     return 0 if _STATE is None else _STATE.ranks["tensor"][0]
 
 
-def get_data_parallel_group() -> dist.ProcessGroup:
-    return _group("data")
+def get_data_parallel_group(with_context_parallel: bool = False) -> dist.ProcessGroup:
+    """The data-parallel replicas (samples are split over them); `with_context_parallel`: also the context-parallel
+    ranks of each, the group gradients are reduced and the distributed optimizer shards over (Megatron's)."""
+    return _group("data_with_context" if with_context_parallel else "data")
 
 
-def get_data_parallel_world_size() -> int:
-    return _world_size("data")
+def get_data_parallel_world_size(with_context_parallel: bool = False) -> int:
+    return _world_size("data_with_context" if with_context_parallel else "data")
 
 
-def get_data_parallel_rank() -> int:
-    return _rank("data")
+def get_data_parallel_rank(with_context_parallel: bool = False) -> int:
+    return _rank("data_with_context" if with_context_parallel else "data")
+
+
+def get_context_parallel_group() -> dist.ProcessGroup:
+    """The ranks that split each sequence between them (ring attention passes keys and values around it)."""
+    return _group("context")
+
+
+def get_context_parallel_world_size() -> int:
+    return _world_size("context")
+
+
+def get_context_parallel_rank() -> int:
+    return _rank("context")
 
 
 def get_pipeline_model_parallel_group() -> dist.ProcessGroup:

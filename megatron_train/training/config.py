@@ -276,7 +276,7 @@ class CompatibilityConfig:
     """Megatron flags that pick a GPU kernel, an implementation or a format this engine does not switch.
 
     Accepted where they change nothing here (one log line each says what they mean here); refused with the
-    flag's name where they would need what this machine or engine lacks (FP8, context parallelism).
+    flag's name where they would need what this machine or engine lacks (FP8).
     """
 
     use_mcore_models: bool = field(
@@ -301,7 +301,6 @@ class CompatibilityConfig:
     ckpt_format: Literal["torch", "torch_dist"] = field(
         default="torch_dist", metadata=_help("Checkpoint format; here always the reshardable run directory.")
     )
-    context_parallel_size: int = field(default=1, metadata=_help("Context parallelism (only 1 here)."))
     spec: list[str] | None = field(
         default=None,
         metadata={

@@ -23,17 +23,32 @@ NUM_TOKENS_KEY = "num tokens"  # entry of loss_func's reduced dict: unmasked tok
 
 
 def language_model_loss(
-    loss_mask: torch.Tensor, output_tensor: torch.Tensor, per_token_loss: bool = False
+    loss_mask: torch.Tensor,
+    output_tensor: torch.Tensor,
+    per_token_loss: bool = False,
+    cp_group: dist.ProcessGroup | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Every family's `lm loss` (Megatron's GPT loss_func): the mean of the per-token losses `output_tensor` over
     the micro-batch's unmasked tokens; with `per_token_loss` (--calculate-per-token-loss) their sum and count,
-    for the loop to divide."""
+    for the loop to divide.
+
+    Under context parallelism (`cp_group`) each rank holds part of the sequence's tokens: the sum and count are
+    summed over the group (the logged values are the whole sequence's), and the loss to differentiate is this
+    rank's sum over the whole count, times CP, because the gradients are averaged over data x context parallel
+    (Megatron's loss_func multiplies by the context-parallel size the same way)."""
     loss_mask = loss_mask.float()
     loss_sum = (output_tensor.float() * loss_mask).sum()
+    count = loss_mask.sum()
+    cp_size = state.group_size(cp_group)
+    total_sum, total_count = loss_sum.detach(), count
+    if cp_size > 1:
+        totals = torch.stack([total_sum, total_count])
+        dist.all_reduce(totals, group=cp_group)
+        total_sum, total_count = totals[0], totals[1]
     if per_token_loss:
-        return loss_sum, {"lm loss": loss_sum.detach(), NUM_TOKENS_KEY: loss_mask.sum()}
-    loss = loss_sum / loss_mask.sum().clamp(min=1.0)
-    return loss, {"lm loss": loss.detach()}
+        return loss_sum * cp_size, {"lm loss": total_sum, NUM_TOKENS_KEY: total_count}
+    loss = loss_sum * cp_size / total_count.clamp(min=1.0)
+    return loss, {"lm loss": total_sum / total_count.clamp(min=1.0)}
 
 
 def global_num_tokens(reduced: list[dict[str, Any]]) -> torch.Tensor:

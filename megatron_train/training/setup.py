@@ -53,10 +53,13 @@ def model_parallel_session(
     config: MegatronConfig, pipeline_size: int, virtual_pipeline_size: int | None
 ) -> Iterator[None]:
     """A run's process group (joined, or created here and destroyed at the end) and model-parallel groups
-    (--tensor-model-parallel-size x `pipeline_size`), torn down when the run ends, also on an error."""
+    (--tensor-model-parallel-size x --context-parallel-size x `pipeline_size`), torn down when the run ends, also on an error."""
     created_group = initialize_distributed(config.training.distributed_timeout_minutes)
     state.initialize_model_parallel(
-        config.parallel.tensor_model_parallel_size, pipeline_size, virtual_pipeline_size
+        config.parallel.tensor_model_parallel_size,
+        pipeline_size,
+        virtual_pipeline_size,
+        config.parallel.context_parallel_size,
     )
     try:
         yield
@@ -110,7 +113,7 @@ def build_model_chunks(
 
 def print_parameter_count(chunks: list[torch.nn.Module]) -> None:
     """Megatron's line of how many parameters this rank's model chunks hold, from data-parallel rank 0."""
-    if state.get_data_parallel_rank() == 0:
+    if state.get_data_parallel_rank(with_context_parallel=True) == 0:
         print(
             " > number of parameters on (tensor, pipeline) model parallel rank "
             f"({state.get_tensor_model_parallel_rank()}, {state.get_pipeline_model_parallel_rank()}): "
@@ -144,7 +147,12 @@ def setup_model_and_optimizer(
         use_distributed_optimizer=config.parallel.use_distributed_optimizer,
         overlap_param_gather=training.overlap_param_gather,
     )
-    dp_group = state.get_data_parallel_group() if state.model_parallel_is_initialized() else None
+    # gradients are reduced, and the distributed optimizer shards, over data x context parallel (Megatron's)
+    dp_group = (
+        state.get_data_parallel_group(with_context_parallel=True)
+        if state.model_parallel_is_initialized()
+        else None
+    )
     model = [wrap_data_parallel(chunk, training.ddp_impl, ddp_config, dp_group) for chunk in unwrapped]
     # Several chunks: one optimizer over all of them, params named `<chunk>.<name>`.
     optimizer = get_megatron_optimizer(
