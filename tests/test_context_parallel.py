@@ -59,7 +59,8 @@ def _attention_worker(rank: int, world_size: int) -> dict:
         (context * grad[:, index]).sum().backward()
         errors = [(context - expected[:, index]).abs().max().item()]
         errors += [
-            (mine.grad - theirs.grad[:, index]).abs().max().item() for mine, theirs in zip(local, full)
+            (mine.grad - theirs.grad[:, index]).abs().max().item()
+            for mine, theirs in zip(local, full, strict=True)
         ]
         results[(cp, comm, documents)] = (errors, cp_p2p_counters.bytes_sent)
     return results
