@@ -73,8 +73,8 @@ ACCEPTED_FLAG_NOTES: dict[str, str] = {
     "cross_entropy_loss_fusion": "cross entropy is the vocab-parallel torch implementation either way",
     "create_attention_mask_in_dataloader": "the data loader never builds attention masks (attention is causal)",
     "mmap_bin_files": ".bin files are always memory-mapped (read-only, nothing is loaded up front)",
-    "ckpt_format": "checkpoints are always the run-directory format that reshards across TP/PP/DP",
     "spec": "the model family builds its own layers (Megatron-Core's local spec names); no spec is imported",
+    "ckpt_fully_parallel_load": "every rank reads only the torch_dist chunks it holds",
     "log_throughput": "every log line already carries 'throughput per GPU (TFLOP/s/GPU)'",
     "use_pytorch_profiler": "--profile always uses torch's profiler here",
     "dataset_impl": ".bin/.idx files are Megatron's mmap format, the only one here",
@@ -280,6 +280,7 @@ def validate_config(config: MegatronConfig, world_size: int) -> None:
             "--use-distributed-optimizer and --overlap-grad-reduce (as in Megatron)"
         )
     validate_context_parallel(config)
+    validate_checkpoint_flags(config)
     logging_config = config.logging
     if logging_config.profile and logging_config.profile_step_end <= logging_config.profile_step_start:
         raise ValueError(
@@ -290,6 +291,35 @@ def validate_config(config: MegatronConfig, world_size: int) -> None:
         raise ValueError(f"--manual-gc-interval must be >= 0, got {training.manual_gc_interval}")
     if config.model.seq_length is None:
         raise ValueError("set --seq-length")
+
+
+def validate_checkpoint_flags(config: MegatronConfig) -> None:
+    """Megatron's rules for the torch_dist flags: --async-save writes torch_dist only; non-persistent
+    checkpoints are global run directories here (local and in-memory ones need nvidia-resiliency-ext)."""
+    ckpt = config.checkpoint
+    if ckpt.ckpt_format == "torch":
+        logger.info(
+            "--ckpt-format torch: checkpoints are saved in the run-directory format that reshards across layouts "
+            "(checkpoint_util --saver megatron writes Megatron's legacy files from them)"
+        )
+    if ckpt.async_save and ckpt.ckpt_format != "torch_dist":
+        raise ValueError("--async-save writes torch_dist checkpoints: add --ckpt-format torch_dist")
+    if ckpt.non_persistent_save_interval is not None:
+        if ckpt.non_persistent_save_interval < 1:
+            raise ValueError(
+                f"--non-persistent-save-interval must be >= 1, got {ckpt.non_persistent_save_interval}"
+            )
+        if ckpt.non_persistent_ckpt_type is None:
+            ckpt.non_persistent_ckpt_type = "global"
+        if ckpt.save is None and ckpt.non_persistent_global_ckpt_dir is None:
+            raise ValueError(
+                "--non-persistent-save-interval needs --save or --non-persistent-global-ckpt-dir <directory>"
+            )
+    if ckpt.non_persistent_ckpt_type in ("local", "in_memory"):
+        raise ValueError(
+            f"--non-persistent-ckpt-type {ckpt.non_persistent_ckpt_type} needs nvidia-resiliency-ext's local "
+            "checkpoint manager, which this engine does not use: pass --non-persistent-ckpt-type global"
+        )
 
 
 def validate_context_parallel(config: MegatronConfig) -> None:

@@ -114,7 +114,7 @@ def test_parser_takes_every_flag_of_both_examples(gpt3_argv, llama3_argv) -> Non
         llama3.logging.profile_step_start,
         llama3.logging.profile_step_end,
     ) == (4, 6)
-    assert (llama3.tokenizer.tiktoken_pattern, llama3.compat.ckpt_format, llama3.data.split) == (
+    assert (llama3.tokenizer.tiktoken_pattern, llama3.checkpoint.ckpt_format, llama3.data.split) == (
         "v2",
         "torch_dist",
         "'99,1,0'",

@@ -33,6 +33,10 @@ READABLE_FORMAT_VERSIONS = (1, 2)
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 METADATA_FILENAME = "metadata.json"
 MAX_METADATA_BYTES = 256 << 20  # metadata.json: args and a record per file, kilobytes to a few megabytes
+# A torch_dist save's metadata.json is Megatron-Core's backend record alone (megatron-core reads it as its
+# CheckpointingConfig); our metadata of the save goes here, written just before it.
+DIST_METADATA_FILENAME = "flow_metadata.json"
+NON_PERSISTENT_DIR = "non_persistent"  # Megatron's folder of global non-persistent checkpoints under --save
 
 FileRecord = dict[str, Any]  # {"size": bytes, "hash": xxh3-128 hex digest}
 
@@ -184,8 +188,7 @@ def _parse_json(path: str, data: bytes) -> Any:
         raise CheckpointError(f"checkpoint file {path} is not valid JSON ({error})") from error
 
 
-def read_metadata(iteration_dir: str) -> dict:
-    path = os.path.join(iteration_dir, METADATA_FILENAME)
+def _read_json(path: str) -> Any:
     if not os.path.exists(path):
         raise missing_file_error(path)
     if not os.path.isfile(path):  # a FIFO or a device would block the read or never end it
@@ -196,7 +199,21 @@ def read_metadata(iteration_dir: str) -> dict:
             f"{path}: {size} bytes, over the {MAX_METADATA_BYTES} bytes of a checkpoint's metadata"
         )
     with open(path, "rb") as handle:
-        metadata = _parse_json(path, handle.read())
+        return _parse_json(path, handle.read())
+
+
+def read_metadata(iteration_dir: str) -> dict:
+    """metadata.json of one of our saves; of a torch_dist save, its backend record with our metadata of the save
+    (`DIST_METADATA_FILENAME`)."""
+    path = os.path.join(iteration_dir, METADATA_FILENAME)
+    metadata = _read_json(path)
+    if isinstance(metadata, dict) and "sharded_backend" in metadata and "format_version" not in metadata:
+        dist_path = os.path.join(iteration_dir, DIST_METADATA_FILENAME)
+        if os.path.exists(dist_path):
+            dist_metadata = _read_json(dist_path)
+            if not isinstance(dist_metadata, dict):
+                raise CheckpointError(f"{dist_path}: not a checkpoint's metadata (an object)")
+            metadata, path = {**metadata, **dist_metadata}, dist_path
     files = metadata.get("files") if isinstance(metadata, dict) else None
     if not isinstance(metadata, dict) or not (
         files is None

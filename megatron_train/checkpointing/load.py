@@ -15,10 +15,15 @@ from typing import Any
 import torch
 
 from megatron_train.arguments import MegatronConfig
+from megatron_train.checkpointing.dist_checkpoint import is_dist_checkpoint, load_dist_checkpoint
 from megatron_train.checkpointing.files import (
+    NON_PERSISTENT_DIR,
     TRACKER_FILENAME,
     CheckpointError,
+    CheckpointFiles,
     complete_iterations,
+    read_latest_iteration,
+    read_metadata,
     resolve_iteration_dir,
 )
 from megatron_train.checkpointing.layout import padded_vocab_sizes_agree, true_vocab_range
@@ -29,7 +34,7 @@ from megatron_train.checkpointing.names import (
     stage_module,
 )
 from megatron_train.checkpointing.progress import TrainingProgress
-from megatron_train.checkpointing.rng import global_rank
+from megatron_train.checkpointing.rng import global_rank, load_rng_state
 from megatron_train.checkpointing.saved import SavedCheckpoint, saved_true_vocab_range
 from megatron_train.families.registry import saved_family_name, trained_by
 from megatron_train.parallel import state
@@ -134,54 +139,52 @@ def load_checkpoint(
     """
     ckpt = config.checkpoint
     if saved is None:
-        iteration_dir = resolve_iteration_dir(ckpt.load, ckpt.ckpt_step)
+        iteration_dir = _iteration_dir_to_load(config)
         if iteration_dir is None:
             _check_nothing_to_overwrite(config)
             logger.warning(
                 "no %s in %s: nothing to load; starting from random weights", TRACKER_FILENAME, ckpt.load
             )
             return TrainingProgress()
-        saved = SavedCheckpoint(iteration_dir)
-    iteration_dir = saved.iteration_dir
-    metadata = saved.metadata
+        metadata = read_metadata(iteration_dir)
+        saved = None if is_dist_checkpoint(metadata) else SavedCheckpoint(iteration_dir)
+    else:
+        iteration_dir, metadata = saved.iteration_dir, saved.metadata
     if saved_family_name(metadata) != model_type(model):
         raise CheckpointError(
             f"checkpoint {iteration_dir} holds a {saved_family_name(metadata)} model but this run trains a "
             f"{model_type(model)} model: use {trained_by(metadata)} for it, or another --load"
         )
     check_compatible(metadata, config, padded_vocab_size, iteration_dir)
-    tp_size, tp_rank = state.get_tensor_model_parallel_world_size(), state.get_tensor_model_parallel_rank()
-    saved_layout = (saved.tp_size, saved.pp_size, metadata.get("context_parallel_size", 1))
+    saved_layout = (
+        metadata["tensor_model_parallel_size"],
+        metadata["pipeline_model_parallel_size"],
+        metadata.get("context_parallel_size", 1),
+    )
     our_layout = (
-        tp_size,
+        state.get_tensor_model_parallel_world_size(),
         state.get_pipeline_model_parallel_world_size(),
         state.get_context_parallel_world_size(),
     )
     if saved_layout != our_layout and global_rank() == 0:
         logger.info("resharding %s from (TP, PP, CP) = %s to %s", iteration_dir, saved_layout, our_layout)
-    names = global_names(model, config)
-    model = stage_module(model)
-    load_model_weights(model, saved, names, padded_vocab_size, tp_size, tp_rank)
+    loads_optimizer = optimizer is not None and not ckpt.finetune and not ckpt.no_load_optim
+    if saved is None:
+        load_dist_checkpoint(iteration_dir, metadata, model, optimizer if loads_optimizer else None, config)
+    else:
+        _load_from_saved(saved, model, optimizer if loads_optimizer else None, config, padded_vocab_size)
+    if optimizer is not None and not loads_optimizer:
+        optimizer.reload_model_params()
     if ckpt.finetune:
-        if optimizer is not None:
-            optimizer.reload_model_params()
         logger.info("loaded weights of %s for finetuning (iteration and samples reset)", iteration_dir)
         return TrainingProgress()
-    if optimizer is not None and not ckpt.no_load_optim:
-        saved.require_optimizer_state()
-        trained = {n: names[n] for n, p in model.named_parameters() if p.requires_grad}
-        tensors = {
-            key: saved.tensor_for(name, "optimizer", tp_size, tp_rank, padded_vocab_size)
-            for key, name in saved.optimizer_tensor_names(trained).items()
-        }
-        meta = saved.optimizer_meta_for(trained)
-        optimizer.load_state_dict(tensors, meta, source=saved.optimizer_source)
-        if opt_param_scheduler is not None and metadata["opt_param_scheduler"] is not None:
-            opt_param_scheduler.load_state_dict(metadata["opt_param_scheduler"])
-    elif optimizer is not None:
-        optimizer.reload_model_params()
+    if loads_optimizer and opt_param_scheduler is not None and metadata["opt_param_scheduler"] is not None:
+        opt_param_scheduler.load_state_dict(metadata["opt_param_scheduler"])
     if not ckpt.no_load_rng:
-        saved.restore_rng_state(our_layout)
+        if saved is None:
+            load_rng_state(CheckpointFiles(iteration_dir, metadata), metadata, saved_layout, our_layout)
+        else:
+            saved.restore_rng_state(our_layout)
     logger.info("loaded checkpoint %s", iteration_dir)
     return TrainingProgress(
         iteration=metadata["iteration"],
@@ -189,6 +192,58 @@ def load_checkpoint(
         consumed_valid_samples=metadata["consumed_valid_samples"],
         loaded_from=iteration_dir,
     )
+
+
+def _load_from_saved(
+    saved: SavedCheckpoint,
+    model: StageModel,
+    optimizer: Any | None,
+    config: MegatronConfig,
+    padded_vocab_size: int,
+) -> None:
+    """The weights (and, given `optimizer`, its state) of one of our safetensors saves or a Megatron-LM checkpoint
+    converted in memory, resharded to this rank."""
+    tp_size, tp_rank = state.get_tensor_model_parallel_world_size(), state.get_tensor_model_parallel_rank()
+    names = global_names(model, config)
+    module = stage_module(model)
+    load_model_weights(module, saved, names, padded_vocab_size, tp_size, tp_rank)
+    if optimizer is None:
+        return
+    saved.require_optimizer_state()
+    trained = {n: names[n] for n, p in module.named_parameters() if p.requires_grad}
+    tensors = {
+        key: saved.tensor_for(name, "optimizer", tp_size, tp_rank, padded_vocab_size)
+        for key, name in saved.optimizer_tensor_names(trained).items()
+    }
+    meta = saved.optimizer_meta_for(trained)
+    optimizer.load_state_dict(tensors, meta, source=saved.optimizer_source)
+
+
+def non_persistent_dir(config: MegatronConfig, root: str | None) -> str | None:
+    """Where global non-persistent checkpoints of `root` (--save or --load) live: --non-persistent-global-ckpt-dir,
+    else <root>/non_persistent (Megatron's); None without --non-persistent-ckpt-type global."""
+    ckpt = config.checkpoint
+    if ckpt.non_persistent_ckpt_type != "global":
+        return None
+    if ckpt.non_persistent_global_ckpt_dir is not None:
+        return ckpt.non_persistent_global_ckpt_dir
+    return None if root is None else os.path.join(root, NON_PERSISTENT_DIR)
+
+
+def _iteration_dir_to_load(config: MegatronConfig) -> str | None:
+    """--load's latest iteration (or --ckpt-step), or the newest non-persistent one when it is as new or newer
+    (Megatron's rule)."""
+    ckpt = config.checkpoint
+    iteration_dir = resolve_iteration_dir(ckpt.load, ckpt.ckpt_step)
+    transient = non_persistent_dir(config, ckpt.load)
+    if ckpt.ckpt_step is not None or transient is None or read_latest_iteration(transient) is None:
+        return iteration_dir
+    newest = read_latest_iteration(transient)
+    persistent = read_latest_iteration(ckpt.load) if iteration_dir is not None else None
+    if persistent is None or newest >= persistent:
+        logger.info("loading the non-persistent checkpoint of iteration %d from %s", newest, transient)
+        return resolve_iteration_dir(transient, None)
+    return iteration_dir
 
 
 def _check_nothing_to_overwrite(config: MegatronConfig) -> None:

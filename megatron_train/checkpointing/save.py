@@ -22,6 +22,7 @@ from typing import Any
 import torch.distributed as dist
 
 from megatron_train.arguments import MegatronConfig, config_to_dict
+from megatron_train.checkpointing.dist_checkpoint import save_dist_checkpoint, wait_for_async_save
 from megatron_train.checkpointing.files import (
     FORMAT_VERSION,
     CheckpointError,
@@ -29,6 +30,7 @@ from megatron_train.checkpointing.files import (
     checkpoint_dir,
     is_complete,
     model_shard_dir,
+    read_latest_iteration,
     write_json,
     write_marker,
     write_metadata,
@@ -137,15 +139,19 @@ def save_checkpoint(
     progress: TrainingProgress,
     config: MegatronConfig,
     padded_vocab_size: int,
+    root: str | None = None,
 ) -> str:
-    """Save `progress` and the state of every rank under `--save`/iter_<iteration>. Returns the folder.
+    """Save `progress` and the state of every rank under `root` (default `--save`)/iter_<iteration>, in our
+    format or with --ckpt-format torch_dist Megatron-Core's (`dist_checkpoint`; in the background with
+    --async-save). Returns the folder.
 
     `model` is the unwrapped module of this pipeline stage, or the list of its chunks (one per virtual stage,
     in order) when interleaved. Raises CheckpointError rather than overwrite another run's iteration.
     """
+    wait_for_async_save()  # one save at a time: the previous one may still be writing this folder's marker
     names = owned(global_names(model, config))
     module = stage_module(model)
-    root = config.checkpoint.save
+    root = config.checkpoint.save if root is None else root
     iteration_dir = checkpoint_dir(root, iteration)
     if not _may_write(root, iteration_dir, progress):
         logger.info("iteration %d is the checkpoint this run resumed from: %s left as it is", iteration, root)
@@ -155,6 +161,12 @@ def save_checkpoint(
         logger.warning("replacing %s: %s", iteration_dir, what)
         shutil.rmtree(iteration_dir)
     _barrier()
+    metadata = _metadata(
+        iteration, opt_param_scheduler, progress, config, padded_vocab_size, model_type(model)
+    )
+    if config.checkpoint.ckpt_format == "torch_dist":
+        save_dist_checkpoint(root, iteration, model, optimizer, config, padded_vocab_size, metadata)
+        return iteration_dir
     files: dict[str, FileRecord] = {}
     failure = None
     try:
@@ -183,9 +195,7 @@ def save_checkpoint(
             write_metadata_and_marker(
                 root,
                 iteration,
-                _metadata(
-                    iteration, opt_param_scheduler, progress, config, padded_vocab_size, model_type(model)
-                ),
+                metadata,
                 files,
             )
         except OSError as error:
@@ -201,6 +211,17 @@ def save_checkpoint(
         )
     logger.info("saved checkpoint at iteration %d to %s", iteration, iteration_dir)
     return iteration_dir
+
+
+def prune_non_persistent(root: str) -> None:
+    """Before a non-persistent save (Megatron's cleanup): remove every iteration folder of `root` but the one the
+    latest marker names, so the newest complete checkpoint stays until the next one is complete (rank 0)."""
+    if global_rank() != 0 or not os.path.isdir(root):
+        return
+    keep = read_latest_iteration(root)
+    for name in os.listdir(root):
+        if name.startswith("iter_") and name != os.path.basename(checkpoint_dir(root, keep or -1)):
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
 
 
 def _metadata(

@@ -208,9 +208,10 @@ class SavedCheckpoint:
         """What to name in an error about the optimizer state."""
         return self.optimizer_json_paths()[0]
 
-    def restore_rng_state(self, our_layout: tuple[int, int]) -> None:
-        """Every rank's RNG states, when (TP, PP) is the saved one (`rng.load_rng_state`)."""
-        load_rng_state(self.files, self.metadata, (self.tp_size, self.pp_size), our_layout)
+    def restore_rng_state(self, our_layout: tuple[int, int, int]) -> None:
+        """Every rank's RNG states, when (TP, PP, CP) is the saved one (`rng.load_rng_state`)."""
+        saved_layout = (self.tp_size, self.pp_size, self.metadata.get("context_parallel_size", 1))
+        load_rng_state(self.files, self.metadata, saved_layout, our_layout)
 
     def _optimizer_meta(self) -> tuple[dict, set[str]]:
         """Every stage's optimizer.json merged (per-param entries are keyed by checkpoint name), and the

@@ -18,6 +18,7 @@ import json
 import os
 
 from megatron_train.checkpointing.files import (
+    DIST_METADATA_FILENAME,
     METADATA_FILENAME,
     TRACKER_FILENAME,
     CheckpointError,
@@ -106,16 +107,44 @@ def find_iteration_dir(load_dir: str, iteration: int | None, model_type: str = "
 
 def open_checkpoint(load_dir: str, iteration: int | None, model_type: str) -> SavedCheckpoint | None:
     """`load_dir`'s checkpoint (latest, or `iteration`) in whichever format it is, for a run of `model_type`
-    (`names.model_type`); None when there is none to load."""
-    iteration_dir = find_iteration_dir(load_dir, iteration, model_type)
+    (`names.model_type`); None when there is none to load. A torch_dist save of a training run of ours opens as
+    Megatron-Core's (the whole model); training itself reads it rank by rank (`open_megatron_lm_checkpoint`)."""
+    iteration_dir = _existing_iteration_dir(load_dir, iteration, model_type)
     if iteration_dir is None:
         return None
-    if not os.path.isdir(iteration_dir):
-        saved = sorted(name for name in os.listdir(load_dir) if name.startswith("iter_"))
-        raise CheckpointError(f"checkpoint folder {iteration_dir} does not exist (iterations there: {saved})")
     found = checkpoint_format(iteration_dir, model_type)
     if found == "flow":
         return SavedCheckpoint(iteration_dir)
+    return _converted(load_dir, iteration, iteration_dir, found, model_type)
+
+
+def open_megatron_lm_checkpoint(
+    load_dir: str, iteration: int | None, model_type: str
+) -> SavedCheckpoint | None:
+    """For a training run's --load: a Megatron-LM checkpoint converted in memory; None where `load_dir` holds one
+    of ours (our files, or a torch_dist save of ours: `checkpointing.load_checkpoint` reads each rank's blocks of
+    it and picks a newer non-persistent checkpoint) or nothing."""
+    iteration_dir = _existing_iteration_dir(load_dir, iteration, model_type)
+    if iteration_dir is None:
+        return None
+    found = checkpoint_format(iteration_dir, model_type)
+    if found == "flow" or os.path.exists(os.path.join(iteration_dir, DIST_METADATA_FILENAME)):
+        return None
+    return _converted(load_dir, iteration, iteration_dir, found, model_type)
+
+
+def _existing_iteration_dir(load_dir: str, iteration: int | None, model_type: str) -> str | None:
+    iteration_dir = find_iteration_dir(load_dir, iteration, model_type)
+    if iteration_dir is not None and not os.path.isdir(iteration_dir):
+        saved = sorted(name for name in os.listdir(load_dir) if name.startswith("iter_"))
+        raise CheckpointError(f"checkpoint folder {iteration_dir} does not exist (iterations there: {saved})")
+    return iteration_dir
+
+
+def _converted(
+    load_dir: str, iteration: int | None, iteration_dir: str, found: str, model_type: str
+) -> SavedCheckpoint:
+    """A Megatron-LM `torch` or `torch_dist` checkpoint converted in memory as the run's family."""
     family = get_family(model_type) if is_builtin(model_type) else None
     if family is None or family.megatron_names is None:
         raise CheckpointError(

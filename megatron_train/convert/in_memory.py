@@ -134,7 +134,7 @@ class ConvertedCheckpoint(SavedCheckpoint):
     def optimizer_source(self) -> str:
         return f"the optimizer state of {self.iteration_dir}"
 
-    def restore_rng_state(self, our_layout: tuple[int, int]) -> None:
+    def restore_rng_state(self, our_layout: tuple[int, int, int]) -> None:
         logger.warning(
             "%s is a Megatron-LM %s checkpoint: its RNG states are not restored (as --no-load-rng); dropout "
             "continues from this run's --seed",

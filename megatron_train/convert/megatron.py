@@ -31,6 +31,8 @@ from numpy.dtypes import UInt32DType
 
 from megatron_train.arguments import MegatronConfig
 from megatron_train.checkpointing import TRACKER_FILENAME, CheckpointError, checkpoint_dir, model_shard_dir
+from megatron_train.checkpointing.dcp import CHECKPOINT_VERSION, TE_NAMES
+from megatron_train.checkpointing.dcp import megatron_args as megatron_args_of
 from megatron_train.checkpointing.layout import (
     OUTPUT_WEIGHT,
     WORD_EMBEDDING,
@@ -61,7 +63,6 @@ from storage.atomic import atomic_path, atomic_write_text
 logger = logging.getLogger(__name__)
 
 CHECKPOINT_FILE = "model_optim_rng.pt"
-CHECKPOINT_VERSION = 3.0
 MARKER_BYTES = 64  # what is read of latest_checkpointed_iteration.txt
 
 
@@ -93,13 +94,6 @@ _ALLOWED_NAMES = {
     for entry in ALLOWED_GLOBALS
 }
 
-# Megatron-Core with TransformerEngine fuses the pre-attention / pre-MLP norms into the next linear layer.
-TE_NAMES = {
-    "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
-    "self_attention.linear_qkv.layer_norm_bias": "input_layernorm.bias",
-    "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
-    "mlp.linear_fc1.layer_norm_bias": "pre_mlp_layernorm.bias",
-}
 # The older Megatron-LM GPT and BERT (`language_model.*`, checkpoint_version < 3) -> Megatron-Core names; `{stack}`
 # is the layer stack, `decoder` (GPT) or `encoder` (BERT).
 _LEGACY_NAMES = [
@@ -501,24 +495,8 @@ def _check_shard_shapes(
 
 
 def megatron_args(weights: ModelWeights, tp: int, pp: int, padded_vocab_size: int) -> argparse.Namespace:
-    """Megatron's args for the saved model: its model and tokenizer flags under Megatron's names, the layout."""
-    config = weights.config
-    return argparse.Namespace(
-        **dataclasses.asdict(config.model),
-        **dataclasses.asdict(config.tokenizer),
-        tensor_model_parallel_size=tp,
-        pipeline_model_parallel_size=pp,
-        virtual_pipeline_model_parallel_size=None,
-        sequence_parallel=False,
-        padded_vocab_size=padded_vocab_size,
-        params_dtype=config.model.params_dtype,
-        iteration=weights.iteration,
-        consumed_train_samples=0,
-        consumed_valid_samples=0,
-        use_mcore_models=True,
-        transformer_impl="local",  # input_layernorm / pre_mlp_layernorm names, not TE's fused ones
-        ckpt_format="torch",
-    )
+    """Megatron's args for the saved model (`checkpointing.dcp.megatron_args`)."""
+    return megatron_args_of(weights.config, tp, pp, padded_vocab_size, weights.iteration)
 
 
 def save_torch(value: Any, path: str) -> None:

@@ -25,7 +25,6 @@ import io
 import json
 import math
 import os
-import pickle
 import re
 import warnings
 from dataclasses import dataclass
@@ -33,28 +32,28 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import (
-    ChunkStorageMetadata,
     Metadata,
-    MetadataIndex,
-    TensorProperties,
     TensorStorageMetadata,
-)
-from torch.distributed.checkpoint.planner import (
-    SavePlan,
-    TensorWriteData,
-    WriteItem,
-    WriteItemType,
 )
 
 from megatron_train.arguments import MegatronConfig
 from megatron_train.checkpointing import TRACKER_FILENAME, CheckpointError, checkpoint_dir
-from megatron_train.checkpointing.layout import TensorSharding, stage_tensor_names
-from megatron_train.convert.checks import check_byte_budget, check_layers
-from megatron_train.convert.megatron import (
+from megatron_train.checkpointing.dcp import (
     CHECKPOINT_VERSION,
     TE_NAMES,
+    Chunk,
+    ChunkSavePlanner,
+    RawBytesLoadPlanner,
+    SafeReader,
+    core_key,
+    extra_state_objects,
+    tp_pieces,
+)
+from megatron_train.checkpointing.layout import TensorSharding, split_tp_shard, stage_tensor_names
+from megatron_train.convert.checks import check_byte_budget, check_layers
+from megatron_train.convert.megatron import (
     check_model_args,
     checked_args,
     config_from_args,
@@ -79,7 +78,6 @@ from megatron_train.convert.weights import (
     trim_vocab,
 )
 from megatron_train.families.family import MegatronNames, ModelFamily
-from megatron_train.parallel.layers import rank_pieces
 from storage.atomic import atomic_write_text
 
 CONFIG_FILE = "metadata.json"
@@ -92,18 +90,6 @@ BACKEND = {
 COMMON_STATE_KEY = "common_state/shard_0_1"  # Megatron's ShardedObject("common_state", (1,), (0,)).unique_key
 COMMON_FILE = "common.pt"
 MAX_METADATA_JSON_BYTES = 1 << 20  # metadata.json names the backend: a few dozen bytes
-MAX_DCP_METADATA_BYTES = 1 << 30  # DCP's index: about a kilobyte per tensor chunk
-# Megatron-Core's local linear layers keep an empty `_extra_state` (TransformerEngine compatibility) that a
-# strict load expects; a GPT checkpoint leaves out the output layer's.
-LINEAR_MODULES = (
-    "self_attention.linear_qkv",
-    "self_attention.linear_proj",
-    "mlp.linear_fc1",
-    "mlp.linear_fc2",
-)
-# Megatron-Core's local layer spec saves its norms under TransformerEngine's fused names
-# (`sharded_state_dict_keys_map`), so one checkpoint serves either implementation.
-FUSED_NORM_NAMES = {ours: fused for fused, ours in TE_NAMES.items()}
 _LAYER = re.compile(r"^(decoder|encoder)\.layers\.(\d+)\.(.*)$")
 _STACKED = re.compile(r"^(decoder|encoder)\.layers\.(?!\d+\.)(.*)$")
 MODEL_PREFIXES = (
@@ -115,155 +101,21 @@ MODEL_PREFIXES = (
     "pooler.",
     "binary_head.",
 )
-# What DCP's `.metadata` pickle may name: the classes DCP's metadata and planner modules define (Megatron-Core
-# keeps its save plans there), and these few harmless globals.
-_METADATA_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.planner")
-_METADATA_GLOBALS = {
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-    ("torch", "Size"),
-    ("torch.serialization", "_get_layout"),
-    ("pathlib", "PosixPath"),
-    ("pathlib", "PurePosixPath"),
-    ("pathlib", "WindowsPath"),
-    ("collections", "OrderedDict"),
-}
 
 
-@dataclass
-class Chunk:
-    """One rank's piece of a global tensor: its data at `offsets` in a tensor of `global_shape`."""
-
-    data: torch.Tensor
-    offsets: tuple[int, ...]
-    global_shape: tuple[int, ...]
-
-
-class _RankSavePlanner(DefaultSavePlanner):
-    """The writes of one emulated rank: its chunks (any offsets, without a process group) and byte objects
-    already serialised (Megatron's ShardedObjects), which are written as they are."""
-
-    def __init__(self, chunks: dict[str, list[Chunk]], objects: dict[str, io.BytesIO]) -> None:
-        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
-        self.chunks, self.objects = chunks, objects
-
-    def create_local_plan(self) -> SavePlan:
-        items = [
-            WriteItem(
-                index=MetadataIndex(key, torch.Size(chunk.offsets)),
-                type=WriteItemType.SHARD,
-                tensor_data=TensorWriteData(
-                    chunk=ChunkStorageMetadata(torch.Size(chunk.offsets), chunk.data.shape),
-                    properties=TensorProperties.create_from_tensor(chunk.data),
-                    size=torch.Size(chunk.global_shape),
-                ),
-            )
-            for key, chunks in self.chunks.items()
-            for chunk in chunks
-        ]
-        items += [WriteItem(index=MetadataIndex(key), type=WriteItemType.BYTE_IO) for key in self.objects]
-        self.plan = SavePlan(items)
-        return self.plan
-
-    def lookup_object(self, index: MetadataIndex) -> Any:
-        if index.fqn in self.objects:
-            return self.objects[index.fqn]
-        return next(c.data for c in self.chunks[index.fqn] if torch.Size(c.offsets) == index.offset)
-
-    def transform_object(self, write_item: WriteItem, object: Any) -> Any:
-        return object
-
-
-class _RawBytesLoadPlanner(DefaultLoadPlanner):
-    """DCP's default planner unpickles byte objects with `weights_only=False`; this one copies the bytes into
-    the BytesIO the caller passed, for `read_allowed_pickle` to read."""
-
-    def __init__(self) -> None:
-        super().__init__(flatten_state_dict=False)
-
-    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
-        target = self.state_dict[read_item.dest_index.fqn]
-        target.write(value.read())
-        target.seek(0)
-
-
-class _RefusedClass(pickle.UnpicklingError):
-    """A class `.metadata` names that DCP's metadata does not hold."""
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """Resolves only the classes DCP's metadata and planner modules define, torch dtypes and
-    `_METADATA_GLOBALS`; anything else is refused."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        listed = (module, name) in _METADATA_GLOBALS
-        if listed or module in (*_METADATA_MODULES, "torch"):
-            found = super().find_class(module, name)
-            defined_there = (
-                module in _METADATA_MODULES and isinstance(found, type) and found.__module__ == module
-            )
-            if listed or isinstance(found, torch.dtype) or defined_there:
-                return found
-        raise _RefusedClass(f"{module}.{name}")
-
-
-class _SafeReader(dcp.FileSystemReader):
-    """DCP's reader with `.metadata` unpickled through `_MetadataUnpickler` (DCP uses plain `pickle.load`)."""
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        path = os.path.join(str(self.path), ".metadata")
-        if not os.path.exists(path):
-            raise CheckpointError(
-                f"{path} is missing: {self.path} is not a complete torch_dist checkpoint (an interrupted save?); "
-                "load another iteration (--ckpt-step N) or copy the folder again"
-            )
-        if not os.path.isfile(path):  # a FIFO or a device would block the read or never end it
-            raise CheckpointError(f"{path} is not a regular file; the save is damaged")
-        size = os.path.getsize(path)
-        if size > MAX_DCP_METADATA_BYTES:
-            raise CheckpointError(
-                f"{path}: {size} bytes, over the {MAX_DCP_METADATA_BYTES} bytes a DCP index may have; it is not the index "
-                "of a checkpoint"
-            )
-        with open(path, "rb") as handle:
-            try:
-                metadata = _MetadataUnpickler(handle).load()
-            except _RefusedClass as error:
-                raise CheckpointError(
-                    f"{path} names {error}, which DCP metadata does not hold; unpickling it could run code, so "
-                    "it is not loaded"
-                ) from error
-            except (
-                pickle.UnpicklingError,
-                EOFError,
-                ValueError,
-                TypeError,
-                AttributeError,
-                IndexError,
-                KeyError,
-                RecursionError,
-            ) as error:
-                raise CheckpointError(
-                    f"{path} is not a DCP index ({error!r}); the save is damaged"
-                ) from error
-        if not isinstance(metadata, Metadata):
-            raise CheckpointError(f"{path} holds a {type(metadata).__name__}, not DCP's Metadata")
-        self.storage_data = metadata.storage_data
-        return metadata
-
-
-def _load_in_one_process(state: dict[str, Any], reader: _SafeReader, planner: DefaultLoadPlanner) -> None:
+def _load_in_one_process(state: dict[str, Any], reader: SafeReader, planner: DefaultLoadPlanner) -> None:
     with warnings.catch_warnings():  # "torch.distributed is disabled ...": one process is what we mean
         warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
         dcp.load(state, storage_reader=reader, planner=planner, no_dist=True)
 
 
-def _read_objects(reader: _SafeReader, keys: list[str]) -> dict[str, io.BytesIO]:
+def _read_objects(reader: SafeReader, keys: list[str]) -> dict[str, io.BytesIO]:
     objects: dict[str, Any] = {key: io.BytesIO() for key in keys}
-    _load_in_one_process(objects, reader, _RawBytesLoadPlanner())
+    _load_in_one_process(objects, reader, RawBytesLoadPlanner())
     return objects
 
 
-def _common_state(iteration_dir: str, reader: _SafeReader, metadata: Metadata) -> dict[str, Any]:
+def _common_state(iteration_dir: str, reader: SafeReader, metadata: Metadata) -> dict[str, Any]:
     """The non-tensor part Megatron saved (args, iteration, ...): common.pt, or the `common_state` object."""
     legacy = os.path.join(iteration_dir, COMMON_FILE)
     if os.path.exists(legacy):
@@ -290,7 +142,7 @@ class DistCheckpoint:
     iteration_dir: str
     iteration: int
     common: dict[str, Any]  # args, iteration, opt_param_scheduler, ... as Megatron saved them
-    reader: _SafeReader
+    reader: SafeReader
     metadata: Metadata
 
     @property
@@ -379,7 +231,7 @@ def open_checkpoint(load_dir: str, iteration: int | None = None) -> DistCheckpoi
     backend = read_json_object(config_path, MAX_METADATA_JSON_BYTES).get("sharded_backend")
     if backend != "torch_dist":
         raise CheckpointError(f"{config_path}: sharded_backend {backend!r} is not torch_dist")
-    reader = _SafeReader(iteration_dir)
+    reader = SafeReader(iteration_dir)
     metadata = reader.read_metadata()
     common = _common_state(iteration_dir, reader, metadata)
     if not isinstance(common, dict) or "args" not in common:
@@ -449,24 +301,6 @@ def torch_dist_names(family: ModelFamily, flag: str) -> MegatronNames:
     return names
 
 
-def _tp_chunks(
-    tensor: torch.Tensor, sharding: TensorSharding, tp: int, tp_rank: int
-) -> list[tuple[torch.Tensor, list[int]]]:
-    """TP rank `tp_rank`'s contiguous pieces of a global tensor with their offsets: one for a plain split, one
-    per part for a strided or packed one (fc1's gate and up halves); a replicated tensor is written by TP rank 0."""
-    if not sharding.is_split:
-        return [(tensor, [0] * tensor.dim())] if tp_rank == 0 else []
-    dim = sharding.partition_dim
-    pieces = []
-    for start, size in rank_pieces(
-        tensor.shape[dim], tp, tp_rank, sharding.partition_stride, sharding.partition_sizes
-    ):
-        offsets = [0] * tensor.dim()
-        offsets[dim] = start
-        pieces.append((tensor.narrow(dim, start, size).contiguous(), offsets))
-    return pieces
-
-
 def _rank_state(
     tensors: dict[str, torch.Tensor],
     shardings: dict[str, TensorSharding],
@@ -475,25 +309,23 @@ def _rank_state(
     tp: int,
     tp_rank: int,
 ) -> tuple[dict[str, list[Chunk]], dict[str, io.BytesIO]]:
-    """One (TP, PP) rank's chunks under Megatron-Core's stacked keys, and its empty `_extra_state` objects."""
+    """One (TP, PP) rank's chunks under Megatron-Core's stacked keys, and its empty `_extra_state` objects; TP
+    rank 0 writes the replicated tensors."""
     chunks: dict[str, list[Chunk]] = {}
     objects: dict[str, io.BytesIO] = {}
     for name in names:
-        tensor, layer = tensors[name], _LAYER.match(name)
-        for data, offsets in _tp_chunks(tensor, shardings[name], tp, tp_rank):
-            if layer:
-                local_name = FUSED_NORM_NAMES.get(layer.group(3), layer.group(3))
-                key, index = f"{layer.group(1)}.layers.{local_name}", int(layer.group(2))
-                chunk = Chunk(data.unsqueeze(0), (index, *offsets), (num_layers, *tensor.shape))
-            else:
-                key, chunk = name, Chunk(data, tuple(offsets), tuple(tensor.shape))
-            chunks.setdefault(key, []).append(chunk)
-        module = layer and layer.group(3).rsplit(".", 1)[0]
-        if module in LINEAR_MODULES and name.endswith(".weight") and tp_rank == 0:
-            empty = io.BytesIO()
-            torch.save([None], empty)
-            key = f"{layer.group(1)}.layers.{module}._extra_state/shard_{layer.group(2)}_{num_layers}"
-            objects[key] = empty
+        tensor, sharding = tensors[name], shardings[name]
+        if not sharding.is_split and tp_rank:
+            continue
+        key, lead_offsets, lead_shape = core_key(name, num_layers)
+        local = split_tp_shard(tensor, sharding, tp, tp_rank, name)
+        for data, offsets in tp_pieces(local, sharding, tp, tp_rank):
+            data = data.contiguous().reshape(*[1] * len(lead_shape), *data.shape)
+            chunks.setdefault(key, []).append(
+                Chunk(data, (*lead_offsets, *offsets), (*lead_shape, *tensor.shape))
+            )
+        if tp_rank == 0:
+            objects.update(extra_state_objects(name, num_layers))
     return chunks, objects
 
 
@@ -530,7 +362,7 @@ def _write(weights: ModelWeights, root: str, target_tp: int, target_pp: int, pad
             chunks, objects = _rank_state(
                 tensors, shardings, names, config.model.num_layers, target_tp, tp_rank
             )
-            planner, writer = _RankSavePlanner(chunks, objects), dcp.FileSystemWriter(iteration_dir)
+            planner, writer = ChunkSavePlanner(chunks, objects), dcp.FileSystemWriter(iteration_dir)
             planner.set_up_planner({}, writer.storage_meta(), is_coordinator=rank == 0)
             writer.set_up_storage_writer(rank == 0, rank=rank)
             plans.append(writer.prepare_local_plan(planner.create_local_plan()))

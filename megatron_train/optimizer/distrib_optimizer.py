@@ -69,6 +69,8 @@ class DistributedOptimizer(MegatronOptimizer):
     `model` is one local DDP or a list of them (one per virtual pipeline stage), all over the same DP group.
     """
 
+    shards_state_over_data_parallel = True
+
     def __init__(
         self,
         model: DistributedDataParallel | list[DistributedDataParallel],
@@ -145,6 +147,14 @@ class DistributedOptimizer(MegatronOptimizer):
             for model, main in zip(self.model_params, self.main_params, strict=True):
                 if main is not None:
                     main.copy_(self._model_shard(model))
+
+    def local_param_ranges(self) -> list[tuple[int, int, int]]:
+        """This DP rank's part of each param: the elements of its bucket part (its `ParamShard`)."""
+        return [
+            (i, self.shards[p].start, self.shards[p].end)
+            for i, p in enumerate(self.model_params)
+            if self.main_params[i] is not None
+        ]
 
     def _local_part(self, index: int, full: torch.Tensor) -> torch.Tensor:
         shard = self.shards[self.model_params[index]]

@@ -71,6 +71,10 @@ class MegatronOptimizer:
     optimizer steps for `model_params[i]` (None where a subclass holds no part of that param).
     """
 
+    shards_state_over_data_parallel = (
+        False  # each DP rank holds all of it (the distributed optimizer: a part)
+    )
+
     def __init__(
         self,
         named_params: list[tuple[str, torch.nn.Parameter]],
@@ -197,6 +201,64 @@ class MegatronOptimizer:
             for name, main in zip(self.names, self.main_params, strict=True)
         ]
 
+    # -- this rank's part of the state, for sharded checkpoints (checkpointing.dist_checkpoint) ------------------
+
+    def local_param_ranges(self) -> list[tuple[int, int, int]]:
+        """(index, start, end) of each param this rank holds optimizer state for: elements [start, end) of the
+        flattened (TP-local) param; all of it here, the rank's part under the distributed optimizer."""
+        return [(i, 0, p.numel()) for i, p in enumerate(self.model_params) if self.main_params[i] is not None]
+
+    def local_state(self, index: int) -> dict[str, torch.Tensor]:
+        """1-D views of what this rank holds of param `index`'s state, over its range: `fp32_param` (the main
+        param, mixed precision only; Megatron-Core's name) and each tensor state (exp_avg, exp_avg_sq, ...)."""
+        main = self.main_params[index]
+        views = {"fp32_param": main.detach().reshape(-1)} if self.mixed_precision else {}
+        for key, value in self.optimizer.state.get(main, {}).items():
+            if isinstance(value, torch.Tensor) and value.dim() > 0:
+                views[key] = value.reshape(-1)
+        return views
+
+    def local_scalars(self, index: int) -> dict[str, float]:
+        """Param `index`'s scalar state (Adam's step)."""
+        state = self.optimizer.state.get(self.main_params[index], {})
+        return {
+            key: float(value)
+            for key, value in state.items()
+            if value is not None and not (isinstance(value, torch.Tensor) and value.dim() > 0)
+        }
+
+    @torch.no_grad()
+    def set_local_state(
+        self, index: int, tensors: dict[str, torch.Tensor], scalars: dict[str, float]
+    ) -> None:
+        """Inverse of `local_state` / `local_scalars` for param `index` (call `finish_loading` after the last)."""
+        main = self.main_params[index]
+        if self.mixed_precision:
+            main.copy_(tensors["fp32_param"].view_as(main))
+        state = {key: torch.tensor(value, dtype=torch.float32) for key, value in scalars.items()}
+        state.update({k: v.view_as(main).to(main.device) for k, v in tensors.items() if k != "fp32_param"})
+        if state:
+            self.optimizer.state[main] = state
+
+    @torch.no_grad()
+    def finish_loading(self, meta: dict) -> None:
+        """After the per-param state: the model params from the main params, the param groups' settings and the
+        loss scaler from `meta` (what `state_dict()` returns beside the tensors)."""
+        self._copy_main_params_to_model_params()
+        for group, saved in zip(self.optimizer.param_groups, meta["param_groups"], strict=True):
+            group.update({k: tuple(v) if isinstance(v, list) else v for k, v in saved.items()})
+        if self.grad_scaler is not None and meta["grad_scaler"] is not None:
+            self.grad_scaler.load_state_dict(meta["grad_scaler"])
+
+    def state_meta(self) -> dict:
+        """The JSON part of the state that is not per param: the param groups' settings and the loss scaler."""
+        return {
+            "param_groups": [
+                {k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups
+            ],
+            "grad_scaler": self.grad_scaler.state_dict() if self.grad_scaler is not None else None,
+        }
+
     def state_dict(self) -> tuple[dict[str, torch.Tensor], dict]:
         """(tensors keyed `<param name>.<state>`, JSON-able rest): fp32 main params, Adam moments, scalars."""
         tensors: dict[str, torch.Tensor] = {}
@@ -211,13 +273,11 @@ class MegatronOptimizer:
                     tensor_states.setdefault(name, []).append(key)
                 elif value is not None:
                     scalars.setdefault(name, {})[key] = float(value)
-        groups = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
         meta = {
             "param_names": self.names,
-            "param_groups": groups,
+            **self.state_meta(),
             "scalars": scalars,
             "tensor_states": tensor_states,
-            "grad_scaler": self.grad_scaler.state_dict() if self.grad_scaler is not None else None,
         }
         return tensors, meta
 
@@ -250,11 +310,7 @@ class MegatronOptimizer:
                     ).clone()
                 if state:
                     self.optimizer.state[main] = state
-            self._copy_main_params_to_model_params()
-        for group, saved in zip(self.optimizer.param_groups, meta["param_groups"], strict=True):
-            group.update({k: tuple(v) if isinstance(v, list) else v for k, v in saved.items()})
-        if self.grad_scaler is not None and meta["grad_scaler"] is not None:
-            self.grad_scaler.load_state_dict(meta["grad_scaler"])
+        self.finish_loading(meta)
 
 
 def copy_parallel_attributes(source: torch.Tensor, target: torch.Tensor) -> None:

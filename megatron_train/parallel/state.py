@@ -114,6 +114,9 @@ class _ParallelState:
     groups: dict[str, dist.ProcessGroup]
     ranks: dict[str, list[int]]  # this process's group of each kind, as global ranks
     virtual_pipeline_size: int | None
+    checkpoint: (
+        dist.ProcessGroup
+    )  # every rank over gloo: checkpoint saves coordinate here, also from a thread
 
 
 _STATE: _ParallelState | None = None
@@ -197,7 +200,8 @@ def initialize_model_parallel(
             group = dist.new_group(group_ranks)  # every rank creates every group, in the same order
             if me in group_ranks:
                 groups[kind], ranks[kind] = group, group_ranks
-    _STATE = _ParallelState(groups, ranks, virtual_pipeline_model_parallel_size)
+    checkpoint = dist.new_group(list(range(dist.get_world_size())), backend="gloo")
+    _STATE = _ParallelState(groups, ranks, virtual_pipeline_model_parallel_size, checkpoint)
 
 
 def destroy_model_parallel() -> None:
@@ -302,6 +306,14 @@ def get_pipeline_model_parallel_ranks() -> list[int]:
 def get_model_parallel_group() -> dist.ProcessGroup:
     """TP x PP ranks of one model replica (grad-norm and inf checks reduce over it)."""
     return _group("model")
+
+
+def get_checkpoint_group() -> dist.ProcessGroup:
+    """Every rank, over gloo (Megatron's gloo groups for checkpoints): a distributed checkpoint's planning and
+    completion run on it, also from the thread of an asynchronous save while training uses the other groups."""
+    if _STATE is None:
+        raise RuntimeError("the checkpoint group does not exist yet: call initialize_model_parallel first")
+    return _STATE.checkpoint
 
 
 def get_embedding_group() -> dist.ProcessGroup:

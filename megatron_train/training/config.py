@@ -200,6 +200,63 @@ class CheckpointConfig:
         default=False,
         metadata=_help("With --load: fail instead of starting from scratch when nothing is there."),
     )
+    ckpt_format: Literal["torch", "torch_dist"] | None = field(
+        default=None,
+        metadata=_help(
+            "Save format: by default ours (safetensors run directory); torch_dist: Megatron-Core's distributed "
+            "checkpoint (PyTorch DCP, every rank writing its own shards); torch: Megatron's name of its legacy "
+            "files, saved here in our format (checkpoint_util --saver megatron writes them). --load detects the "
+            "format it is given."
+        ),
+    )
+    ckpt_fully_parallel_save: bool = field(
+        default=True,
+        metadata={
+            **_help("torch_dist: spread the writes of replicated tensors over the data-parallel ranks."),
+            "opposite_flag": "--ckpt-fully-parallel-save",
+        },
+    )
+    ckpt_fully_parallel_load: bool = field(
+        default=False,
+        metadata=_help("torch_dist: accepted; every rank always reads only the chunks it holds."),
+    )
+    async_save: bool = field(
+        default=False,
+        metadata=_help(
+            "torch_dist: write checkpoints in the background while training goes on; the hashes and the latest "
+            "marker are written once every rank's part is on disk."
+        ),
+    )
+    non_persistent_save_interval: int | None = field(
+        default=None,
+        metadata=_help("Also save every N steps to a non-persistent folder that keeps only the newest ones."),
+    )
+    non_persistent_ckpt_type: Literal["global", "local", "in_memory"] | None = field(
+        default=None,
+        metadata=_help(
+            "Non-persistent checkpoints: global (a run directory; the default with the interval)."
+        ),
+    )
+    non_persistent_global_ckpt_dir: str | None = field(
+        default=None,
+        metadata=_help("Where global non-persistent checkpoints go; default <save>/non_persistent."),
+    )
+    dist_ckpt_strictness: Literal[
+        "assume_ok_unexpected",
+        "log_unexpected",
+        "log_all",
+        "raise_unexpected",
+        "raise_all",
+        "return_unexpected",
+        "return_all",
+        "ignore_all",
+    ] = field(
+        default="assume_ok_unexpected",
+        metadata=_help(
+            "torch_dist load: what a key mismatch does (Megatron's StrictHandling; return_* log here, no caller "
+            "takes the keys)."
+        ),
+    )
 
 
 @dataclass
@@ -298,9 +355,6 @@ class CompatibilityConfig:
         default=True, metadata=_help("Build attention masks in the data loader (never needed here).")
     )
     mmap_bin_files: bool = field(default=True, metadata=_help("Memory-map .bin files (always here)."))
-    ckpt_format: Literal["torch", "torch_dist"] = field(
-        default="torch_dist", metadata=_help("Checkpoint format; here always the reshardable run directory.")
-    )
     spec: list[str] | None = field(
         default=None,
         metadata={

@@ -18,6 +18,9 @@ import torch.distributed as dist
 
 from megatron_train.arguments import MegatronConfig
 from megatron_train.checkpointing import TrainingProgress, save_checkpoint
+from megatron_train.checkpointing.dist_checkpoint import wait_for_async_save
+from megatron_train.checkpointing.load import non_persistent_dir
+from megatron_train.checkpointing.save import prune_non_persistent
 from megatron_train.device import get_device
 from megatron_train.distributed import finalize_model_grads
 from megatron_train.models.terms import ModelTerms
@@ -203,8 +206,14 @@ class Trainer:
         self.last_saved_iteration: int | None = None
         self.hooks = StepHooks(config)
 
-    def save(self) -> None:
-        if self.config.checkpoint.save and self.last_saved_iteration != self.progress.iteration:
+    def save(self, non_persistent: bool = False) -> None:
+        """Save this iteration under --save, or `non_persistent`ly (--non-persistent-save-interval: a folder that
+        keeps only the newest checkpoints)."""
+        root = self.config.checkpoint.save
+        if non_persistent:
+            root = non_persistent_dir(self.config, root)
+            prune_non_persistent(root)
+        if root and self.last_saved_iteration != self.progress.iteration:
             for chunk in self.setup.model:  # --overlap-param-gather: params may still be in flight
                 chunk.finish_param_sync()
             save_checkpoint(
@@ -215,6 +224,7 @@ class Trainer:
                 self.progress,
                 self.config,
                 self.padded_vocab_size,
+                root,
             )
             self.last_saved_iteration = self.progress.iteration
 
@@ -343,6 +353,8 @@ class Trainer:
                     self.evaluate_and_log(valid_iterators, "valid")
                 if ckpt.save and _every(self.progress.iteration, ckpt.save_interval):
                     self.save()
+                elif _every(self.progress.iteration, ckpt.non_persistent_save_interval):
+                    self.save(non_persistent=True)
                 interval.start += time.perf_counter() - paused
                 reason = self._should_exit(handler, train_start)
                 if reason is not None:
@@ -411,6 +423,7 @@ def pretrain(
                     trainer.evaluate_and_log(valid_iters, "valid", "the end of training for val data")
                 if test_iters is not None and config.training.eval_iters:
                     trainer.evaluate_and_log(test_iters, "test", "the end of training for test data")
+            wait_for_async_save()  # the last checkpoint is complete before the run ends
             return trainer.progress
         finally:
             if writer is not None:

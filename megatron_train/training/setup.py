@@ -18,7 +18,7 @@ import torch.distributed as dist
 from megatron_train.arguments import MegatronConfig
 from megatron_train.checkpointing import TrainingProgress, load_checkpoint
 from megatron_train.checkpointing.names import model_type
-from megatron_train.convert.detect import open_checkpoint
+from megatron_train.convert.detect import open_megatron_lm_checkpoint
 from megatron_train.data.samplers import build_pretraining_data_loader
 from megatron_train.device import get_backend, set_device_for_local_rank
 from megatron_train.distributed import DDPConfig, wrap_data_parallel
@@ -166,9 +166,11 @@ def setup_model_and_optimizer(
         training.global_batch_size,
     )
     loaded = TrainingProgress()
-    if config.checkpoint.load:  # ours, or a Megatron-LM checkpoint converted in memory
+    if (
+        config.checkpoint.load
+    ):  # ours (safetensors or torch_dist), or a Megatron-LM checkpoint converted in memory
         stage, ckpt = checkpoint_model(unwrapped), config.checkpoint
-        saved = open_checkpoint(ckpt.load, ckpt.ckpt_step, model_type(stage))
+        saved = open_megatron_lm_checkpoint(ckpt.load, ckpt.ckpt_step, model_type(stage))
         loaded = load_checkpoint(stage, optimizer, scheduler, config, padded_vocab_size, saved)
         sync_embedding_weights(unwrapped)
     return TrainingSetup(model, unwrapped, optimizer, scheduler, calculator, train_iters, loaded)
