@@ -20,6 +20,7 @@ from megatron_train.parallel import (
     state,
     vocab_parallel_cross_entropy,
 )
+from megatron_train.parallel.random import initialization_stream
 from tests.helpers.distributed import run_distributed
 from tests.helpers.tensors import full_tensor, relative_error
 from tests.helpers.tiny import TINY_LLAMA, TINY_MODEL, tiny_config, tiny_llama_config
@@ -43,15 +44,14 @@ def _loss_and_full_grads(model: GPTModel) -> tuple[torch.Tensor, dict[str, torch
 
 
 def _equivalence_worker(rank: int, world_size: int, cases: list[tuple[str, int, bool, dict]]) -> dict:
-    """For each case: TP=1 reference and TP=tp model from the same seed; max relative loss/grad errors."""
+    """For each case: TP=1 reference and TP=tp model from the same full weights (--use-cpu-initialization's
+    `init_seed`); max relative loss/grad errors."""
     results = {}
     for name, tp, sequence_parallel, config_kwargs in cases:
         config = TransformerConfig(**config_kwargs)
-        torch.manual_seed(1234)
-        reference_loss, reference_grads = _loss_and_full_grads(GPTModel(config, VOCAB))
+        reference_loss, reference_grads = _loss_and_full_grads(GPTModel(config, VOCAB, init_seed=1234))
         state.initialize_model_parallel(tensor_model_parallel_size=tp)
-        torch.manual_seed(1234)
-        model = GPTModel(config, VOCAB, sequence_parallel=sequence_parallel)
+        model = GPTModel(config, VOCAB, sequence_parallel=sequence_parallel, init_seed=1234)
         loss, grads = _loss_and_full_grads(model)
         grad_errors = {key: relative_error(grads[key], reference_grads[key]) for key in reference_grads}
         worst = max(grad_errors, key=grad_errors.get)
@@ -175,7 +175,7 @@ def _recompute_error_under_tp(sequence_parallel: bool, recompute: dict) -> float
 
 def _check_linear_options() -> dict[str, float]:
     """ColumnParallelLinear(gather_output=True) and RowParallelLinear(input_is_parallel=False) equal a full
-    linear layer initialised from the same seed, in output and input gradient."""
+    linear layer initialised from the same --use-cpu-initialization stream, in output and input gradient."""
     init = lambda weight: torch.nn.init.normal_(weight, std=0.5)  # noqa: E731
     x = torch.randn(4, 2, 8, generator=torch.Generator().manual_seed(2))
     errors = {}
@@ -186,13 +186,13 @@ def _check_linear_options() -> dict[str, float]:
             lambda: RowParallelLinear(8, 6, init_method=init, input_is_parallel=False),
         ),
     ):
-        torch.manual_seed(3)
-        full_weight = init(torch.empty(6, 8))
+        with initialization_stream(3, 0):
+            full_weight = init(torch.empty(6, 8))
         expected_input = x.clone().requires_grad_()
         expected = F.linear(expected_input, full_weight)
         expected.sum().backward()
-        torch.manual_seed(3)
-        layer = make()
+        with initialization_stream(3, 0):
+            layer = make()
         leaf = x.clone().requires_grad_()
         out = layer(leaf)
         out.sum().backward()

@@ -75,7 +75,7 @@ def merge_tp_shards(shards: Sequence[torch.Tensor], sharding: TensorSharding) ->
 def split_tp_shard(
     tensor: torch.Tensor, sharding: TensorSharding, tp_size: int, tp_rank: int, name: str = "tensor"
 ) -> torch.Tensor:
-    """TP rank `tp_rank`'s slice of a global tensor (the same cut `sharded_master_weight` makes at init)."""
+    """TP rank `tp_rank`'s slice of a global tensor (the same cut `parallel_weight` makes at init)."""
     if not sharding.is_split or tp_size == 1:
         return tensor
     dim = sharding.partition_dim

@@ -30,6 +30,7 @@ from megatron_train.models.transformer import (
     init_method_normal,
 )
 from megatron_train.parallel.mappings import gather_from_sequence_parallel_region
+from megatron_train.parallel.param_init import initialized
 from megatron_train.parallel.random import initialization_stream
 from megatron_train.parallel.state import ProcessGroupCollection
 
@@ -37,8 +38,8 @@ from megatron_train.parallel.state import ProcessGroupCollection
 def linear_layer(config: TransformerConfig, in_features: int, out_features: int) -> nn.Linear:
     """A replicated linear layer as Megatron's `get_linear_layer`: normal weights, zero bias."""
     layer = nn.Linear(in_features, out_features, dtype=config.params_dtype)
-    init_method_normal(config.init_method_std)(layer.weight)
-    nn.init.zeros_(layer.bias)
+    initialized(layer.weight, init_method_normal(config.init_method_std))
+    initialized(layer.bias, nn.init.zeros_)
     return layer
 
 

@@ -28,6 +28,7 @@ from megatron_train.parallel.mappings import (
     gather_from_tensor_model_parallel_region,
     scatter_to_sequence_parallel_region,
 )
+from megatron_train.parallel.param_init import initialized
 from megatron_train.parallel.random import get_rng_tracker, initialization_stream
 from megatron_train.parallel.state import ProcessGroupCollection, process_groups
 
@@ -104,14 +105,14 @@ class LanguageModelEmbedding(nn.Module):
                 self.position_embeddings = nn.Embedding(
                     config.max_position_embeddings, config.hidden_size, dtype=config.params_dtype
                 )
-                init_method_normal(config.init_method_std)(self.position_embeddings.weight)
+                initialized(self.position_embeddings.weight, init_method_normal(config.init_method_std))
         self.tokentype_embeddings = None
         if num_tokentypes:
             with initialization_stream(init_seed, TOKENTYPE_EMBEDDING_INIT_STREAM):
                 self.tokentype_embeddings = nn.Embedding(
                     num_tokentypes, config.hidden_size, dtype=config.params_dtype
                 )
-                init_method_normal(config.init_method_std)(self.tokentype_embeddings.weight)
+                initialized(self.tokentype_embeddings.weight, init_method_normal(config.init_method_std))
         self.layernorm = build_norm(config, sequence_parallel) if config.post_ln else None
         self.embedding_dropout = nn.Dropout(config.hidden_dropout)
 
@@ -166,7 +167,7 @@ def build_output_layer(
         # Megatron: the last stage's copy starts at zero; the pipeline engine all-reduces it with the
         # first stage's embedding over the embedding group, before training and after each backward.
         # `shared`: the grad norm counts this copy once, on the first stage (as Megatron-Core).
-        output_layer.weight.data.zero_()
+        initialized(output_layer.weight, nn.init.zeros_)
         output_layer.weight.shared_embedding = True
         output_layer.weight.shared = True
     return output_layer

@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -38,9 +39,11 @@ from megatron_train.parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
     divide,
+    rank_pieces,
     set_tensor_model_parallel_attributes,
     slice_for_rank,
 )
+from megatron_train.parallel.param_init import new_parameter
 
 CONV_KERNEL = 4  # Megatron-Core's d_conv
 CHUNK_SIZE = 128  # Megatron-Core's chunk_size: the scan's result does not depend on it
@@ -79,13 +82,36 @@ def check_mamba_config(config: TransformerConfig, tp_size: int) -> None:
 
 
 def _tp_parameter(
-    full: torch.Tensor, dtype: torch.dtype, tp_group: dist.ProcessGroup | None, sizes: list[int] | None = None
+    full_shape: tuple[int, ...],
+    draw: Callable[[torch.Tensor], Any],
+    dtype: torch.dtype,
+    tp_group: dist.ProcessGroup | None,
+    sizes: list[int] | None = None,
 ) -> nn.Parameter:
-    """This rank's slice along dim 0 of a whole tensor drawn on every rank (the TP=1 model's, split)."""
+    """This rank's slice along dim 0 of a whole CPU tensor that `draw` fills in place on every rank (the TP=1
+    model's, split; these are the mixer's small per-head and per-channel tensors), drawn when the parameter is
+    initialised (`param_init.new_parameter`: at once, or when a meta-device model is materialised)."""
     tp_size, tp_rank = state.group_size(tp_group), state.group_rank(tp_group)
-    param = nn.Parameter(slice_for_rank(full, 0, tp_size, tp_rank, partition_sizes=sizes).to(dtype))
+    local_shape = list(full_shape)
+    local_shape[0] = sum(
+        size for _, size in rank_pieces(full_shape[0], tp_size, tp_rank, partition_sizes=sizes)
+    )
+
+    def init(tensor: torch.Tensor) -> None:
+        full = torch.empty(full_shape, dtype=torch.float32, device="cpu")
+        draw(full)
+        tensor.copy_(slice_for_rank(full, 0, tp_size, tp_rank, partition_sizes=sizes))
+
+    param = new_parameter(local_shape, dtype, init)
     set_tensor_model_parallel_attributes(param, 0, partition_sizes=sizes)
     return param
+
+
+def _dt_bias(tensor: torch.Tensor) -> None:
+    """dt_bias = softplus^-1(dt), dt log-uniform in [DT_MIN, DT_MAX] (floored at DT_INIT_FLOOR)."""
+    dt = torch.exp(torch.rand_like(tensor) * (math.log(DT_MAX) - math.log(DT_MIN)) + math.log(DT_MIN))
+    dt = dt.clamp(min=DT_INIT_FLOOR)
+    tensor.copy_(dt + torch.log(-torch.expm1(-dt)))
 
 
 class DepthwiseConvWeights(nn.Module):
@@ -107,7 +133,7 @@ class GatedRMSNorm(nn.Module):
     ) -> None:
         super().__init__()
         self.groups = groups
-        self.weight = _tp_parameter(torch.ones(width), dtype, tp_group)
+        self.weight = _tp_parameter((width,), nn.init.ones_, dtype, tp_group)
 
     def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         gated = (y.float() * F.silu(z.float())).unflatten(-1, (self.groups, -1))
@@ -165,19 +191,18 @@ class MambaMixer(nn.Module):
         )
         conv_parts = [d_inner, bc, bc]
         self.conv1d = DepthwiseConvWeights()
-        conv_weight = torch.empty(conv_channels, 1, CONV_KERNEL)
-        nn.init.kaiming_uniform_(conv_weight, a=math.sqrt(5))  # nn.Conv1d's init, on the whole weight
         bound = 1 / math.sqrt(CONV_KERNEL)
-        self.conv1d.weight = _tp_parameter(conv_weight, dtype, tp_group, conv_parts)
+        self.conv1d.weight = _tp_parameter(  # nn.Conv1d's init, on the whole weight
+            (conv_channels, 1, CONV_KERNEL), lambda t: nn.init.kaiming_uniform_(t, a=math.sqrt(5)), dtype, tp_group,
+            conv_parts,
+        )  # fmt: skip
         self.conv1d.bias = _tp_parameter(
-            torch.empty(conv_channels).uniform_(-bound, bound), dtype, tp_group, conv_parts
+            (conv_channels,), lambda t: t.uniform_(-bound, bound), dtype, tp_group, conv_parts
         )
-        # dt_bias = softplus^-1(dt), dt log-uniform in [DT_MIN, DT_MAX]; A = -exp(A_log), A uniform in A_INIT_RANGE.
-        dt = torch.exp(torch.rand(heads) * (math.log(DT_MAX) - math.log(DT_MIN)) + math.log(DT_MIN))
-        dt = dt.clamp(min=DT_INIT_FLOOR)
-        self.dt_bias = _tp_parameter(dt + torch.log(-torch.expm1(-dt)), dtype, tp_group)
-        self.A_log = _tp_parameter(torch.log(torch.empty(heads).uniform_(*A_INIT_RANGE)), dtype, tp_group)
-        self.D = _tp_parameter(torch.ones(heads), dtype, tp_group)
+        # A = -exp(A_log), A uniform in A_INIT_RANGE
+        self.dt_bias = _tp_parameter((heads,), _dt_bias, dtype, tp_group)
+        self.A_log = _tp_parameter((heads,), lambda t: t.uniform_(*A_INIT_RANGE).log_(), dtype, tp_group)
+        self.D = _tp_parameter((heads,), nn.init.ones_, dtype, tp_group)
         self.norm = GatedRMSNorm(d_inner, self.groups, dtype, tp_group)
         self.out_proj = RowParallelLinear(
             d_inner,

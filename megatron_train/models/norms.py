@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_train.models.config import TransformerConfig
+from megatron_train.parallel.param_init import initialized, new_parameter
 
 
 class RMSNorm(nn.Module):
@@ -27,8 +28,8 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.zero_centered_gamma = zero_centered_gamma
-        initial = torch.zeros if zero_centered_gamma else torch.ones
-        self.weight = nn.Parameter(initial(hidden_size, dtype=dtype))
+        initial = nn.init.zeros_ if zero_centered_gamma else nn.init.ones_
+        self.weight = new_parameter((hidden_size,), dtype, initial)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
@@ -42,8 +43,8 @@ class LayerNorm1P(nn.LayerNorm):
 
     def __init__(self, hidden_size: int, eps: float = 1e-5, dtype: torch.dtype = torch.float32) -> None:
         super().__init__(hidden_size, eps=eps, dtype=dtype)
-        with torch.no_grad():
-            self.weight.zero_()
+        initialized(self.weight, nn.init.zeros_)
+        initialized(self.bias, nn.init.zeros_)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.layer_norm(x, self.normalized_shape, self.weight + 1, self.bias, self.eps)

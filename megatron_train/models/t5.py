@@ -28,7 +28,7 @@ from megatron_train.models.transformer import (
     init_method_normal,
 )
 from megatron_train.parallel import state
-from megatron_train.parallel.layers import sharded_master_weight
+from megatron_train.parallel.layers import parallel_weight
 from megatron_train.parallel.random import initialization_stream
 from megatron_train.parallel.state import ProcessGroupCollection
 
@@ -63,7 +63,7 @@ class RelativePositionBias(nn.Module):
     """T5's learned bias per (bucket, head) added to the attention scores of every layer of one block.
 
     `weight` [buckets, heads] is split over `tp_group` along the heads (partition_dim 1): each rank holds the
-    columns of its own attention heads, initialised on the full master weight like every TP layer.
+    columns of its own attention heads, initialised like every TP layer (`layers.parallel_weight`).
     """
 
     def __init__(
@@ -73,7 +73,7 @@ class RelativePositionBias(nn.Module):
         self.bidirectional = bidirectional
         self.num_buckets = config.relative_attention_num_buckets
         self.max_distance = config.relative_attention_max_distance
-        self.weight = sharded_master_weight(
+        self.weight = parallel_weight(
             (self.num_buckets, config.num_attention_heads),
             1,
             1,

@@ -1,10 +1,13 @@
 """Tensor-parallel layers (Megatron-Core's ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding).
 
-Every rank builds the full master weight from the default (CPU) generator, then keeps its slice
-(Megatron's `_initialize_affine_weight_cpu`): with the same seed, a TP=N model holds exactly the TP=1
-model's weights, split. Sharded parameters carry `tensor_model_parallel=True`, `partition_dim` and
-`partition_stride`, or `partition_sizes` when the dim packs parts of different sizes (Mamba's fused in-projection
-[z, x, B, C, dt]: each part is split over TP on its own, as Megatron-Core's `partition_sizes`); replicated parameters that see only a sequence shard under sequence parallelism carry
+Each rank allocates only its shard of a split weight and draws it from its TP rank's tracked RNG stream
+(Megatron's `_initialize_affine_weight_gpu`; on the meta device until `param_init.materialize`); under
+--use-cpu-initialization it builds the full master weight from the CPU generator and keeps its slice
+(Megatron's `_initialize_affine_weight_cpu`): with the same seed, a TP=N model then holds exactly the TP=1
+model's weights, split (`parallel_weight`). Sharded parameters carry `tensor_model_parallel=True`, `partition_dim`
+and `partition_stride`, or `partition_sizes` when the dim packs parts of different sizes (Mamba's fused
+in-projection [z, x, B, C, dt]: each part is split over TP on its own, as Megatron-Core's `partition_sizes`);
+replicated parameters that see only a sequence shard under sequence parallelism carry
 `sequence_parallel=True`, and their gradients are summed over TP by `allreduce_sequence_parallel_grads`.
 Each layer communicates over the tensor-parallel group it is given (`tp_group`, from its model's
 ProcessGroupCollection); none given, over parallel.state's.
@@ -28,6 +31,8 @@ from megatron_train.parallel.mappings import (
     reduce_scatter_to_sequence_parallel_region,
     scatter_to_tensor_model_parallel_region,
 )
+from megatron_train.parallel.param_init import new_parameter
+from megatron_train.parallel.random import full_weight_initialization
 
 InitMethod = Callable[[torch.Tensor], torch.Tensor]
 
@@ -104,7 +109,7 @@ def merge_rank_slices(
     return torch.cat([pieces[part] for part in range(len(sizes)) for pieces in per_rank], dim=dim)
 
 
-def sharded_master_weight(
+def parallel_weight(
     full_shape: tuple[int, ...],
     partition_dim: int,
     stride: int,
@@ -113,14 +118,24 @@ def sharded_master_weight(
     tp_group: dist.ProcessGroup | None = None,
     partition_sizes: Sequence[int] | None = None,
 ) -> nn.Parameter:
-    """Initialise the full weight on the CPU, keep this rank's slice along the dim (`slice_for_rank`: its share
-    of each of the `stride` equal parts, or of each of `partition_sizes`), as `split_tp_shard` cuts checkpoints."""
-    master = torch.empty(full_shape, dtype=torch.float32)
-    init_method(master)
+    """This rank's shard of a weight split along `partition_dim`: its share of each of the `stride` equal parts,
+    or of each of `partition_sizes` (`rank_pieces`; a SwiGLU fc1 [gate; up] gives each rank [gate_r; up_r]). Drawn
+    as a shard from the TP rank's tracked stream, or under --use-cpu-initialization as the full weight on the CPU
+    sliced as `split_tp_shard` cuts checkpoints (module docstring).
+    """
     tp_group = state.tensor_group_or_default(tp_group)
     world_size, rank = state.group_size(tp_group), state.group_rank(tp_group)
-    local = slice_for_rank(master, partition_dim, world_size, rank, stride, partition_sizes)
-    weight = nn.Parameter(local.to(dtype))
+    if full_weight_initialization():
+        master = torch.empty(full_shape, dtype=torch.float32, device="cpu")
+        init_method(master)
+        local = slice_for_rank(master, partition_dim, world_size, rank, stride, partition_sizes)
+        weight = nn.Parameter(local.to(dtype))
+    else:
+        pieces = rank_pieces(full_shape[partition_dim], world_size, rank, stride, partition_sizes)
+        local_shape = list(full_shape)
+        local_shape[partition_dim] = sum(size for _, size in pieces)
+        # split over several ranks: each draws its shard from its own tracked stream (one rank: the default one)
+        weight = new_parameter(local_shape, dtype, init_method, tensor_parallel=world_size > 1)
     set_tensor_model_parallel_attributes(weight, partition_dim, stride, partition_sizes)
     return weight
 
@@ -156,7 +171,7 @@ class ColumnParallelLinear(nn.Module):
         self.weight = (
             None
             if skip_weight_param_allocation
-            else sharded_master_weight(
+            else parallel_weight(
                 (output_size, input_size),
                 0,
                 stride,
@@ -168,7 +183,7 @@ class ColumnParallelLinear(nn.Module):
         )
         self.bias = None
         if bias:
-            self.bias = nn.Parameter(torch.zeros(self.output_size_per_partition, dtype=params_dtype))
+            self.bias = new_parameter((self.output_size_per_partition,), params_dtype, nn.init.zeros_)
             set_tensor_model_parallel_attributes(self.bias, 0, stride, partition_sizes)
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
@@ -209,12 +224,12 @@ class RowParallelLinear(nn.Module):
         self.sequence_parallel = sequence_parallel
         self.tp_group = state.tensor_group_or_default(tp_group)
         self.input_size_per_partition = divide(input_size, state.group_size(self.tp_group), "input size")
-        self.weight = sharded_master_weight(
+        self.weight = parallel_weight(
             (output_size, input_size), 1, 1, init_method, params_dtype, self.tp_group
         )
         self.bias = None
         if bias:
-            self.bias = nn.Parameter(torch.zeros(output_size, dtype=params_dtype))
+            self.bias = new_parameter((output_size,), params_dtype, nn.init.zeros_)
             self.bias.sequence_parallel = sequence_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -252,7 +267,7 @@ class VocabParallelEmbedding(nn.Module):
         per_partition = divide(num_embeddings, state.group_size(self.tp_group), "padded vocabulary size")
         self.vocab_start_index = state.group_rank(self.tp_group) * per_partition
         self.vocab_end_index = self.vocab_start_index + per_partition
-        self.weight = sharded_master_weight(
+        self.weight = parallel_weight(
             (num_embeddings, embedding_dim), 0, 1, init_method, params_dtype, self.tp_group
         )
 

@@ -118,15 +118,27 @@ def initialization_stream(seed: int | None, stream: int) -> Iterator[None]:
     was built before, every TP/PP/DP layout starts from the same weights (docs/architecture.md). No-op when
     `seed` is None.
     """
+    global _OPEN_INIT_STREAMS
     if seed is None:
         yield
         return
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed((seed << _INIT_STREAM_BITS) + stream)
-        yield
+        _OPEN_INIT_STREAMS += 1
+        try:
+            yield
+        finally:
+            _OPEN_INIT_STREAMS -= 1
 
 
 _INIT_STREAM_BITS = 20  # streams per seed: seeds 7 and 8 share no stream
+_OPEN_INIT_STREAMS = 0
+
+
+def full_weight_initialization() -> bool:
+    """A --use-cpu-initialization stream is open: layers built now draw their full weights on the CPU and keep
+    their slice (`layers.parallel_weight`), instead of drawing only their shard (`param_init`)."""
+    return _OPEN_INIT_STREAMS > 0
 
 
 def checkpoint(function: Callable[..., Any], *args: Any) -> Any:

@@ -114,9 +114,7 @@ class _ParallelState:
     groups: dict[str, dist.ProcessGroup]
     ranks: dict[str, list[int]]  # this process's group of each kind, as global ranks
     virtual_pipeline_size: int | None
-    checkpoint: (
-        dist.ProcessGroup
-    )  # every rank over gloo: checkpoint saves coordinate here, also from a thread
+    checkpoint: dist.ProcessGroup | None = None  # every rank over gloo, made at the first checkpoint
 
 
 _STATE: _ParallelState | None = None
@@ -200,8 +198,7 @@ def initialize_model_parallel(
             group = dist.new_group(group_ranks)  # every rank creates every group, in the same order
             if me in group_ranks:
                 groups[kind], ranks[kind] = group, group_ranks
-    checkpoint = dist.new_group(list(range(dist.get_world_size())), backend="gloo")
-    _STATE = _ParallelState(groups, ranks, virtual_pipeline_model_parallel_size, checkpoint)
+    _STATE = _ParallelState(groups, ranks, virtual_pipeline_model_parallel_size)
 
 
 def destroy_model_parallel() -> None:
@@ -310,9 +307,12 @@ def get_model_parallel_group() -> dist.ProcessGroup:
 
 def get_checkpoint_group() -> dist.ProcessGroup:
     """Every rank, over gloo (Megatron's gloo groups for checkpoints): a distributed checkpoint's planning and
-    completion run on it, also from the thread of an asynchronous save while training uses the other groups."""
+    completion run on it, also from the thread of an asynchronous save while training uses the other groups.
+    Made by the first checkpoint save or load, which every rank calls at the same point."""
     if _STATE is None:
         raise RuntimeError("the checkpoint group does not exist yet: call initialize_model_parallel first")
+    if _STATE.checkpoint is None:
+        _STATE.checkpoint = dist.new_group(list(range(dist.get_world_size())), backend="gloo")
     return _STATE.checkpoint
 
 

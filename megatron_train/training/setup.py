@@ -25,6 +25,7 @@ from megatron_train.distributed import DDPConfig, wrap_data_parallel
 from megatron_train.families.family import ModelProvider
 from megatron_train.optimizer import MegatronOptimizer, get_megatron_optimizer
 from megatron_train.parallel import model_parallel_seed, state
+from megatron_train.parallel.param_init import materialize
 from megatron_train.parallel.tied_embeddings import sync_embedding_weights
 from megatron_train.training.lr_scheduler import OptimizerParamScheduler, build_opt_param_scheduler
 from megatron_train.training.microbatches import MicroBatchCalculator, parse_step_batch_size_schedule
@@ -97,16 +98,20 @@ class TrainingSetup:
 def build_model_chunks(
     config: MegatronConfig, model_provider: ModelProvider, padded_vocab_size: int, device: torch.device
 ) -> list[torch.nn.Module]:
-    """This rank's pipeline stage, one chunk per virtual stage, tied embedding copies made equal."""
+    """This rank's pipeline stage, one chunk per virtual stage, tied embedding copies made equal.
+
+    Built on the meta device and materialised on `device`, each parameter drawing only this rank's shard
+    (`parallel.param_init`); under --use-cpu-initialization built on the CPU from the full weights and moved."""
+    on_meta = not config.training.use_cpu_initialization
     chunks = []
     for vp_stage in range(state.get_virtual_pipeline_model_parallel_world_size() or 1):
         pre_process, post_process = (
             state.is_pipeline_first_stage(vp_stage),
             state.is_pipeline_last_stage(vp_stage),
         )
-        chunks.append(
-            model_provider(config, padded_vocab_size, pre_process, post_process, vp_stage).to(device)
-        )
+        with torch.device("meta") if on_meta else contextlib.nullcontext():
+            chunk = model_provider(config, padded_vocab_size, pre_process, post_process, vp_stage)
+        chunks.append(materialize(chunk, device) if on_meta else chunk.to(device))
     sync_embedding_weights(chunks)
     return chunks
 
@@ -140,24 +145,7 @@ def setup_model_and_optimizer(
         train_iters = calculator.train_iters_for_samples(training.train_samples or 0)
     unwrapped = build_model_chunks(config, model_provider, padded_vocab_size, device)
     print_parameter_count(unwrapped)
-    ddp_config = DDPConfig(
-        grad_reduce_in_fp32=training.accumulate_allreduce_grads_in_fp32,
-        overlap_grad_reduce=training.overlap_grad_reduce,
-        bucket_size=training.ddp_bucket_size,
-        use_distributed_optimizer=config.parallel.use_distributed_optimizer,
-        overlap_param_gather=training.overlap_param_gather,
-    )
-    # gradients are reduced, and the distributed optimizer shards, over data x context parallel (Megatron's)
-    dp_group = (
-        state.get_data_parallel_group(with_context_parallel=True)
-        if state.model_parallel_is_initialized()
-        else None
-    )
-    model = [wrap_data_parallel(chunk, training.ddp_impl, ddp_config, dp_group) for chunk in unwrapped]
-    # Several chunks: one optimizer over all of them, params named `<chunk>.<name>`.
-    optimizer = get_megatron_optimizer(
-        config.optimizer, model, config.model.params_dtype, config.parallel.use_distributed_optimizer
-    )
+    model, optimizer = wrap_and_optimize(config, unwrapped)
     scheduler = build_opt_param_scheduler(
         optimizer.optimizer,
         config.optimizer,
@@ -174,6 +162,32 @@ def setup_model_and_optimizer(
         loaded = load_checkpoint(stage, optimizer, scheduler, config, padded_vocab_size, saved)
         sync_embedding_weights(unwrapped)
     return TrainingSetup(model, unwrapped, optimizer, scheduler, calculator, train_iters, loaded)
+
+
+def wrap_and_optimize(
+    config: MegatronConfig, unwrapped: list[torch.nn.Module]
+) -> tuple[list[torch.nn.Module], MegatronOptimizer]:
+    """The model chunks in their data-parallel wrappers and one optimizer over all of them (params named
+    `<chunk>.<name>` for several chunks). Gradients are reduced, and the distributed optimizer shards, over data x
+    context parallel (Megatron's)."""
+    training = config.training
+    ddp_config = DDPConfig(
+        grad_reduce_in_fp32=training.accumulate_allreduce_grads_in_fp32,
+        overlap_grad_reduce=training.overlap_grad_reduce,
+        bucket_size=training.ddp_bucket_size,
+        use_distributed_optimizer=config.parallel.use_distributed_optimizer,
+        overlap_param_gather=training.overlap_param_gather,
+    )
+    dp_group = (
+        state.get_data_parallel_group(with_context_parallel=True)
+        if state.model_parallel_is_initialized()
+        else None
+    )
+    model = [wrap_data_parallel(chunk, training.ddp_impl, ddp_config, dp_group) for chunk in unwrapped]
+    optimizer = get_megatron_optimizer(
+        config.optimizer, model, config.model.params_dtype, config.parallel.use_distributed_optimizer
+    )
+    return model, optimizer
 
 
 def checkpoint_model(chunks: list[torch.nn.Module]) -> torch.nn.Module | list[torch.nn.Module]:
