@@ -64,8 +64,10 @@ def _config(
 
 
 def _build(config: MegatronConfig, seed: int = 0):
+    """Model, optimizer and scheduler; the model's full weights drawn from `seed` (--use-cpu-initialization's
+    streams), whatever the TP size."""
     model_parallel_seed(seed)
-    model = GPTModel(config.model, VOCAB)
+    model = GPTModel(config.model, VOCAB, init_seed=seed)
     optimizer = get_megatron_optimizer(config.optimizer, model)
     scheduler = build_opt_param_scheduler(optimizer.optimizer, config.optimizer, 10, None, 2)
     return model, optimizer, scheduler
@@ -301,8 +303,7 @@ def test_tensor_parallel_shards_record_sharding_and_merge_for_inference(tmp_path
     # the merged weights are the TP=1 model built from the same seed
     if arch == "llama_qkv_bias":
         assert split["decoder.layers.1.self_attention.linear_qkv.bias"]["partition_dim"] == 0
-    model_parallel_seed(0)
-    reference = GPTModel(TP_MODELS[arch](), VOCAB)
+    reference = GPTModel(TP_MODELS[arch](), VOCAB, init_seed=0)
     _fill_qkv_biases(reference)
     with torch.no_grad():
         logits = model(_tp_tokens())

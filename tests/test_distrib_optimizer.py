@@ -174,8 +174,9 @@ def runs(tmp_path_factory) -> dict:
     """Every run of this module in three process groups (DP=2, then DP=1, then 4 ranks: each resume needs
     the previous group's checkpoint): the runs' parent folder and the in-worker results."""
     tmp = tmp_path_factory.mktemp("distopt")
+    # --use-cpu-initialization: the TP=2 run starts from the DP=1 run's weights
     common = ["--data-path", write_corpus(str(tmp)), "--split", "90,10,0", "--train-iters", "4",
-              "--hidden-dropout", "0.0", "--attention-dropout", "0.0"]  # fmt: skip
+              "--hidden-dropout", "0.0", "--attention-dropout", "0.0", "--use-cpu-initialization"]  # fmt: skip
     argvs = {}
     for name, extra in {**RUNS_DP2, **RUNS_DP1, **RUNS_WORLD4}.items():
         argv = tiny_args(str(tmp / name), *common, *extra)

@@ -21,6 +21,7 @@ from megatron_train.checkpointing.layout import (
 from megatron_train.families.gpt import GPT, datasets_provider, forward_step, gpt_terms
 from megatron_train.models.gpt import GPTModel
 from megatron_train.parallel import state
+from megatron_train.parallel.param_init import initialized
 from megatron_train.tokenizer import tokenizer_from_config
 from megatron_train.training.entry import padded_vocab_size_for
 from megatron_train.training.loop import pretrain
@@ -69,17 +70,18 @@ def model_from_weights(
     vp_stage: int,
 ) -> GPTModel:
     """A model provider: this stage of the single-process model `initial` (its TP shard of its layers; the
-    tied output copy is left for the pipeline to sync); records (stage, TP rank) in `built`."""
+    tied output copy is left for the pipeline to sync); records (stage, TP rank) in `built`. Each shard is the
+    parameter's initializer, so it holds also when the run builds the model on the meta device."""
     stage = GPT.model_provider(config, padded_vocab_size, pre_process, post_process, vp_stage)
     tp_size, tp_rank = state.get_tensor_model_parallel_world_size(), state.get_tensor_model_parallel_rank()
     global_names = _global_names(stage)
-    with torch.no_grad():
-        for name, param in stage.named_parameters():
-            global_name = global_names[name]
-            if global_name == WORD_EMBEDDING and not pre_process:
-                continue
-            full = torch.from_numpy(initial[global_name])
-            param.copy_(split_tp_shard(full, _sharding(param), tp_size, tp_rank, global_name))
+    for name, param in stage.named_parameters():
+        global_name = global_names[name]
+        if global_name == WORD_EMBEDDING and not pre_process:
+            continue
+        full = torch.from_numpy(initial[global_name])
+        shard = split_tp_shard(full, _sharding(param), tp_size, tp_rank, global_name)
+        initialized(param, lambda tensor, shard=shard: tensor.copy_(shard))
     built.append((stage, tp_rank))
     return stage
 
