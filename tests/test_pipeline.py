@@ -139,11 +139,13 @@ class Case(NamedTuple):
     num_microbatches: int
     forward_only: bool = False
     loss_scale: float | None = None  # fp16-style: the loss is multiplied before backward
+    overlap: bool = True  # 1F1B's steady exchanges posted without waiting (--overlap-p2p-communication)
+    deallocate: bool = True  # sent outputs freed (deallocate_output_tensor)
 
 
 def run_case(case: Case) -> dict:
     """Build this rank's chunks, run one step with the schedule the state picks, return what the test checks."""
-    pp, vp, num_microbatches, forward_only, loss_scale = case
+    pp, vp, num_microbatches, forward_only, loss_scale, overlap, deallocate = case
     state.initialize_model_parallel(pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vp)
     try:
         pp_rank, num_chunks = state.get_pipeline_model_parallel_rank(), vp or 1
@@ -171,6 +173,8 @@ def run_case(case: Case) -> dict:
                 MICRO_BATCH,
                 forward_only=forward_only,
                 grad_scale_func=grad_scale_func,
+                overlap_p2p_comm=overlap,
+                deallocate_pipeline_outputs=deallocate,
             )
         if not forward_only:
             allreduce_embedding_grads(chunks)
@@ -200,7 +204,7 @@ def run_cases(rank: int, world_size: int, cases: list[Case]) -> list[dict]:
 
 def check_case(results: list[dict], case: Case) -> None:
     """Losses on the last stage, every layer's grad somewhere, tied embedding grads equal on both ends."""
-    pp, vp, num_microbatches, forward_only, loss_scale = case
+    pp, vp, num_microbatches, forward_only, loss_scale = case[:5]
     loss_scale = loss_scale or 1.0
     ref_losses, ref_grads = reference(num_microbatches)
     schedule = "forward_backward_pipelining_" + ("without" if vp is None else "with") + "_interleaving"
@@ -237,6 +241,8 @@ TWO_RANK_CASES = [
     Case(2, None, 4),  # 1F1B with a steady phase
     Case(2, None, 1),  # fewer micro-batches than stages: warm-up only
     Case(2, None, 3, loss_scale=8.0),
+    Case(2, None, 4, overlap=False, deallocate=False),  # every exchange waited for, outputs kept
+    Case(2, 2, 4, deallocate=False),
     Case(2, 2, 4),  # interleaved, 2 chunks per rank
     Case(2, 2, 2),  # interleaved with m == p: everything is warm-up
     Case(2, None, 3, forward_only=True),
@@ -259,12 +265,14 @@ def test_two_stage_schedules_equal_the_unpipelined_model(two_rank_results):
     all_results = [cases for cases, _ in two_rank_results]
     for i, case in enumerate(TWO_RANK_CASES):
         check_case([ranks[i] for ranks in all_results], case)
-    # 1F1B, m = 4: each stage sends one [s, b, h] fp32 tensor per micro-batch (activations / grads).
+    # 1F1B, m = 4: each stage sends one [s, b, h] fp32 tensor per micro-batch (activations / grads), whether
+    # the exchanges overlap the compute or are waited for.
     nbytes = SEQ * MICRO_BATCH * HIDDEN * 4
-    assert [ranks[0]["bytes_sent"] for ranks in all_results] == [4 * nbytes, 4 * nbytes]
-    assert [ranks[0]["bytes_received"] for ranks in all_results] == [4 * nbytes, 4 * nbytes]
+    for blocking in (0, 3):
+        assert [ranks[blocking]["bytes_sent"] for ranks in all_results] == [4 * nbytes, 4 * nbytes]
+        assert [ranks[blocking]["bytes_received"] for ranks in all_results] == [4 * nbytes, 4 * nbytes]
     # Interleaved, v = 2, m = 4: 3 chunk boundaries crossed both ways; rank 0 sends 2 forward and 1 backward.
-    assert [ranks[3]["bytes_sent"] for ranks in all_results] == [12 * nbytes, 12 * nbytes]
+    assert [ranks[5]["bytes_sent"] for ranks in all_results] == [12 * nbytes, 12 * nbytes]
 
 
 FOUR_RANK_CASES = [
@@ -273,6 +281,7 @@ FOUR_RANK_CASES = [
     Case(4, 2, 8),
     Case(4, 2, 4),
     Case(4, 2, 4, forward_only=True),
+    Case(4, None, 6, overlap=False),
     Case(2, None, 3),  # PP=2 x DP=2: pipeline groups [0, 2] and [1, 3], not neighbours in rank order
     Case(2, 2, 4, loss_scale=4.0),
 ]

@@ -59,6 +59,15 @@ class ParallelConfig:
             "help": "Degree of context parallelism: each sequence split over this many ranks (ring attention)."
         },
     )
+    overlap_p2p_comm: bool = field(
+        default=True,
+        metadata={
+            "help": "1F1B: post the pipeline's sends and receives without waiting, overlapping them with the next "
+            "forward or backward; --no-overlap-p2p-communication waits for each exchange.",
+            "flag": "--no-overlap-p2p-communication",
+            "opposite_flag": "--overlap-p2p-communication",
+        },
+    )
     use_distributed_optimizer: bool = field(
         default=False, metadata={"help": "Shard optimizer state across data parallel ranks."}
     )

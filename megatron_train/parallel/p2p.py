@@ -2,7 +2,9 @@
 
 Activations travel forward (to the next stage) and their gradients backward (to the previous stage)
 as tensors of one fixed shape, [seq, micro_batch, hidden] (seq / TP under sequence parallel). Every
-exchange is one batch of isend/irecv ops on the pipeline group, waited on before returning.
+exchange is one batch of isend/irecv ops on the pipeline group (Megatron's batched p2p): `exchange` waits for
+it before returning; `post` returns it in flight (`PendingExchange`), so a schedule overlaps the transfer with
+the next compute and waits only when it needs what it receives.
 
 Neighbours wrap around the ring (the last stage's "next" is the first stage), which is what the
 interleaved schedule needs: chunk c on the last stage feeds chunk c + 1 on the first stage.
@@ -25,6 +27,24 @@ from megatron_train.parallel import state
 
 _FORWARD_TAG = 0  # activations, stage i -> stage i + 1
 _BACKWARD_TAG = 1  # activation gradients, stage i + 1 -> stage i
+
+
+@dataclass
+class PendingExchange:
+    """Sends and receives posted together and not yet waited for. `wait()` returns (tensor_recv_prev,
+    tensor_recv_next); the tensors being sent stay referenced until then, so a schedule may free the outputs they
+    came from at once (`schedules.deallocate_output_tensor`)."""
+
+    requests: list
+    recv_prev: torch.Tensor | None
+    recv_next: torch.Tensor | None
+    sending: list[torch.Tensor]
+
+    def wait(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        for request in self.requests:
+            request.wait()
+        self.requests, self.sending = [], []
+        return self.recv_prev, self.recv_next
 
 
 @dataclass
@@ -136,10 +156,20 @@ class P2PCommunicator:
         recv_prev: bool = False,
         recv_next: bool = False,
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """Send to / receive from both neighbours at once; returns (tensor_recv_prev, tensor_recv_next).
+        """Send to / receive from both neighbours at once and wait; returns (tensor_recv_prev, tensor_recv_next).
 
         A received activation requires grad: it is the next chunk's input, whose gradient goes back.
         """
+        return self.post(tensor_send_next, tensor_send_prev, recv_prev, recv_next).wait()
+
+    def post(
+        self,
+        tensor_send_next: torch.Tensor | None = None,
+        tensor_send_prev: torch.Tensor | None = None,
+        recv_prev: bool = False,
+        recv_next: bool = False,
+    ) -> PendingExchange:
+        """`exchange` without the wait: the batch in flight, to `wait()` for when its tensors are needed."""
         if tensor_send_next is not None:
             tensor_send_next = self._outgoing("output activation", tensor_send_next)
         if tensor_send_prev is not None:
@@ -158,9 +188,7 @@ class P2PCommunicator:
             for op, tensor, peer, tag in ops
             if tensor is not None
         ]
-        if p2p_ops:
-            for request in dist.batch_isend_irecv(p2p_ops):
-                request.wait()
+        requests = dist.batch_isend_irecv(p2p_ops) if p2p_ops else []
         for op, tensor, _, _ in ops:
             if tensor is not None:
                 nbytes = tensor.numel() * tensor.element_size()
@@ -168,7 +196,8 @@ class P2PCommunicator:
                     p2p_counters.bytes_sent += nbytes
                 else:
                     p2p_counters.bytes_received += nbytes
-        return tensor_recv_prev, tensor_recv_next
+        sending = [t for t in (tensor_send_next, tensor_send_prev) if t is not None]
+        return PendingExchange(requests, tensor_recv_prev, tensor_recv_next, sending)
 
     def _empty(self, requires_grad: bool) -> torch.Tensor:
         return torch.empty(

@@ -9,6 +9,12 @@
   chunk c of rank r being virtual stage c * p + r; the bubble shrinks to (p - 1) / (v * m) for v times the
   p2p traffic.
 
+The pipelined schedules free each output once it is sent (Megatron's `deallocate_output_tensor`: only its
+grad_fn is needed for the backward, which `_backward_step` then runs without comparing shapes), and 1F1B posts
+its steady-state exchanges without waiting (`overlap_p2p_comm`, Megatron's --overlap-p2p-communication): the
+next micro-batch's input is received while the backward runs and the input gradient is sent while the next
+forward runs. The interleaved schedule's exchanges stay blocking.
+
 All share Megatron's signature and contract. `forward_step_func(data_iterator, model)` returns
 `(output_tensor, loss_func)`; on the last stage `loss_func(output_tensor)` returns `(loss, reduced)`, where
 `reduced` is a dict of detached values for logging. The loss is divided by `num_microbatches` before backward,
@@ -35,7 +41,7 @@ import torch
 from torch import nn
 
 from megatron_train.parallel import state
-from megatron_train.parallel.p2p import P2PCommunicator
+from megatron_train.parallel.p2p import P2PCommunicator, PendingExchange
 
 LossFunc = Callable[[torch.Tensor], tuple[torch.Tensor, dict[str, Any]]]
 ForwardStepFunc = Callable[[Any, nn.Module], tuple[torch.Tensor, LossFunc]]
@@ -81,6 +87,8 @@ def forward_backward_no_pipelining(
     dtype: torch.dtype | None = None,
     sequence_parallel: bool = False,
     grad_scale_func: GradScaleFunc | None = None,
+    overlap_p2p_comm: bool = True,
+    deallocate_pipeline_outputs: bool = True,
 ) -> list[dict[str, Any]]:
     """Run every micro-batch forward then backward on the whole model (the shape arguments are unused).
 
@@ -122,6 +130,8 @@ def forward_backward_pipelining_without_interleaving(
     dtype: torch.dtype | None = None,
     sequence_parallel: bool = False,
     grad_scale_func: GradScaleFunc | None = None,
+    overlap_p2p_comm: bool = True,
+    deallocate_pipeline_outputs: bool = True,
 ) -> list[dict[str, Any]]:
     """1F1B: stage r runs p - r - 1 warm-up forwards, alternates forward and backward, then drains backwards."""
     chunks = _as_chunks(model)
@@ -155,6 +165,11 @@ def forward_backward_pipelining_without_interleaving(
             input_tensors.pop(0), output_tensors.pop(0), output_tensor_grad, grad_scale_func
         )
 
+    def sent(output_tensor: torch.Tensor) -> None:
+        if deallocate_pipeline_outputs and not comm.is_last_stage:
+            deallocate_output_tensor(output_tensor)
+
+    sends_in_flight: list[PendingExchange] = []
     with _DeferredGradSync(chunks, num_microbatches, enabled=not forward_only) as grad_sync:
         for _ in range(num_warmup):
             input_tensor = comm.recv_forward()
@@ -163,6 +178,7 @@ def forward_backward_pipelining_without_interleaving(
             if not forward_only:
                 input_tensors.append(input_tensor)
                 output_tensors.append(output_tensor)
+                sent(output_tensor)
 
         input_tensor = comm.recv_forward() if num_steady else None
         for i in range(num_steady):
@@ -172,9 +188,23 @@ def forward_backward_pipelining_without_interleaving(
                 comm.send_forward(output_tensor)
                 input_tensor = None if last_iteration else comm.recv_forward()
                 continue
-            output_tensor_grad = comm.send_forward_recv_backward(output_tensor)
             input_tensors.append(input_tensor)
             output_tensors.append(output_tensor)
+            if overlap_p2p_comm:
+                # post the output, its gradient's receive and the next input's receive at once; the next input
+                # arrives while the backward runs, the input gradient leaves while the next forward runs
+                to_next = comm.post(tensor_send_next=None if comm.is_last_stage else output_tensor,
+                                    recv_next=not comm.is_last_stage)  # fmt: skip
+                from_prev = comm.post(recv_prev=not (last_iteration or comm.is_first_stage))
+                output_tensor_grad = to_next.wait()[1]
+                sent(output_tensor)
+                input_tensor_grad = backward(output_tensor_grad)
+                if not comm.is_first_stage:
+                    sends_in_flight.append(comm.post(tensor_send_prev=input_tensor_grad))
+                input_tensor = from_prev.wait()[0]
+                continue
+            output_tensor_grad = comm.send_forward_recv_backward(output_tensor)
+            sent(output_tensor)
             input_tensor_grad = backward(output_tensor_grad)
             if last_iteration:
                 comm.send_backward(input_tensor_grad)
@@ -185,6 +215,8 @@ def forward_backward_pipelining_without_interleaving(
             for _ in range(num_warmup):
                 output_tensor_grad = comm.recv_backward()
                 comm.send_backward(backward(output_tensor_grad))
+        for pending in sends_in_flight:
+            pending.wait()
     return losses
 
 
@@ -201,6 +233,8 @@ def forward_backward_pipelining_with_interleaving(
     dtype: torch.dtype | None = None,
     sequence_parallel: bool = False,
     grad_scale_func: GradScaleFunc | None = None,
+    overlap_p2p_comm: bool = True,
+    deallocate_pipeline_outputs: bool = True,
 ) -> list[dict[str, Any]]:
     """Interleaved 1F1B over v model chunks per rank, in Megatron's order.
 
@@ -288,6 +322,8 @@ def forward_backward_pipelining_with_interleaving(
             else:
                 input_tensor = comm.send_forward_recv_forward(output_tensor, recv_prev=recv_prev)
             input_tensors[next_chunk].append(input_tensor)
+            if deallocate_pipeline_outputs and not forward_only:
+                deallocate_output_tensor(output_tensor)
 
         for i in range(num_steady):
             forward_k, backward_k = i + num_warmup, i
@@ -318,6 +354,8 @@ def forward_backward_pipelining_with_interleaving(
             input_tensor, output_tensor_grad = comm.send_forward_backward_recv_forward_backward(
                 output_tensor, input_tensor_grad, recv_prev=recv_prev, recv_next=recv_next
             )
+            if deallocate_pipeline_outputs:
+                deallocate_output_tensor(output_tensor)
             if recv_prev:
                 input_tensors[next_forward_chunk].append(input_tensor)
             if recv_next:
@@ -461,16 +499,31 @@ def _forward_step(
     return loss / num_microbatches
 
 
+def deallocate_output_tensor(output_tensor: torch.Tensor | None) -> None:
+    """Megatron's `deallocate_output_tensor`: once a stage's output is sent on, the backward needs only its
+    grad_fn, so its data becomes one element (a view keeps its base alive anyway: left as it is)."""
+    if output_tensor is None or output_tensor._base is not None:
+        return
+    output_tensor.data = torch.empty((1,), device=output_tensor.device, dtype=output_tensor.dtype)
+
+
 def _backward_step(
     input_tensor: torch.Tensor | None,
     output_tensor: torch.Tensor,
     output_tensor_grad: torch.Tensor | None,
     grad_scale_func: GradScaleFunc | None,
 ) -> torch.Tensor | None:
-    """One chunk backward; returns the gradient of its input (None on the first stage)."""
+    """One chunk backward; returns the gradient of its input (None on the first stage). The autograd engine is
+    called directly (Megatron's `custom_backward`): a deallocated output no longer has its gradient's shape."""
     if output_tensor_grad is None and grad_scale_func is not None:  # the loss: scale it (fp16)
         output_tensor = grad_scale_func(output_tensor)
-    torch.autograd.backward(output_tensor, grad_tensors=output_tensor_grad)
+    if output_tensor_grad is None:
+        torch.autograd.backward(output_tensor)
+    else:
+        torch.autograd.Variable._execution_engine.run_backward(
+            tensors=(output_tensor,), grad_tensors=(output_tensor_grad,), keep_graph=False, create_graph=False,
+            inputs=(), allow_unreachable=True, accumulate_grad=True,
+        )  # fmt: skip
     if input_tensor is None:
         return None
     if input_tensor.grad is None:

@@ -108,6 +108,7 @@ def train_step(
         config.training.micro_batch_size,
         sequence_parallel=config.parallel.sequence_parallel,
         grad_scale_func=lambda loss: loss * loss_scale,
+        overlap_p2p_comm=config.parallel.overlap_p2p_comm,
     )
     if hooks is not None:
         hooks.after_forward_backward()
