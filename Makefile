@@ -15,7 +15,7 @@ MODEL ?= gpt
 BASELINE ?= $(if $(filter gpt,$(MODEL)),,gpt)
 PYTEST_ARGS ?=
 
-.PHONY: setup lock test test-fast lint bench corpus pretrain eval demo retro clean
+.PHONY: setup lock test test-fast lint bench corpus pretrain eval demo retro clean gpu-check
 
 $(STAMP): pyproject.toml requirements.lock
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -49,6 +49,11 @@ lint: setup
 
 bench: setup
 	@for b in benchmarks/*.py; do m=$$(basename $$b .py); echo "== benchmarks.$$m"; $(PY) -m benchmarks.$$m || exit 1; done
+
+# The GPU machine's own python3 and CUDA torch: no venv, nothing installed, no network (megatron_train/tools/gpu_check.py).
+GPU_PYTHON ?= python3
+gpu-check:
+	PYTHONPATH=$(CURDIR) $(GPU_PYTHON) -m megatron_train.tools.gpu_check
 
 corpus: setup
 	$(PY) -m flows.corpus_plan --store $(STORE)
