@@ -420,7 +420,9 @@ def test_rng_states_are_skipped_with_a_log_line_on_a_layout_change(layouts, capl
     torch.manual_seed(3)
     with caplog.at_level(logging.WARNING, logger="megatron_train.checkpointing"):
         assert load_checkpoint(model, None, None, config, GPT_PADDED_VOCAB).iteration == 4
-    assert "(TP, PP, CP) changed from (2, 1, 1) to (1, 1, 1)" in caplog.text and "--no-load-rng" in caplog.text
+    assert (
+        "(TP, PP, CP) changed from (2, 1, 1) to (1, 1, 1)" in caplog.text and "--no-load-rng" in caplog.text
+    )
     assert torch.equal(torch.rand(2), expected)  # RNG untouched
     with pytest.raises(CheckpointError, match="padded_vocab_size=128 but this run has padded_vocab_size=256"):
         load_checkpoint(GPTModel(config.model, 256), None, None, config, 256)

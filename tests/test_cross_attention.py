@@ -69,12 +69,16 @@ def test_cross_attention_layers_are_named_as_megatron_core(post_ln):
 
 
 def _block_loss_and_grads(config, sequence_parallel: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    block = TransformerBlock(  # the same full weights under every TP size (--use-cpu-initialization's streams)
-        config,
-        sequence_parallel,
-        post_process=True,
-        init_seed=1234,
-        cross_attention_for=lambda layer: CrossAttention(config, sequence_parallel) if layer == 1 else None,
+    block = (
+        TransformerBlock(  # the same full weights under every TP size (--use-cpu-initialization's streams)
+            config,
+            sequence_parallel,
+            post_process=True,
+            init_seed=1234,
+            cross_attention_for=lambda layer: (
+                CrossAttention(config, sequence_parallel) if layer == 1 else None
+            ),
+        )
     )
     hidden, context, mask = _inputs(config.hidden_size)
     if sequence_parallel:

@@ -129,7 +129,7 @@ def _storage_bytes(tensors) -> int:
 def _measure_worker(rank: int, world_size: int, layouts: dict[str, list[str]]) -> dict[str, tuple]:
     """Each layout trained one step on this rank: (pp rank, dp rank, params, grads, optimizer bytes)."""
     from megatron_train.device import get_device
-    from megatron_train.families.gpt import forward_step, gpt_model_provider
+    from megatron_train.families.gpt import GPT, forward_step
     from megatron_train.training.loop import train_step
     from megatron_train.training.setup import (
         model_parallel_session,
@@ -142,7 +142,7 @@ def _measure_worker(rank: int, world_size: int, layouts: dict[str, list[str]]) -
         config = parse_args(_measured_argv(flags), world_size)
         with model_parallel_session(config, config.parallel.pipeline_model_parallel_size, None):
             set_random_seed(7)
-            setup = setup_model_and_optimizer(config, gpt_model_provider, padded_vocab(config), get_device())
+            setup = setup_model_and_optimizer(config, GPT.model_provider, padded_vocab(config), get_device())
             tokens = torch.randint(0, 100, (2, 17), generator=torch.Generator().manual_seed(0))
             batch = {"tokens": tokens[:, :-1], "labels": tokens[:, 1:], "loss_mask": torch.ones(2, 16),
                      "position_ids": torch.arange(16).expand(2, 16)}  # fmt: skip
