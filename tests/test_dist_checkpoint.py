@@ -25,6 +25,7 @@ from megatron_train.checkpointing.dist_checkpoint import (
 from megatron_train.checkpointing.files import METADATA_FILENAME, CheckpointError
 from megatron_train.checkpointing.layout import TensorSharding
 from megatron_train.convert import torch_dist
+from megatron_train.families.gpt import GPT
 from megatron_train.parallel import state
 from tests.helpers.distributed import run_distributed
 from tests.helpers.training import (
@@ -94,7 +95,7 @@ def test_megatron_core_and_the_converter_read_it(resumed) -> None:
         32,
     )
     # our converter reads the training save as Megatron-Core's: the weights the TP=1 run saved in our format
-    converted = torch_dist.load(resumed["reference"], 4, true_vocab_size=128).tensors
+    converted = torch_dist.load(resumed["reference"], 4, true_vocab_size=128, family=GPT).tensors
     ours = SavedCheckpoint(os.path.join(resumed["tp1"], "iter_0000004"))
     for name in ("decoder.layers.1.mlp.linear_fc1.weight", "embedding.word_embeddings.weight"):
         expected = ours.global_tensor(name)[: converted[name].shape[0]]

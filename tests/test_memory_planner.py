@@ -97,10 +97,13 @@ def test_the_report_shows_stages_flops_traffic_and_step_time(capsys) -> None:
     assert "pipeline bubble" in lines[-1]
 
 
-@pytest.mark.parametrize("flag", ["--hybrid-override-pattern", "--hybrid-layer-pattern"])
-def test_hybrid_mamba_models_are_refused_with_megatrons_line(flag, capsys) -> None:
+@pytest.mark.parametrize(
+    "flags",
+    [["--hybrid-override-pattern", "M*M*"], ["--hybrid-layer-pattern", "M*M*"], ["--model-family", "hybrid"]],
+)
+def test_hybrid_mamba_models_are_refused_with_megatrons_line(flags, capsys) -> None:
     with pytest.raises(SystemExit) as exit_info:
-        planner_main([*LLAMA3_8B, flag, "M*M*"])
+        planner_main([*LLAMA3_8B, *flags])
     assert "not yet supported for hybrid Mamba-Transformer models" in str(exit_info.value)
 
 

@@ -69,11 +69,12 @@ def padded_vocab(config: MegatronConfig) -> int:
 def report(argv: list[str]) -> list[str]:
     """The report's lines."""
     options, rest = planner_flags(argv)
-    if any(flag in rest for flag in HYBRID_FLAGS):
+    family = get_family(named_family(rest) or "gpt")
+    # Megatron's planner has no terms for Mamba layers, and our activation estimate is the transformer's
+    if any(flag in rest for flag in HYBRID_FLAGS) or family.name == "hybrid":
         raise ValueError(HYBRID_REFUSAL)
     if not options.world_size:
         raise ValueError("pass --world-size N (or set WORLD_SIZE): the number of GPUs of the planned run")
-    family = get_family(named_family(rest) or "gpt")
     config = parse_args(rest, options.world_size)
     family.layouts.check(family.name, config)
     padded = padded_vocab(config)
