@@ -2,9 +2,12 @@
 
 Every layer does the same fixed matmul, so stages are balanced and the only idle time is the schedule's:
 1F1B idles (p - 1) / m of its compute time, interleaving with v chunks (p - 1) / (v * m). Idle time is
-measured as the time each rank spends inside p2p exchanges (blocked on a neighbour, plus the transfer
-itself: about a millisecond per MB over gloo on localhost, which is why measured / theory grows with m as
-the theoretical bubble shrinks), compute as the rest of the step. Bytes sent per rank per iteration are
+measured as the time each rank spends inside p2p calls (posting them and waiting for them: blocked on a
+neighbour, plus the transfer itself: about a millisecond per MB over gloo on localhost, which is why
+measured / theory grows with m as the theoretical bubble shrinks), compute as the rest of the step. 1F1B runs
+twice in one process group, each exchange waited for (`blocking`, --no-overlap-p2p-communication) and its
+steady-state exchanges posted without waiting (`overlapped`, the default), so the idle time the overlap removes
+shows in the same run. Bytes sent per rank per iteration are
 checked against m * (s * b * h * bytes) per boundary crossed, per direction.
 
 Run from the repository root: .venv/bin/python -m benchmarks.pipeline_bubble [--pipeline-sizes 2 4]
@@ -26,7 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megatron_train.parallel import state
-from megatron_train.parallel.p2p import P2PCommunicator, p2p_counters
+from megatron_train.parallel.p2p import P2PCommunicator, PendingExchange, p2p_counters
 from megatron_train.parallel.schedules import get_forward_backward_func
 from tests.helpers.distributed import run_distributed
 
@@ -58,20 +61,23 @@ def forward_step(data_iterator: Iterator, model: nn.Module):
 
 
 class ExchangeTimer:
-    """Wraps P2PCommunicator.exchange in this process to add up the time spent blocked in it."""
+    """Wraps P2PCommunicator.post and PendingExchange.wait in this process (a blocking exchange is one of each)
+    to add up the time spent in them."""
 
     def __init__(self) -> None:
         self.seconds = 0.0
-        exchange = P2PCommunicator.exchange
+        for owner, name in ((P2PCommunicator, "post"), (PendingExchange, "wait")):
+            setattr(owner, name, self._timed(getattr(owner, name)))
 
-        def timed(communicator, *args, **kwargs):
+    def _timed(self, method):
+        def timed(*args, **kwargs):
             start = time.perf_counter()
             try:
-                return exchange(communicator, *args, **kwargs)
+                return method(*args, **kwargs)
             finally:
                 self.seconds += time.perf_counter() - start
 
-        P2PCommunicator.exchange = timed
+        return timed
 
 
 def measure(
@@ -87,7 +93,7 @@ def measure(
     """On each rank: one step per (schedule, m) and repeat; step time, time blocked in p2p, bytes sent."""
     timer = ExchangeTimer()
     rows = []
-    for virtual_size in (None, VIRTUAL_SIZE):
+    for virtual_size, overlap in ((None, False), (None, True), (VIRTUAL_SIZE, False)):
         state.initialize_model_parallel(
             pipeline_model_parallel_size=world_size, virtual_pipeline_model_parallel_size=virtual_size
         )
@@ -115,12 +121,15 @@ def measure(
                     seq,
                     batch,
                     tensor_shape=(seq, batch, hidden),
+                    overlap_p2p_comm=overlap,
                 )
                 step = time.perf_counter() - start
                 if repeat:
                     samples.append((step, timer.seconds, p2p_counters.bytes_sent))
             step, idle, sent = (statistics.median(column) for column in zip(*samples, strict=True))
-            rows.append({"v": num_chunks, "m": m, "step": step, "idle": idle, "bytes_sent": sent})
+            rows.append(
+                {"v": num_chunks, "overlap": overlap, "m": m, "step": step, "idle": idle, "bytes_sent": sent}
+            )
         state.destroy_model_parallel()
     return rows
 
@@ -151,7 +160,7 @@ def main() -> None:
         f"median of {args.repeats} steps"
     )
     print(
-        f"{'p':>2} {'schedule':>11} {'m':>3} {'step ms':>8} {'idle/compute':>12} {'theory':>7} "
+        f"{'p':>2} {'schedule':>22} {'m':>3} {'step ms':>8} {'idle/compute':>12} {'theory':>7} "
         f"{'measured/theory':>15} {'MB sent/rank (closed form)':>27}"
     )
     one_f_one_b = {}  # p -> measured / theoretical bubble of 1F1B at the largest m
@@ -177,16 +186,18 @@ def main() -> None:
             traffic = "/".join(f"{b / 1e6:.2f}" for b in sent) + (
                 " (=)" if sent == expected else " (DIFFERS)"
             )
-            name = "1F1B" if v == 1 else f"interleaved{v}"
+            name = (
+                ("1F1B " + ("overlapped" if row["overlap"] else "blocking")) if v == 1 else f"interleaved{v}"
+            )
             print(
-                f"{p:>2} {name:>11} {m:>3} {max(r['step'] for r in per_rank) * 1e3:>8.1f} {bubble:>12.3f} "
+                f"{p:>2} {name:>22} {m:>3} {max(r['step'] for r in per_rank) * 1e3:>8.1f} {bubble:>12.3f} "
                 f"{theory:>7.3f} {bubble / theory:>15.2f} {traffic:>27}"
             )
-            if v == 1 and m == max(args.microbatches):
+            if v == 1 and row["overlap"] and m == max(args.microbatches):
                 one_f_one_b[p] = bubble / theory
     fitting = [p for p in one_f_one_b if p <= cores]
     p = max(fitting) if fitting else min(one_f_one_b)
-    print(f"headline: 1F1B, p={p}, m={max(args.microbatches)}: measured / theoretical bubble")
+    print(f"headline: 1F1B overlapped, p={p}, m={max(args.microbatches)}: measured / theoretical bubble")
     print(f"ratio: {one_f_one_b[p]:.3f}")
 
 
