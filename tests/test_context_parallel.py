@@ -71,6 +71,7 @@ def attention_results() -> list[dict]:
     return run_distributed(_attention_worker, 4)
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"cp{c[0]}-{c[1]}-{'documents' if c[2] else 'causal'}")
 def test_context_parallel_attention_equals_full_attention(attention_results, case) -> None:
     for rank in range(4):
@@ -78,6 +79,7 @@ def test_context_parallel_attention_equals_full_attention(attention_results, cas
         assert max(errors) < 1e-6, (rank, errors)  # fp32 blocks of fp64 inputs
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("cp", [2, 4])
 def test_ring_bytes_per_rank_equal_the_closed_form(attention_results, cp) -> None:
     forward, backward = ring_bytes_per_rank(BATCH, SEQ, cp, GROUPS, HEAD_DIM, element_size=8)
@@ -143,6 +145,7 @@ def continued_losses(tmp_path_factory) -> dict[str, list[float]]:
     }
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_one_process_checkpoint_continues_with_the_same_losses(continued_losses, name) -> None:
     reference = continued_losses["one process"]

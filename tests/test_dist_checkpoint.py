@@ -66,6 +66,7 @@ def resumed(tmp_path_factory) -> dict[str, str]:
     return dirs
 
 
+@pytest.mark.processes
 def test_every_rank_writes_its_part(resumed) -> None:
     folder = os.path.join(resumed["reference"], "iter_0000002")
     files = sorted(name for name in os.listdir(folder) if name.endswith(".distcp"))
@@ -75,6 +76,7 @@ def test_every_rank_writes_its_part(resumed) -> None:
     assert read_latest_iteration(resumed["reference"]) == 4
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("name", ["tp1", "pp2"])
 def test_resumes_in_another_layout_with_the_uninterrupted_losses(resumed, name) -> None:
     reference = train_losses(resumed["reference"])
@@ -82,6 +84,7 @@ def test_resumes_in_another_layout_with_the_uninterrupted_losses(resumed, name) 
     np.testing.assert_allclose(train_losses(resumed[name]), reference[2:], rtol=1e-5)
 
 
+@pytest.mark.processes
 def test_megatron_core_and_the_converter_read_it(resumed) -> None:
     folder = os.path.join(resumed["reference"], "iter_0000004")
     with warnings.catch_warnings():  # megatron-core warns that TransformerEngine and Apex are not installed
@@ -149,6 +152,7 @@ def _strictness_worker(rank: int, world_size: int) -> dict[str, str]:
         state.destroy_model_parallel()
 
 
+@pytest.mark.processes
 def test_dist_ckpt_strictness_decides_what_a_key_mismatch_does() -> None:
     (outcomes,) = run_distributed(_strictness_worker, 1)
     assert "linear_fc2.weight'] (1 keys this run loads are missing)" in outcomes["assume_ok_unexpected"]
@@ -171,6 +175,7 @@ def _logged_losses(output: str) -> dict[int, float]:
     }
 
 
+@pytest.mark.processes
 def test_sigkill_during_an_async_save_leaves_the_previous_checkpoint(tmp_path, monkeypatch) -> None:
     data = write_corpus(str(tmp_path))
     run_dir = str(tmp_path / "run")
@@ -200,6 +205,7 @@ def test_sigkill_during_an_async_save_leaves_the_previous_checkpoint(tmp_path, m
     np.testing.assert_allclose([after[3], after[4], after[5]], [before[3], before[4], before[5]], rtol=1e-5)
 
 
+@pytest.mark.processes
 def test_a_write_that_fails_as_on_a_full_disk_ends_in_one_line_and_keeps_the_last_checkpoint(
     tmp_path, monkeypatch
 ) -> None:
@@ -217,6 +223,7 @@ def test_a_write_that_fails_as_on_a_full_disk_ends_in_one_line_and_keeps_the_las
     assert not os.path.exists(os.path.join(run_dir, "iter_0000004", METADATA_FILENAME))
 
 
+@pytest.mark.processes
 def test_non_persistent_checkpoints_keep_the_newest_and_a_resume_takes_the_newer(tmp_path) -> None:
     """Saves every step to <save>/non_persistent (iteration 4 under --save): killed during step 6, the
     non-persistent folder holds iterations 3 and 5, and the rerun resumes from 5, newer than --save's 4."""

@@ -18,6 +18,7 @@ from tests.helpers.training import ROOT
 MODULE = Path(ROOT) / "megatron_train" / "tools" / "gpu_check.py"
 
 
+@pytest.mark.processes
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA machine runs the check itself")
 def test_gpu_check_skips_in_one_line_without_cuda() -> None:
     done = subprocess.run(

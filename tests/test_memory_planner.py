@@ -176,6 +176,7 @@ def measured() -> list[dict[str, tuple]]:
     return run_distributed(_measure_worker, 2, MEASURED_LAYOUTS, timeout=300)
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("name", list(MEASURED_LAYOUTS))
 def test_exact_per_rank_bytes_equal_the_tensors_of_a_run(measured, name) -> None:
     config = parse_args(_measured_argv(MEASURED_LAYOUTS[name]), 2)
@@ -189,6 +190,7 @@ def test_exact_per_rank_bytes_equal_the_tensors_of_a_run(measured, name) -> None
         )
 
 
+@pytest.mark.processes
 def test_the_distributed_optimizer_halves_each_ranks_optimizer_state_on_two_ranks(measured) -> None:
     whole, sharded = measured[0]["dp2"][4], measured[0]["dp2-distributed-optimizer"][4]
     assert 0.45 * whole < sharded < 0.55 * whole

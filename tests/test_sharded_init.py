@@ -8,6 +8,7 @@ import math
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from megatron_train.models.config import TransformerConfig
@@ -50,6 +51,7 @@ def _build_peak_kib(tp: int) -> tuple[int, int]:
     return grown, held
 
 
+@pytest.mark.processes
 def test_a_tp4_rank_builds_in_about_a_quarter_of_one_processs_peak_memory() -> None:
     one_grown, one_held = _build_peak_kib(1)
     tp4_grown, tp4_held = _build_peak_kib(4)
