@@ -221,8 +221,8 @@ def test_refusals_name_the_flag(tmp_path, capsys) -> None:
     args = tiny_args(str(tmp_path), "--train-iters", "2")
     for extra, message in (
         (
-            ["--context-parallel-size", "2"],
-            "--context-parallel-size 2: context parallelism is not implemented",
+            ["--context-parallel-size", "2"],  # on one process
+            "--context-parallel-size 2 x --pipeline-model-parallel-size 1 = 2; change the sizes or the process count",
         ),
         (
             ["--profile", "--profile-step-start", "3", "--profile-step-end", "3"],
