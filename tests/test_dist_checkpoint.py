@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+from megatron_train.arguments import parse_args
 from megatron_train.checkpointing import SavedCheckpoint, read_latest_iteration
 from megatron_train.checkpointing.dcp import Destination
 from megatron_train.checkpointing.dist_checkpoint import (
@@ -26,7 +27,9 @@ from megatron_train.checkpointing.files import METADATA_FILENAME, CheckpointErro
 from megatron_train.checkpointing.layout import TensorSharding
 from megatron_train.convert import torch_dist
 from megatron_train.families.gpt import GPT
+from megatron_train.families.registry import get_family
 from megatron_train.parallel import state
+from megatron_train.training.entry import check_family_config
 from tests.helpers.distributed import run_distributed
 from tests.helpers.training import (
     pretrain_worker,
@@ -240,3 +243,11 @@ def test_non_persistent_checkpoints_keep_the_newest_and_a_resume_takes_the_newer
     ]
     resumed, _ = run_entry_point("megatron_train.pretrain_gpt", argv).communicate(timeout=300)
     assert sorted(_logged_losses(resumed)) == [6], resumed
+
+
+def test_families_without_megatron_core_names_refuse_torch_dist_saves(tmp_path) -> None:
+    config = parse_args(tiny_args(str(tmp_path), "--train-iters", "2", "--ckpt-format", "torch_dist"))
+    check_family_config(get_family("gpt"), config)
+    for name, reason in (("hybrid", "Mamba mixers' in-projection"), ("t5", "no Megatron-LM names")):
+        with pytest.raises(ValueError, match=f"--ckpt-format torch_dist: the {name} family .*{reason}"):
+            check_family_config(get_family(name), config)

@@ -41,12 +41,21 @@ def padded_vocab_size_for(config: MegatronConfig, tokenizer: MegatronTokenizer) 
 
 def check_family_config(family: ModelFamily, config: MegatronConfig) -> None:
     """What the family refuses of a run, as ValueErrors naming the flag: a parallel layout it is not split along,
-    --calculate-per-token-loss for a loss per micro-batch, and its own checks."""
+    --calculate-per-token-loss for a loss per micro-batch, --ckpt-format torch_dist where its layers have no
+    Megatron-Core names, and its own checks."""
     family.layouts.check(family.name, config)
     if config.training.calculate_per_token_loss and not family.per_token_loss:
         raise ValueError(
             f"--calculate-per-token-loss is GPT's; Megatron's {family.name.upper()} loss is per micro-batch"
         )
+    if config.checkpoint.ckpt_format == "torch_dist":
+        names = family.megatron_names
+        why = "it has no Megatron-LM names" if names is None else names.torch_dist
+        if why is not None:
+            raise ValueError(
+                f"--ckpt-format torch_dist: the {family.name} family is not saved in Megatron-Core's torch_dist "
+                f"({why}); leave --ckpt-format out to save in our format"
+            )
     if family.check_config is not None:
         family.check_config(config)
 
