@@ -18,14 +18,15 @@ from megatron_train.arguments import config_to_argv, parse_args
 from megatron_train.checkpointing import SavedCheckpoint, load_model_for_inference
 from megatron_train.data import DataConfig, build_train_valid_test_datasets
 from megatron_train.data.retro_dataset import RetroDataset
-from megatron_train.models.retro import RetroModel
+from megatron_train.inference.generation import GenerationParams, allocate_kv_cache, generate
+from megatron_train.models.retro import RetroKVCache, RetroModel
 from megatron_train.pretrain_retro import main
 from megatron_train.tokenizer.null import NullTokenizer
 from retro.db import ChunkDatabase
 from retro.family import datasets_provider, with_project_settings
 from retro.project import db_dir
 from retro.query import load_neighbours
-from retro.retrieval import Retriever, generate_with_retrieval, sequence_chunks
+from retro.retrieval import Retriever, RetrievingModel, complete_chunks, generate_with_retrieval
 from tests.helpers.distributed import run_distributed
 from tests.helpers.retro_project import (
     CHUNK_LENGTH,
@@ -279,10 +280,10 @@ def test_retro_fitting_starts_from_the_gpt_decoder_and_freezing_keeps_it(runs, p
         main([*retro_args(project, str(tmp_path)), "--load", runs["gpt-dir"]])
 
 
-def test_retrieval_cuts_text_into_the_models_chunks():
-    assert sequence_chunks(8, 4) == [(0, 4), (4, 8)]
-    assert sequence_chunks(10, 4) == [(0, 2), (2, 6), (6, 10)]  # the last chunk ends at the newest token
-    assert sequence_chunks(3, 4) == [(0, 3)]
+def test_retrieval_cuts_text_into_the_training_chunks():
+    assert complete_chunks(8, 4) == [(0, 4), (4, 8)]
+    assert complete_chunks(10, 4) == [(0, 4), (4, 8)]  # the chunk being written is not retrieved for yet
+    assert complete_chunks(3, 4) == []
 
 
 @pytest.mark.processes
@@ -294,19 +295,51 @@ def test_generation_retrieves_for_the_text_so_far_from_a_saved_retro_checkpoint(
     db = ChunkDatabase(db_dir(project))
     document = next(d for d in map(db.datasets[0].get, range(50)) if len(d) > 2 * CHUNK_LENGTH)
     prompt = document[: 2 * CHUNK_LENGTH].tolist()  # the document's first two database chunks
-    ids = retriever.neighbour_ids(prompt)
+    ids = retriever.neighbour_ids([prompt[:CHUNK_LENGTH], prompt[CHUNK_LENGTH:]])
     assert ids.shape == (2, 2)
     for chunk, found in enumerate(ids):  # found as itself or as its twin: the same tokens
         np.testing.assert_array_equal(
             db.chunk_tokens(int(found[0])), prompt[chunk * CHUNK_LENGTH :][:CHUNK_LENGTH]
         )
-    prompt = document[: 2 * CHUNK_LENGTH + 1].tolist()  # chunks [0, 1), [1, 5), [5, 9)
+    prompt = document[: 2 * CHUNK_LENGTH + 1].tolist()  # two complete chunks and one being written
     neighbours = retriever(prompt)
-    assert neighbours.shape == (3, 2, 2 * CHUNK_LENGTH)
+    assert neighbours.shape == (2, 2, 2 * CHUNK_LENGTH)
     generated = generate_with_retrieval(model, retriever, prompt, 4)
     assert 1 <= len(generated) <= 4
-    text = prompt + generated[:1]
-    logits = model(torch.tensor([prompt]), neighbor_tokens=torch.as_tensor(neighbours)[None])
+    # the model runs on whole chunks: the prompt padded, the chunk being written without neighbours yet
+    padded = torch.tensor([prompt + [EOD] * (CHUNK_LENGTH - 1)])
+    open_chunk = np.full((1, 2, 2 * CHUNK_LENGTH), EOD)
+    logits = model(padded, neighbor_tokens=torch.as_tensor(np.concatenate([neighbours, open_chunk]))[None])
+    assert int(logits[0, len(prompt) - 1].argmax()) == generated[0]
+
+
+def test_generation_with_the_kv_cache_gives_the_tokens_of_generation_without(runs, project):
+    """The cached decoder (new tokens only, each chunk's neighbours encoded once) gives the logits of the whole
+    text run again, prompt lengths inside, at and across chunk ends, alone and in a batch of unequal prompts."""
+    model, _ = load_model_for_inference(runs["tp1-dir"], device="cpu")
+    tokenizer = NullTokenizer(VOCAB_SIZE)
+    retriever = Retriever.from_project(project, model, bag_of_tokens, tokenizer, nprobe=1, ef_search=1)
+    retrieving = RetrievingModel(model, retriever).eval()
+    db = ChunkDatabase(db_dir(project))
+    text = np.concatenate([db.datasets[0].get(i)[:-1] for i in range(6)])[: SEQ_LENGTH - 1].tolist()
+    with torch.no_grad():
+        whole = retrieving(torch.tensor([text]))
+        cache = allocate_kv_cache(retrieving, 1, len(text))
+        steps = [retrieving(torch.tensor([text[:5]]), kv_cache=cache)]
+        steps += [retrieving(torch.tensor([text[i : i + 1]]), kv_cache=cache) for i in range(5, len(text))]
+    torch.testing.assert_close(torch.cat(steps, 1), whole, rtol=1e-5, atol=1e-5)
     assert (
-        int(logits[0, -1].argmax()) == text[-1]
-    )  # the first token is the model's choice given the retrieval
+        isinstance(cache, RetroKVCache) and len(cache.contexts) == len(text) // CHUNK_LENGTH
+    )  # each complete chunk encoded once
+    for length in (1, CHUNK_LENGTH - 1, CHUNK_LENGTH, 2 * CHUNK_LENGTH + 1):
+        cached = generate_with_retrieval(model, retriever, text[:length], 6)
+        assert cached == generate_with_retrieval(model, retriever, text[:length], 6, use_kv_cache=False)
+    prompts = [" ".join(map(str, text[:3])), " ".join(map(str, text[:9]))]
+    params = GenerationParams(tokens_to_generate=6, top_k=1)
+    batched = generate(retrieving, tokenizer, prompts, params)
+    assert (
+        batched.tokens
+        == generate(
+            retrieving, tokenizer, prompts, GenerationParams(**{**params.__dict__, "use_kv_cache": False})
+        ).tokens
+    )

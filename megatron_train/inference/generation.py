@@ -118,9 +118,14 @@ def max_sequence_length(model: torch.nn.Module) -> int:
 
 
 def supports_kv_cache(model: torch.nn.Module) -> bool:
-    """False for a model that reruns the whole text each step (a Retro model retrieving for its chunks, which
-    move as the text grows: `retro.retrieval.RetrievingModel`)."""
+    """False for a model that reruns the whole text each step (the toy family's model of tests/helpers)."""
     return getattr(model, "supports_kv_cache", True)
+
+
+def supports_beam_search(model: torch.nn.Module) -> bool:
+    """False for a model without a KV cache, or whose cache holds what beams cannot reorder (a Retro model's
+    encoded neighbours: `retro.retrieval.RetrievingModel`)."""
+    return getattr(model, "supports_beam_search", supports_kv_cache(model))
 
 
 def check_fits(model: torch.nn.Module, tokens: torch.Tensor) -> None:
@@ -134,14 +139,14 @@ def check_fits(model: torch.nn.Module, tokens: torch.Tensor) -> None:
 
 
 def allocate_kv_cache(model: torch.nn.Module, batch_size: int, max_seq_len: int) -> KVCache:
-    """An empty KV cache shaped for this model's attention on this tensor- and pipeline-parallel rank; a model
-    whose past is more than keys and values allocates its own (a hybrid model's conv and SSM states:
-    `allocate_inference_cache`)."""
+    """An empty KV cache shaped for this model's attention on this tensor- and pipeline-parallel rank, of the
+    model's `kv_cache_class` (a Retro model's carries its encoded neighbours too); a model whose past is more
+    than keys and values allocates its own (a hybrid model's conv and SSM states: `allocate_inference_cache`)."""
     if hasattr(model, "allocate_inference_cache"):
         return model.allocate_inference_cache(batch_size, max_seq_len)
     config = model.config
     weight = next(model.parameters())
-    return KVCache(
+    return getattr(model, "kv_cache_class", KVCache)(
         num_layers=config.num_layers // state.get_pipeline_model_parallel_world_size(),  # this stage's layers
         batch_size=batch_size,
         max_seq_len=max_seq_len,

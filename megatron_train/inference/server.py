@@ -34,7 +34,7 @@ from megatron_train.inference.generation import (
     GenerationParams,
     NonFiniteLogitsError,
     max_sequence_length,
-    supports_kv_cache,
+    supports_beam_search,
 )
 from megatron_train.inference.ranks import ModelRunner, Work
 from megatron_train.tokenizer.base import MegatronTokenizer
@@ -451,12 +451,12 @@ class GenerationService:
 
     def check_budget(self, prompts: list[str], params: GenerationParams | BeamSearchParams) -> int:
         """Megatron's "Too many tokens" guard: batch x (longest prompt + generated) <= max_tokens_to_oom, and
-        the model's positions. Returns the longest prompt's tokens. Beam search needs a KV cache, which a model
-        rerunning the whole text each step (a Retro model) has not."""
-        if isinstance(params, BeamSearchParams) and not supports_kv_cache(self.model):
+        the model's positions. Returns the longest prompt's tokens. Beam search reorders the KV cache, which a
+        model rerunning the whole text each step has not and a Retro model's cannot be."""
+        if isinstance(params, BeamSearchParams) and not supports_beam_search(self.model):
             raise RequestError(
-                "beam search (beam_width) needs a KV cache, which this model has not (it reruns the whole text each "
-                "step, as a Retro model does): drop beam_width and use greedy (top_k=1) or sampling"
+                "beam search (beam_width) needs a KV cache that beams can reorder, which this model has not (a "
+                "Retro model's holds its encoded neighbours): drop beam_width and use greedy (top_k=1) or sampling"
             )
         longest = max(len(ids) for ids in self.tokenizer.tokenize_batch(prompts)) + int(params.add_BOS)
         rows = params.beam_width if isinstance(params, BeamSearchParams) else len(prompts)

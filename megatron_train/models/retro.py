@@ -17,6 +17,14 @@ the hidden states are shifted by pad = (ns - 1) % m, padded with m - 1 zeros, cu
 cross-attend to their neighbours [r * k, B, h]; the output goes back to [ns, b, h] with the first pad positions
 zero, and the layer adds it to the residual stream after dropout (Megatron's RetroDecoderBiasDropoutAdd).
 
+Generation with a KV cache (`RetroKVCache`, `forward(..., kv_cache=...)`): the chunks are the training chunks,
+cut from the first token, so once chunk j is complete (its last token is in) nothing before its end changes.
+Each step feeds the new tokens and the neighbours of the chunks they complete; self-attention keeps every
+layer's keys and values, the first Retro layer keeps its (normalised) states of the chunk being written and,
+when a chunk completes, encodes that chunk's neighbours once, and every Retro layer attends from each new
+position to the encoded neighbours of the last chunk completed at or before it (none before chunk 0's last
+token), the same attention as the chunked one over the whole text.
+
 Parallelism: tensor parallel as every attention (`CrossAttention`). Under sequence parallelism the layer
 gathers its [ns / TP] shard, rearranges the whole sequence into chunks and runs the chunk-major tensors
 sequence parallel again (split along the chunk's m positions, the neighbours' r positions), so dropout draws
@@ -52,6 +60,38 @@ from megatron_train.parallel.mappings import (
     scatter_to_sequence_parallel_region,
 )
 from megatron_train.parallel.state import ProcessGroupCollection
+
+
+class RetroKVCache(KVCache):
+    """The decoder's keys and values, and what Retro's layers carry from one generation step to the next: the
+    tokens so far [b, offset] (whose completed chunks a retriever reads), the encoded neighbours of every
+    completed chunk (chunk j -> [r * k, b, h]) and the first Retro layer's states of the chunk being written."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.tokens: torch.Tensor | None = None
+        self.contexts: list[torch.Tensor] = []
+        self.chunk_states: torch.Tensor | None = None
+
+    def reset(self) -> None:
+        super().reset()
+        self.tokens, self.chunk_states = None, None
+        self.contexts.clear()
+
+
+@dataclasses.dataclass
+class RetroStep:
+    """One cached generation step, handed to the Retro layers as their context: the cache, and per chunk that
+    the new tokens complete (in order) its neighbours embedded [r, b * k, h]."""
+
+    cache: RetroKVCache
+    new_chunks: list[int]
+    neighbours: list[torch.Tensor]
+
+
+def completed_chunks(offset: int, new_tokens: int, chunk_length: int) -> list[int]:
+    """The chunks whose last token is among positions offset .. offset + new_tokens - 1."""
+    return list(range(offset // chunk_length, (offset + new_tokens) // chunk_length))
 
 
 def retro_decoder_layer_numbers(num_layers: int) -> list[int]:
@@ -188,11 +228,17 @@ class RetroDecoderCrossAttention(nn.Module):
             )
 
     def forward(
-        self, hidden: torch.Tensor, context: torch.Tensor, context_mask: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self,
+        hidden: torch.Tensor,
+        context: torch.Tensor | RetroStep,
+        context_mask: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | RetroStep]:
         """hidden [ns, b, h] (normalised); context: the embedded neighbours [r, B * k, h] for the layer with
-        the encoder, else the encoded ones [r * k, B, h] (first dimensions / TP under SP). Returns the output
-        [ns, b, h] and the encoded neighbours for the following Retro layers."""
+        the encoder, else the encoded ones [r * k, B, h] (first dimensions / TP under SP); or a cached
+        generation step (`RetroStep`, hidden then the new positions only). Returns the output [ns, b, h] and
+        the context of the following Retro layers (the encoded neighbours, or the same step)."""
+        if isinstance(context, RetroStep):
+            return self._forward_cached(hidden, context), context
         sp, group, m = self.sequence_parallel, self.tp_group, self.chunk_length
         hidden = _whole_sequence(hidden, sp, group)
         ns, batch, _ = hidden.shape
@@ -204,6 +250,29 @@ class RetroDecoderCrossAttention(nn.Module):
         output = from_chunks(_whole_sequence(output, sp, group), batch)
         output = F.pad(output, (0, 0, 0, 0, pad, 0))[:ns]
         return _split_sequence(output, sp, group), context
+
+    def _forward_cached(self, hidden: torch.Tensor, step: RetroStep) -> torch.Tensor:
+        """The output [s, b, h] at the new positions offset .. offset + s - 1 (`hidden` [s, b, h]): the layer with
+        the encoder first encodes the neighbours of the chunks these positions complete."""
+        if self.sequence_parallel:
+            raise ValueError("Retro generation with a KV cache runs without --sequence-parallel")
+        m, cache = self.chunk_length, step.cache
+        offset, new = cache.seq_len_offset, hidden.shape[0]
+        if self.encoder is not None:
+            states = hidden if cache.chunk_states is None else torch.cat((cache.chunk_states, hidden))
+            first = offset - len(states) + new  # the position of states[0]: the start of the open chunk
+            for chunk, neighbours in zip(step.new_chunks, step.neighbours, strict=True):
+                cache.contexts.append(
+                    self._encode(states[chunk * m - first : (chunk + 1) * m - first], neighbours)
+                )
+            cache.chunk_states = states[(offset + new) // m * m - first :]
+        output = torch.zeros_like(hidden)
+        for chunk in range(max(offset + 1, m) // m - 1, (offset + new) // m):
+            start, end = max(offset, chunk * m + m - 1), min(offset + new, chunk * m + 2 * m - 1)
+            output[start - offset : end - offset] = self.attn(
+                hidden[start - offset : end - offset], cache.contexts[chunk]
+            )
+        return output
 
     def _encode(self, hidden: torch.Tensor, neighbours: torch.Tensor) -> torch.Tensor:
         """The encoder over the embedded neighbours, conditioned on each chunk's decoder states; returns
@@ -228,12 +297,15 @@ class RetroModel(GPTModel):
     """GPT decoder with chunked cross-attention to retrieved neighbours (Megatron-Core's RetroModel).
 
     forward(input_ids [b, ns], position_ids, labels, neighbor_tokens [b, l, k, r]) as `GPTModel.forward`, the
-    neighbours embedded by the decoder's embedding at positions 0 .. r - 1. No KV cache: generation runs the
-    whole sequence each step, as Megatron's Retro generation did. `document_ids` cut the decoder's
+    neighbours embedded by the decoder's embedding at positions 0 .. r - 1. With a `RetroKVCache` (generation,
+    which Megatron ran without a cache), input_ids are the new tokens and neighbor_tokens [b, c, k, r] the
+    neighbours of the c chunks they complete (`completed_chunks`). `document_ids` cut the decoder's
     self-attention at document ends (the chunked cross-attention, as Megatron's, is not cut). The arguments are
     GPTModel's and the `retro` settings; with `retro.retro_fit_freeze_decoder` only the Retro parameters
     (`is_retro_parameter`) train.
     """
+
+    kv_cache_class = RetroKVCache  # what generation allocates for this model
 
     model_type = "retro"  # recorded in checkpoints
 
@@ -304,25 +376,42 @@ class RetroModel(GPTModel):
         kv_cache: KVCache | None = None,
         document_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        if kv_cache is not None:
-            raise ValueError("RetroModel has no KV cache: generate by running the whole sequence each step")
         batch, seq = input_ids.shape
-        expected = (
-            batch,
-            math.ceil(seq / self.retro.retro_chunk_length),
+        m, k, r = (
+            self.retro.retro_chunk_length,
             self.retro.retro_num_neighbors,
             self.retro.retro_retrieved_length,
         )
+        if kv_cache is not None and not isinstance(kv_cache, RetroKVCache):
+            raise ValueError("a Retro model generates with a RetroKVCache (its kv_cache_class)")
+        new_chunks = [] if kv_cache is None else completed_chunks(kv_cache.seq_len_offset, seq, m)
+        expected = (batch, math.ceil(seq / m) if kv_cache is None else len(new_chunks), k, r)
         if neighbor_tokens is None or tuple(neighbor_tokens.shape) != expected:
             got = None if neighbor_tokens is None else tuple(neighbor_tokens.shape)
             raise ValueError(
                 f"neighbor_tokens must be [batch, chunks, --retro-num-neighbors, retrieved tokens] = {expected} "
-                f"for input_ids {tuple(input_ids.shape)}, got {got}"
+                f"for input_ids {tuple(input_ids.shape)}"
+                + (
+                    ""
+                    if kv_cache is None
+                    else f" at position {kv_cache.seq_len_offset} (the chunks completed)"
+                )
+                + f", got {got}"
             )
-        retrieved = neighbor_tokens.reshape(-1, self.retro.retro_retrieved_length)
-        positions = torch.arange(retrieved.shape[1], device=retrieved.device).expand_as(retrieved)
-        context = self.embedding(retrieved, positions)  # [r, b * l * k, h]
-        return super().forward(input_ids, position_ids, labels, context=context, document_ids=document_ids)
+        retrieved = neighbor_tokens.reshape(-1, r)
+        positions = torch.arange(r, device=retrieved.device).expand_as(retrieved)
+        context = self.embedding(retrieved, positions) if len(retrieved) else None  # [r, b * l * k, h]
+        if kv_cache is not None:
+            width = self.config.hidden_size
+            per_chunk = (
+                [] if context is None else context.reshape(r, batch, len(new_chunks), k, width).unbind(2)
+            )
+            context = RetroStep(
+                kv_cache, new_chunks, [chunk.reshape(r, batch * k, width) for chunk in per_chunk]
+            )
+        return super().forward(
+            input_ids, position_ids, labels, kv_cache=kv_cache, context=context, document_ids=document_ids
+        )
 
 
 def is_retro_parameter(name: str) -> bool:
