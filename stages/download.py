@@ -1,7 +1,8 @@
 """Download stage: documents from files, fsspec URLs or a Hugging Face dataset into Parquet shards.
 
-Sources: a local path, directory, glob or any fsspec URL (file, http(s), s3, gs, memory, ...) of JSON Lines
-(optionally .gz/.zst/.xz/.bz2), Parquet or web archive files (WARC/WET, optionally .gz: storage/warc.py);
+Sources: a local path, directory, glob or any fsspec URL (file, http(s), s3, gs, memory, tar, ...) of JSON Lines
+(optionally .gz/.zst/.xz/.bz2), Parquet or web archive files (WARC/WET, optionally .gz: storage/warc.py), or of
+text files that are one document each (.py, .txt, .md: a folder of source code, `tar://**/*.py::code.tar.xz`);
 or a Hugging Face dataset by name (streamed), by local folder given to `load_dataset`, or saved with
 `save_to_disk`. Output: `shards/00000.parquet`, ... with columns `id`, `text` and the source's other fields.
 Documents without an id get a deterministic one. A web archive's pages keep their HTML (the clean stage
@@ -28,7 +29,7 @@ from tqdm import tqdm
 from stages.base import Inputs, Stage, expect_inputs
 from stages.shards import log, shard_file, shard_name
 from storage.artifacts import ArtifactRef, ArtifactStore, ArtifactWriter
-from storage.documents import expand_inputs, iter_records, write_parquet_shard
+from storage.documents import document_format, expand_inputs, iter_records, write_parquet_shard
 from storage.fingerprint import canonical_json, hash_bytes, source_fingerprint
 from storage.warc import is_warc, iter_warc_pages, new_warc_stats
 
@@ -107,13 +108,15 @@ def _hf_documents(params: DownloadParams) -> Iterator[dict]:
 
 
 def _file_documents(params: DownloadParams, stats: dict, warc_stats: dict) -> Iterator[dict]:
-    """The documents of every file the source names; a record's default id is `<relative path>:<line>`, a web
-    archive page's id its WARC-Record-ID (else `<relative path>@<offset>`)."""
+    """The documents of every file the source names; a record's default id is `<relative path>:<line>`, a text
+    file's (one document) its relative path, a web archive page's its WARC-Record-ID (else
+    `<relative path>@<offset>`)."""
     urls = expand_inputs(params.source, **params.storage_options)
-    prefix = os.path.commonprefix(urls)
+    names = [url.partition("::")[0] for url in urls]  # tar://a.py::code.tar.xz: the file in the archive
+    prefix = os.path.commonprefix(names)
     root = prefix[: prefix.rfind("/") + 1]  # the deepest folder holding every file
-    for url in urls:
-        relative = url[len(root) :]
+    for url, name in zip(urls, names, strict=True):
+        relative = name[len(root) :]
         if is_warc(url):
             for offset, page in iter_warc_pages(url, warc_stats, **params.storage_options):
                 yield _document(f"{relative}@{offset}", page, "text", "id")
@@ -125,8 +128,10 @@ def _file_documents(params: DownloadParams, stats: dict, warc_stats: dict) -> It
             stats=stats,
             **params.storage_options,
         )
+        whole_file = document_format(url) == "text"
         for record in records:
-            yield _document(f"{relative}:{record.line}", record.data, params.text_key, params.id_key)
+            default_id = relative if whole_file else f"{relative}:{record.line}"
+            yield _document(default_id, record.data, params.text_key, params.id_key)
 
 
 def _document(default_id: str, row: dict, text_key: str, id_key: str) -> dict:

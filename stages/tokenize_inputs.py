@@ -126,6 +126,8 @@ def plan_units(urls: Sequence[str], params: TokenizeParams, storage_options: dic
     for file_index, url in enumerate(urls):
         if document_format(url) == "parquet":
             units += _plan_parquet(file_index, url, unit_bytes, storage_options)
+        elif document_format(url) == "text":  # one document: one unit
+            units.append(WorkUnit(file_index, url, Span(0, 1, 1, 1)))
         elif is_compressed(url):
             units += _plan_compressed_jsonl(file_index, url, unit_bytes, params.workers, storage_options)
         else:

@@ -1,4 +1,5 @@
-"""Streaming document readers (JSON Lines, Parquet; local or any fsspec URL) and a Parquet shard writer.
+"""Streaming document readers (JSON Lines, Parquet, one-file-one-document text; local or any fsspec URL) and a
+Parquet shard writer.
 
 Every stage reads documents through `iter_records` (a whole file, or one `Span` of it: the unit of work a
 parallel reader gets) so that bad input is reported the same way everywhere: the file and line of the record
@@ -22,6 +23,8 @@ from storage.warc import is_warc
 JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
 PARQUET_SUFFIXES = (".parquet", ".pq")
 COMPRESSION_SUFFIXES = (".gz", ".zst", ".xz", ".bz2")
+TEXT_SUFFIXES = (".py", ".txt", ".md")  # one file, one document (source code, plain text, Markdown)
+MAX_TEXT_FILE_BYTES = 64 << 20  # a bigger "document" is a data dump, not a file to read whole into memory
 PARQUET_BATCH_ROWS = 1024
 READ_BUFFER_BYTES = 1 << 20
 MAX_RECORD_BYTES = (
@@ -66,17 +69,21 @@ class BadRecordError(ValueError):
 
 
 def document_format(url: str) -> str:
-    """'jsonl' (optionally compressed) or 'parquet' (compressed inside, by column), from the file name."""
-    name = url.lower()
+    """'jsonl' (optionally compressed), 'parquet' (compressed inside, by column) or 'text' (one file, one
+    document), from the file name (of a chained URL, tar://a.py::code.tar.xz, the inner one)."""
+    name = url.partition("::")[0].lower()
     if name.endswith(PARQUET_SUFFIXES):
         return "parquet"
+    if name.endswith(TEXT_SUFFIXES):
+        return "text"
     for suffix in COMPRESSION_SUFFIXES:
         name = name.removesuffix(suffix)
     if name.endswith(JSONL_SUFFIXES):
         return "jsonl"
     raise ValueError(
         f"{url}: unknown document format; expected JSON Lines ({', '.join(JSONL_SUFFIXES)}, optionally "
-        f"{', '.join(COMPRESSION_SUFFIXES)}) or Parquet ({', '.join(PARQUET_SUFFIXES)})"
+        f"{', '.join(COMPRESSION_SUFFIXES)}), Parquet ({', '.join(PARQUET_SUFFIXES)}) or text files, one "
+        f"document each ({', '.join(TEXT_SUFFIXES)})"
     )
 
 
@@ -103,13 +110,14 @@ def expand_inputs(pattern: str, **storage_options) -> list[str]:
         paths = []
     if not paths:
         raise FileNotFoundError(
-            f"no input files match {pattern!r}; pass a file, a directory of .jsonl/.parquet/.warc.gz files, "
-            "a glob such as 'data/*.jsonl.gz' or 'crawl/*.warc.gz', or an fsspec URL such as "
-            "'s3://bucket/prefix/*.parquet'"
+            f"no input files match {pattern!r}; pass a file, a directory of .jsonl/.parquet/.warc.gz (or "
+            ".py/.txt/.md, one document each) files, a glob such as 'data/*.jsonl.gz' or 'crawl/*.warc.gz', or "
+            "an fsspec URL such as 's3://bucket/prefix/*.parquet' or 'tar://**/*.py::code.tar.xz'"
         )
     if "://" not in pattern:
         return sorted(paths)
-    return sorted(fs.unstrip_protocol(p) for p in paths)
+    chained = pattern.partition("::")[2]  # the outer file of tar://...::archive.tar.xz, kept for reopening
+    return sorted(fs.unstrip_protocol(p) + (f"::{chained}" if chained else "") for p in paths)
 
 
 def is_compressed(url: str) -> bool:
@@ -230,6 +238,19 @@ def _iter_jsonl(
             yield line_no, None, f"not valid JSON ({err.msg}; column {err.colno})"
 
 
+def _iter_text(url: str, text_key: str, **storage_options) -> Iterator[tuple[int, object, str | None]]:
+    """The whole file as one record {text_key: its text} (record number 1), or the problem that stops it."""
+    with fsspec.open(url, "rb", **storage_options) as f:
+        raw = f.read(MAX_TEXT_FILE_BYTES + 1)
+    if len(raw) > MAX_TEXT_FILE_BYTES:
+        yield 1, None, f"a text file over {MAX_TEXT_FILE_BYTES >> 20} MiB is not read as one document"
+        return
+    try:
+        yield 1, {text_key: raw.decode("utf-8")}, None
+    except UnicodeDecodeError as error:
+        yield 1, None, f"not UTF-8 text (byte {error.start}: {raw[error.start : error.start + 1]!r})"
+
+
 def _iter_parquet(
     url: str, span: Span | None, columns: Sequence[str] | None, key_flag: str, **storage_options
 ) -> Iterator[tuple[int, object, str | None]]:
@@ -266,6 +287,7 @@ def iter_records(
 ) -> Iterator[Record]:
     """Stream the documents of one file (or one `span` of it) in bounded memory; bad records raise or are counted.
 
+    A text file (`TEXT_SUFFIXES`) is one record, {text_keys[0]: the file's text}, record number 1.
     Every record must be an object whose `text_keys` are strings (or, with `sentence_lists`, lists of strings:
     a document's sentences); `key_flag` is the option the user sets to name other keys. Parquet files are read
     in their `columns` only (all when None); a missing column is an error naming the file. `stats` (when given)
@@ -274,8 +296,11 @@ def iter_records(
     stats = {} if stats is None else stats
     stats.setdefault("skipped_bad_records", 0)
     stats.setdefault("invalid_utf8_lines", 0)
-    if document_format(url) == "jsonl":
+    kind = document_format(url)
+    if kind == "jsonl":
         rows = _iter_jsonl(url, span, stats, **storage_options)
+    elif kind == "text":
+        rows = _iter_text(url, text_keys[0], **storage_options)
     else:
         rows = _iter_parquet(url, span, columns, key_flag, **storage_options)
     for line, obj, problem in rows:

@@ -4,6 +4,7 @@ import gzip
 import http.server
 import json
 import os
+import tarfile
 import threading
 from functools import partial
 
@@ -66,6 +67,36 @@ def test_glob_of_compressed_jsonl_and_parquet_with_generated_ids(tmp_path, store
     ]
     assert [d["lang"] for d in docs[:3]] == ["en", "fr", None]
     assert ref.files("shards/") == ["shards/00000.parquet", "shards/00001.parquet"]
+
+
+def test_text_files_are_one_document_each_from_a_folder_a_glob_or_an_archive(tmp_path, store):
+    src = tmp_path / "code"
+    (src / "pkg").mkdir(parents=True)
+    files = {"pkg/a.py": "def f():\n    return {1: 2}\n", "README.md": "# Title\n", "notes.txt": "plain\n"}
+    for name, text in files.items():
+        (src / name).write_text(text)
+    _write_jsonl(src / "more.jsonl", [{"text": "a json line"}])
+    (src / "logo.png").write_bytes(b"\x89PNG")  # not a document file: left out
+    docs = _docs(download.run(DownloadParams(source=str(src)), [], store))
+    assert [(d["id"], d["text"]) for d in docs] == [
+        ("README.md", "# Title\n"), ("more.jsonl:1", "a json line"), ("notes.txt", "plain\n"),
+        ("pkg/a.py", files["pkg/a.py"]),
+    ]  # fmt: skip
+    assert [d["id"] for d in _docs(download.run(DownloadParams(source=f"{src}/**/*.py"), [], store))] == [
+        "a.py"
+    ]
+    archive = tmp_path / "code.tar.gz"
+    with tarfile.open(archive, "w:gz") as tar:
+        tar.add(src / "pkg", arcname="pkg")
+        tar.add(src / "notes.txt", arcname="notes.txt")
+    ref = download.run(DownloadParams(source=f"tar://**/*.py::{archive}"), [], store)
+    assert [(d["id"], d["text"]) for d in _docs(ref)] == [("a.py", files["pkg/a.py"])]
+
+    (src / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
+    with pytest.raises(BadRecordError, match=r"latin1.txt:1: not UTF-8 text \(byte 3"):
+        download.run(DownloadParams(source=str(src)), [], store)
+    skipped = download.run(DownloadParams(source=str(src), skip_bad_records=True), [], store)
+    assert len(_docs(skipped)) == 4 and skipped.manifest()["counts"]["skipped_bad_records"] == 1
 
 
 def test_changed_source_gets_a_new_key_unchanged_is_a_cache_hit(tmp_path, store):
