@@ -1,6 +1,7 @@
 """Document quality filters in the style of Gopher (Rae et al. 2021, appendix A), C4 (Raffel et al. 2020),
-FineWeb (Penedo et al. 2024; datatrove's `FineWebQualityFilter`) and Megatron-LM's openwebtext cleanup: pure
-functions of the text, each switchable. The FineWeb rules are off unless `fineweb` is set.
+FineWeb (Penedo et al. 2024; datatrove's `FineWebQualityFilter`) and Megatron-LM's openwebtext cleanup, and for
+source code Codex's (Chen et al. 2021, section 3.1): pure functions of the text, each switchable. The FineWeb
+rules are off unless `fineweb` is set.
 
 `first_failing_rule(text, params)` checks the rules in `RULES` order and returns the name of the first one
 that drops the document (or None), so a stage can count drops per rule. A rule whose parameter is None or
@@ -72,6 +73,32 @@ class QualityParams:
     fineweb_short_line_chars: int = 30
     fineweb_max_char_duplicates_ratio: float | None = 0.01  # characters in repeated lines / all (no newlines)
     fineweb_max_newline_ratio: float | None = 0.3  # newlines per word ("list-like" pages)
+    # Codex's filters of source files (off by default; `code()` turns them on): data dumps and generated files
+    max_line_length: int | None = None
+    max_mean_line_length: float | None = None
+    min_alphanumeric_fraction: float | None = None
+
+    @classmethod
+    def code(cls, **overrides) -> QualityParams:
+        """The profile for source code: the prose rules off (C4's curly-brace rule, stop words, word lengths,
+        symbols and Gopher's repetition rules would drop most code, whose lines and n-grams repeat by design);
+        Codex's rules on (a line over 1000 characters, lines of 100 on average, or under a quarter of the
+        characters alphanumeric mark generated or data files); at least 20 words (an `__init__.py` with an
+        import or two says nothing)."""
+        prose_off = {
+            name: None
+            for name in (
+                "min_mean_word_length", "max_mean_word_length", "max_symbol_word_ratio", "max_bullet_lines_fraction",
+                "max_ellipsis_lines_fraction", "min_alpha_words_fraction", "min_stop_words",
+                "max_duplicate_lines_fraction", "max_duplicate_paragraphs_fraction",
+                "max_duplicate_line_chars_fraction", "max_duplicate_paragraph_chars_fraction",
+                "max_top_ngram_chars_fraction", "max_duplicate_ngram_chars_fraction",
+            )
+        }  # fmt: skip
+        return cls(**{
+            **prose_off, "min_words": 20, "c4_lorem_ipsum": False, "c4_curly_brace": False, "c4_javascript": False,
+            "max_line_length": 1000, "max_mean_line_length": 100.0, "min_alphanumeric_fraction": 0.25, **overrides,
+        })  # fmt: skip
 
 
 class TextStats:
@@ -285,6 +312,23 @@ def fineweb_newlines(s: TextStats, p: QualityParams) -> bool:
     return p.fineweb and limit is not None and s.text.count("\n") / max(len(s.words), 1) > limit
 
 
+def line_too_long(s: TextStats, p: QualityParams) -> bool:
+    return p.max_line_length is not None and max(map(len, s.text.split("\n"))) > p.max_line_length
+
+
+def mean_line_too_long(s: TextStats, p: QualityParams) -> bool:
+    if p.max_mean_line_length is None:
+        return False
+    raw_lines = s.text.split("\n")
+    return sum(map(len, raw_lines)) / len(raw_lines) > p.max_mean_line_length
+
+
+def too_few_alphanumerics(s: TextStats, p: QualityParams) -> bool:
+    if p.min_alphanumeric_fraction is None or not s.text:
+        return False
+    return sum(ch.isalnum() for ch in s.text) / len(s.text) < p.min_alphanumeric_fraction
+
+
 # Cheap rules first: the first failing rule is the one counted.
 RULES: dict[str, Callable[[TextStats, QualityParams], bool]] = {
     "too_few_words": too_few_words,
@@ -298,6 +342,9 @@ RULES: dict[str, Callable[[TextStats, QualityParams], bool]] = {
     "c4_lorem_ipsum": c4_lorem_ipsum,
     "c4_curly_brace": c4_curly_brace,
     "c4_javascript": c4_javascript,
+    "line_length": line_too_long,
+    "mean_line_length": mean_line_too_long,
+    "alphanumeric_fraction": too_few_alphanumerics,
     "duplicate_lines": duplicate_lines,
     "duplicate_paragraphs": duplicate_paragraphs,
     "top_ngram_repetition": top_ngram_repetition,

@@ -73,7 +73,10 @@ JUNK = {
 }
 
 
-@pytest.mark.parametrize("rule", [r for r in RULES if r != "too_many_words"])
+CODE_RULES = ("line_length", "mean_line_length", "alphanumeric_fraction")  # on in the code profile only
+
+
+@pytest.mark.parametrize("rule", [r for r in RULES if r != "too_many_words" and r not in CODE_RULES])
 def test_each_junk_document_fails_its_rule_first(rule):
     params = QualityParams(fineweb=rule in FINEWEB_RULES)
     assert first_failing_rule(JUNK[rule], params) == rule
@@ -98,6 +101,21 @@ def test_too_many_words_and_switching_a_rule_off():
     assert first_failing_rule(PROSE, QualityParams(max_words=100)) == "too_many_words"
     assert first_failing_rule(JUNK["too_few_words"], QualityParams(min_words=None)) is None
     assert first_failing_rule(JUNK["c4_lorem_ipsum"], QualityParams(c4_lorem_ipsum=False)) is None
+
+
+def test_the_code_profile_keeps_source_code_and_drops_minified_and_data_files():
+    source = Path(clean.__file__).read_text()
+    assert first_failing_rule(source, QualityParams()) is not None  # prose rules drop code
+    code = QualityParams.code()
+    assert first_failing_rule(source, code) is None
+    junk = {
+        "line_length": source + "\nTABLE = [" + "1, " * 400 + "]\n",
+        "mean_line_length": "\n".join(f"row_{i} = '{'x' * 110}'" for i in range(30)),
+        "alphanumeric_fraction": "\n".join(["{ } [ ] ( ) ; ; : : = = - - + + * * / / < > ! ~"] * 5),
+    }
+    assert {rule: first_failing_rule(text, code) for rule, text in junk.items()} == {r: r for r in junk}
+    assert first_failing_rule(junk["line_length"], QualityParams.code(max_line_length=None)) is None
+    assert isinstance(CleanParams.code(), CleanParams) and CleanParams.code().fix_text
 
 
 def test_real_prose_passes():
