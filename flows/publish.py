@@ -61,10 +61,12 @@ def publish_report(
     key: str = "evaluation-report",
     description: str = "metrics, loss curves and sample generations",
 ) -> None:
-    """An evaluation stage's Markdown report, its loss-curve image linked where the file lies."""
+    """An evaluation stage's Markdown report, its images (loss curves, and any other PNG of the artifact) linked
+    where the files lie."""
     evaluate = ArtifactStore(store_url).ref(evaluate_ref)
     curves = link_url(evaluate.file_url(LOSS_CURVES))
-    report = Path(evaluate.local_path("report.md")).read_text()
-    markdown = report.replace(f"]({LOSS_CURVES})", f"]({curves})")
+    markdown = Path(evaluate.local_path("report.md")).read_text()
+    for name in (name for name in evaluate.files() if name.endswith(".png")):
+        markdown = markdown.replace(f"]({name})", f"]({link_url(evaluate.file_url(name))})")
     markdown += f"\n[Loss curves (PNG)]({curves}) · [report.md]({link_url(evaluate.file_url('report.md'))})\n"
     create_markdown_artifact(markdown=markdown, key=key, description=description)

@@ -16,6 +16,7 @@ import logging
 import math
 import os
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -56,18 +57,24 @@ class EvaluateParams:
 
 
 @torch.no_grad()
-def held_out_loss(model: torch.nn.Module, dataset, micro_batch_size: int, limit: int | None) -> dict:
-    """Mean token loss over the validation split's samples (Megatron's masking), and its perplexity; a Retro
-        dataset's samples carry their neighbours, which the model then attends to; samples with document ids
-    (--reset-attention-mask) attend within their documents, as in training."""
-    count = len(dataset) if limit is None else min(limit, len(dataset))
-    total, tokens = 0.0, 0.0
+def batch_losses(model: torch.nn.Module, dataset, micro_batch_size: int, count: int) -> Iterator[tuple]:
+    """(per-token losses [b, s], loss mask [b, s]) of the first `count` samples, a micro-batch at a time (Megatron's
+    masking); a Retro dataset's samples carry their neighbours, which the model then attends to; samples with
+    document ids (--reset-attention-mask) attend within their documents, as in training."""
     for start in range(0, count, micro_batch_size):
         batch = collate([dataset[i] for i in range(start, min(count, start + micro_batch_size))])
         extra = {key: batch[key] for key in ("neighbor_tokens", "document_ids") if key in batch}
         losses = model(batch["tokens"], batch["position_ids"], labels=batch["labels"], **extra).float()
-        total += float((losses * batch["loss_mask"]).sum())
-        tokens += float(batch["loss_mask"].sum())
+        yield losses, batch["loss_mask"]
+
+
+def held_out_loss(model: torch.nn.Module, dataset, micro_batch_size: int, limit: int | None) -> dict:
+    """Mean token loss over the validation split's samples (`batch_losses`), and its perplexity."""
+    count = len(dataset) if limit is None else min(limit, len(dataset))
+    total, tokens = 0.0, 0.0
+    for losses, loss_mask in batch_losses(model, dataset, micro_batch_size, count):
+        total += float((losses * loss_mask).sum())
+        tokens += float(loss_mask.sum())
     loss = total / max(tokens, 1.0)
     return {"samples": count, "tokens": int(tokens), "lm_loss": loss, "ppl": math.exp(min(20.0, loss))}
 

@@ -16,7 +16,7 @@ from megatron_train.tokenizer.null import NullTokenizer
 from retro.db import ChunkDatabase, document_chunk_bounds
 from retro.project import RetroProject, db_dir
 from retro.update import update_database
-from stages.retro_evaluate import OtherSamplesNeighbours, neighbour_overlap
+from stages.retro_evaluate import SwappedNeighbours
 from tests.helpers.retro_project import (
     CHUNK_LENGTH,
     EMBED_DIM,
@@ -90,35 +90,22 @@ def test_the_update_embeds_only_the_new_chunks_and_requeries_only_the_held_out_s
     np.testing.assert_array_equal(retro[0]["neighbor_tokens"][row, column, : len(chunk)], chunk)
 
 
-class _Samples:
-    """RetroDataset's two fields the overlap reads: one sample of 3 chunks of 4 tokens, one neighbour each."""
-
-    chunk_length = 4
-
-    def __init__(self, neighbours: np.ndarray) -> None:
-        self.tokens = np.arange(12)
-        self.neighbours = neighbours
-
-    def __getitem__(self, index: int) -> dict[str, np.ndarray]:
-        return {"tokens": self.tokens, "neighbor_tokens": self.neighbours}
-
-
-def test_neighbour_overlap_is_the_share_of_next_chunk_trigrams_retrieved():
-    tokens = np.arange(12)
-    # chunk j's neighbour is chunk j and its continuation: every trigram of chunk j + 1 is retrieved
-    copies = np.stack([tokens[j * 4 : j * 4 + 8] if j < 2 else np.full(8, 99) for j in range(3)])[:, None]
-    assert neighbour_overlap(_Samples(copies), 1) == 1.0
-    # half of chunk 1's trigrams (4, 5, 6) retrieved for chunk 0, none of chunk 2's for chunk 1
-    half = np.full((3, 1, 8), 99)
-    half[0, 0, :3] = [4, 5, 6]
-    assert neighbour_overlap(_Samples(half), 1) == pytest.approx(0.25)
-    assert neighbour_overlap(_Samples(np.full((3, 1, 8), 99)), 1) == 0.0
-
-
-def test_other_samples_neighbours_pairs_each_sample_with_the_next_ones():
+def test_swapped_neighbours_are_the_next_samples_or_none():
     samples = [{"tokens": np.full(4, i), "neighbor_tokens": np.full((1, 1, 8), 10 + i)} for i in range(4)]
-    other = OtherSamplesNeighbours(samples, 3)  # the first 3 samples, wrapping
+
+    class Listed(RetroDataset):  # only indexing and the EOD id are read
+        def __init__(self) -> None:
+            self.eod = EOD
+
+        def __getitem__(self, index: int) -> dict[str, np.ndarray]:
+            return samples[index]
+
+    other = SwappedNeighbours(Listed(), 3, "next")  # the first 3 samples, wrapping
     assert len(other) == 3
     assert [(int(other[i]["tokens"][0]), int(other[i]["neighbor_tokens"][0, 0, 0])) for i in range(3)] == [
         (0, 11), (1, 12), (2, 10),
     ]  # fmt: skip
+    none = SwappedNeighbours(Listed(), 3, "none")
+    assert (none[1]["neighbor_tokens"] == EOD).all() and int(none[1]["tokens"][0]) == 1
+    with pytest.raises(ValueError, match="swap must be 'next' or 'none'"):
+        SwappedNeighbours(Listed(), 3, "shuffled")
