@@ -95,6 +95,11 @@ class CleanParams(QualityParams):
         if self.decontaminate_mode not in ("drop", "split"):
             raise ValueError(f"decontaminate_mode is {self.decontaminate_mode!r}; choose drop or split")
 
+    @classmethod
+    def code(cls, **overrides) -> CleanParams:
+        """`QualityParams.code()`'s rules for source code, and the whitespace kept: indentation is syntax."""
+        return super().code(**{"normalize_whitespace": False, **overrides})
+
 
 def clean_text(text: str, params: CleanParams) -> str:
     """The repaired text (before quality filtering)."""

@@ -115,7 +115,9 @@ def test_the_code_profile_keeps_source_code_and_drops_minified_and_data_files():
     }
     assert {rule: first_failing_rule(text, code) for rule, text in junk.items()} == {r: r for r in junk}
     assert first_failing_rule(junk["line_length"], QualityParams.code(max_line_length=None)) is None
-    assert isinstance(CleanParams.code(), CleanParams) and CleanParams.code().fix_text
+    indented = "def f():\n    if x:\n        return {1: 2}\n"
+    assert clean_text(indented, CleanParams.code()) == indented  # the stage's profile keeps indentation
+    assert "\n        return" not in clean_text(indented, CleanParams())
 
 
 def test_real_prose_passes():
