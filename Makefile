@@ -13,6 +13,10 @@ STORE ?= ./artifacts
 MODEL ?= gpt
 # make eval MODEL=hybrid: the report puts the GPT of the same flags and data beside it (BASELINE= for none)
 BASELINE ?= $(if $(filter gpt,$(MODEL)),,gpt)
+# make retro RETRO_CORPUS=kjv: the embedded King James Bible, cleaned and deduplicated as prose, instead of the
+# standard-library code the Retro flow reads by default
+RETRO_CORPUS ?= stdlib
+RETRO_KJV := --corpus.download '{"source": "stages/corpora/kjv.jsonl.xz"}' --corpus.clean '{}' --corpus.dedup '{}'
 PYTEST_ARGS ?=
 
 .PHONY: setup lock test test-fast lint bench corpus pretrain eval demo retro clean gpu-check
@@ -68,7 +72,7 @@ demo: setup
 	$(PY) -m flows.demo --store $(STORE)
 
 retro: setup
-	$(PY) -m flows.retro_flow --corpus.store $(STORE)
+	$(PY) -m flows.retro_flow --corpus.store $(STORE) $(if $(filter kjv,$(RETRO_CORPUS)),$(RETRO_KJV))
 
 clean:
 	rm -rf $(STORE) .pytest_cache

@@ -30,6 +30,9 @@ from flows.publish import publish_report, publish_stages
 from flows.server import prefect_api
 from flows.summary import summarize, summary_table
 from flows.tasks import make_task_runner, stage_runner
+from stages.clean import CleanParams
+from stages.dedup import DedupParams
+from stages.download import EMBEDDED_CORPUS, DownloadParams
 from stages.retro_evaluate import RetroEvaluateParams
 from stages.retro_params import (
     DbParams,
@@ -43,19 +46,28 @@ from stages.retro_params import (
 from stages.retro_pretrain import RetroPretrainParams
 from storage.artifacts import ArtifactStore
 
+STDLIB_CORPUS = str(Path(EMBEDDED_CORPUS).with_name("stdlib.jsonl.xz"))  # beside the KJV: stages/corpora
+
 
 class RetroFlowConfig(BaseModel):
-    """Everything the Retro data flow does, with the defaults of `make retro`: the embedded corpus, 64-token
-    chunks, all-MiniLM-L6-v2 cut to its first layer, an IVF index of 128 lists searched with nprobe 16, and
-    the samples of a 256-token, 200-iteration Retro run of global batch 16. The `query` section is the Retro
-    pretraining run's data settings (sequence length, split, seed, samples, evaluation, global batch): they
-    go to the project's config.json, which `pretrain_retro` takes them from. The database holds the train
-    documents of `query.split` (Megatron's one `--retro-gpt-split`; `db.split` is set from it). `pretrain` is
-    the Retro run's decoder and optimizer; the GPT baseline runs the same flags without the retriever."""
+    """Everything the Retro flow does, with the defaults of `make retro`: the standard-library corpus
+    (`stages/corpora/stdlib.jsonl.xz`) cleaned as code and deduplicated exactly, 64-token chunks,
+    all-MiniLM-L6-v2 cut to its first layer, an IVF index of 128 lists searched with nprobe 16, and the samples
+    of a 256-token, 200-iteration run of global batch 16. The `query` section is the Retro pretraining run's
+    data settings (sequence length, split, seed, samples, evaluation, global batch): they go to the project's
+    config.json, which `pretrain_retro` takes them from. The database holds the train documents of
+    `query.split` (Megatron's one `--retro-gpt-split`; `db.split` is set from it). `pretrain` is the GPT
+    baseline's decoder and optimizer, and what the Retro run adds (`retro_flags`); with `retro_fit` the Retro
+    run starts from the GPT run's checkpoint (Megatron's retro-fitting), else from scratch on the same flags."""
 
     model_config = ConfigDict(frozen=True)
 
-    corpus: CorpusConfig = CorpusConfig()
+    corpus: CorpusConfig = CorpusConfig(
+        download=DownloadParams(source=STDLIB_CORPUS),
+        clean=CleanParams.code(),
+        # exact copies out; near-copies are what Retro reads (README, Retro flow)
+        dedup=DedupParams(near=False),
+    )
     embedder: EmbedderParams = EmbedderParams(num_layers=1)
     db: DbParams = DbParams(chunk_length=64)
     embed: EmbedParams = EmbedParams(block_size=2000, workers=2)
@@ -63,17 +75,18 @@ class RetroFlowConfig(BaseModel):
     index_add: IndexAddParams = IndexAddParams(workers=2)
     query: QueryParams = QueryParams(
         seq_length=256,
-        split="98,2,0",
+        split="95,5,0",
         train_samples=3200,
         eval_interval=50,
         eval_iters=5,
         global_batch_size=16,
         nprobe=16,
         num_neighbors_query=20,
-        num_neighbors_save=2,
+        num_neighbors_save=4,
         block_size=2000,
     )
     pretrain: RetroPretrainParams = RetroPretrainParams()
+    retro_fit: bool = True
     evaluate: RetroEvaluateParams = RetroEvaluateParams(validation_samples=64)
 
 
@@ -139,9 +152,11 @@ def retro_model_stages(
     """Retro pretraining and its GPT baseline on the project, then the report comparing them."""
     refs = dict(refs)
     query = refs["retro_query"]
-    for name, retriever in (("retro_pretrain", True), ("gpt_pretrain", False)):
-        params = dataclasses.replace(config.pretrain, retriever=retriever)
-        refs[name] = run("retro_pretrain", dataclasses.asdict(params), [query])
+    gpt = dataclasses.replace(config.pretrain, retriever=False, retro_flags=())
+    refs["gpt_pretrain"] = run("retro_pretrain", dataclasses.asdict(gpt), [query])
+    retro = dataclasses.replace(config.pretrain, retriever=True)
+    retro_inputs = [query, refs["gpt_pretrain"]] if config.retro_fit else [query]
+    refs["retro_pretrain"] = run("retro_pretrain", dataclasses.asdict(retro), retro_inputs)
     refs["retro_evaluate"] = run(
         "retro_evaluate",
         dataclasses.asdict(config.evaluate),
@@ -156,19 +171,25 @@ def retro_stages(config: RetroFlowConfig, run: RunStage) -> dict[str, dict[str, 
 
 
 def result_lines(refs: dict[str, dict[str, Any]], store_url: str) -> list[str]:
-    """The Retro result from the report: both validation perplexities and the database update's."""
+    """The Retro result from the report: both validation perplexities, the database update's, and the ablation
+    without neighbours with the leakage analysis's bits per byte."""
     report = json.loads(
         Path(_store_ref(refs["retro_evaluate"], store_url).local_path("report.json")).read_text()
     )
-    update = report["database_update"]
+    update, leakage = report["database_update"], report["leakage"]
+    bpb = leakage["bits_per_byte"]
     return [
         f"validation perplexity ({report['validation_samples']} samples): "
         f"Retro {report['retro']['valid_ppl']:.3f} (with the next sample's neighbours "
         f"{report['retro']['valid_ppl_other_neighbours']:.3f}), GPT baseline {report['gpt']['valid_ppl']:.3f}",
         f"database update (+{update['added_documents']} validation documents, {update['added_chunks']} chunks, "
         f"no retraining): Retro {update['retro_ppl_before']:.3f} -> {update['retro_ppl_after']:.3f}, "
-        f"GPT {update['gpt_ppl_before']:.3f} -> {update['gpt_ppl_after']:.3f}; next-chunk trigrams found in the "
-        f"neighbours {update['neighbour_overlap_before']:.3f} -> {update['neighbour_overlap_after']:.3f}",
+        f"GPT {update['gpt_ppl_before']:.3f} -> {update['gpt_ppl_after']:.3f}; mean overlap of a chunk with the "
+        f"neighbours before it {update['overlap_before']:.3f} -> {update['overlap_after']:.3f}",
+        f"Retro without neighbours {report['retro']['valid_ppl_no_neighbours']:.3f}; bits per byte Retro "
+        f"{bpb['retro']['unfiltered']:.4f}, GPT {bpb['gpt']['unfiltered']:.4f}; filtered (overlap <= "
+        f"{leakage['filter_overlap']:g}, {leakage['filtered_chunks']} of {leakage['chunks']} chunks): Retro "
+        f"{bpb['retro']['filtered']:.4f}, GPT {bpb['gpt']['filtered']:.4f}",
     ]
 
 

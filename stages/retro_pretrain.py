@@ -1,11 +1,15 @@
 """The Retro pretrain stage: `torchrun -m megatron_train.pretrain_retro --retro-project-dir DIR` on the Retro
 project of a `retro_query` artifact; the artifact is the run directory, as the pretrain stage's.
 
-`retriever` True trains the Retro model (`--retro-add-retriever`), False the GPT baseline on the same samples
-(same decoder flags, same steps): the Retro flow runs both. Sequence length, data, split, seed, tokenizer and
-sample counts come from the project (`pretrain_retro`), so `flags` hold only the model, optimizer and Retro
-flags. The run lives in the writer's scratch space until its last iteration, so a rerun after a kill resumes
-from its latest checkpoint (`stages.pretrain.train_and_commit`). See docs/architecture.md (Retro flow).
+`retriever` True trains the Retro model (`--retro-add-retriever`, then `retro_flags` too), False the GPT
+baseline on the same samples (the same `flags`): the Retro flow runs both. Given a second input, a GPT run of
+this stage, the Retro run is retro-fitted from it (Megatron's `--load <GPT checkpoint> --finetune`: the GPT's
+weights, the encoder and chunked cross-attention new; `retro_flags` may add `--retro-fit-freeze-decoder`).
+Sequence length, data, split, seed, tokenizer and sample counts come from the project (`pretrain_retro`), so
+the flags hold only the model, optimizer and Retro settings. The run lives in the writer's scratch space until
+its last iteration, so a rerun after a kill resumes from its latest checkpoint
+(`stages.pretrain.train_and_commit`; a retro-fitted run then loads its own checkpoint, not the GPT's). See
+docs/architecture.md (Retro flow).
 """
 
 from __future__ import annotations
@@ -15,19 +19,21 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from megatron_train.arguments import MegatronConfig, parse_args
+from megatron_train.checkpointing import read_latest_iteration
 from megatron_train.families.registry import family_module
 from retro.family import RETRO, with_project_settings
 from stages.base import Inputs, Stage, expect_inputs
 from stages.launch import LaunchParams, torchrun_command
-from stages.pretrain import train_and_commit
+from stages.pretrain import run_directory, train_and_commit
 from stages.retro_params import local_dir
 from storage.artifacts import ArtifactRef, ArtifactStore, ArtifactWriter
 
 
 @dataclass(frozen=True)
 class RetroPretrainParams:
-    """Megatron flags of the decoder, optimizer and Retro encoder (not the project's settings), whether the run
-    retrieves (Retro) or not (GPT baseline), and how many processes run it."""
+    """Megatron flags of the decoder and optimizer (not the project's settings), the flags only the Retro run
+    adds (neighbours, encoder, retro-fitting), whether the run retrieves (Retro) or not (GPT baseline), and how
+    many processes run it."""
 
     flags: tuple[str, ...] = (
         "--num-layers", "6", "--hidden-size", "64", "--num-attention-heads", "4", "--global-batch-size", "8",
@@ -35,32 +41,42 @@ class RetroPretrainParams:
         "--lr", "3e-3", "--min-lr", "3e-4", "--lr-decay-style", "cosine", "--lr-warmup-fraction", "0.05",
         "--weight-decay", "0.1", "--clip-grad", "1.0", "--log-interval", "10",
     )  # fmt: skip
+    retro_flags: tuple[str, ...] = ()
     retriever: bool = True
     nproc_per_node: int = 1
     save_interval: int = 1000
 
 
-def retro_argv(params: RetroPretrainParams, project_dir: str, run_dir: str) -> list[str]:
-    """pretrain_retro's command line: the params' flags, the project, the run directory's checkpoints and logs."""
+def retro_argv(
+    params: RetroPretrainParams, project_dir: str, run_dir: str, retro_fit_from: str | None = None
+) -> list[str]:
+    """pretrain_retro's command line: the params' flags, the project, the run directory's checkpoints and logs;
+    `retro_fit_from` (a GPT run directory) is loaded with --finetune until the run has a checkpoint of its own."""
+    retro = [*params.retro_flags, "--retro-add-retriever"] if params.retriever else []
+    own_checkpoint = os.path.isdir(run_dir) and read_latest_iteration(run_dir) is not None
+    load = run_dir if retro_fit_from is None or own_checkpoint else retro_fit_from
     return [
-        *params.flags,
+        *params.flags, *retro,
         "--retro-project-dir", project_dir,
-        *(["--retro-add-retriever"] if params.retriever else []),
-        "--save", run_dir, "--load", run_dir, "--save-interval", str(params.save_interval),
+        "--save", run_dir, "--load", load, *(["--finetune"] if load != run_dir else []),
+        "--save-interval", str(params.save_interval),
         "--tensorboard-dir", os.path.join(run_dir, "tensorboard"),
         "--metrics-file", os.path.join(run_dir, "metrics.jsonl"),
         "--data-cache-path", os.path.join(os.path.dirname(run_dir), "data_cache"),
     ]  # fmt: skip
 
 
-def run_config(params: RetroPretrainParams, project_dir: str, run_dir: str) -> MegatronConfig:
+def run_config(
+    params: RetroPretrainParams, project_dir: str, run_dir: str, retro_fit_from: str | None = None
+) -> MegatronConfig:
     """The run's whole config as pretrain_retro parses it (a bad flag or project mismatch raises here)."""
-    return parse_args(with_project_settings(retro_argv(params, project_dir, run_dir)), params.nproc_per_node)
+    argv = retro_argv(params, project_dir, run_dir, retro_fit_from)
+    return parse_args(with_project_settings(argv), params.nproc_per_node)
 
 
 class RetroPretrainStage(Stage):
     name = "retro_pretrain"
-    version = "1"
+    version = "2"
     libraries = ("torch",)
     Params = RetroPretrainParams
 
@@ -76,17 +92,32 @@ class RetroPretrainStage(Stage):
         *,
         on_line: Callable[[str], None] | None = None,
     ) -> ArtifactRef:
-        """Train on the Retro project of `inputs` ([retro_query artifact]) with torchrun."""
-        (query,) = expect_inputs(self, inputs, 1, "[retro_query artifact]")
+        """Train on the Retro project of `inputs` ([retro_query artifact], or [retro_query artifact, GPT run] to
+        retro-fit from) with torchrun."""
+        if len(inputs) == 2:
+            query, gpt_run = expect_inputs(
+                self, inputs, 2, "[retro_query artifact, GPT retro_pretrain artifact]"
+            )
+            if not params.retriever:
+                raise ValueError(
+                    f"{gpt_run.url}: only a Retro run (retriever) is retro-fitted from a GPT run"
+                )
+            retro_fit_from = run_directory(gpt_run)
+        else:
+            (query,) = expect_inputs(
+                self, inputs, 1, "[retro_query artifact] (and a GPT run to retro-fit from)"
+            )
+            gpt_run = retro_fit_from = None
         project_dir = local_dir(query)
-        run_config(params, project_dir, "run")  # fail on a bad flag before anything launches
+        run_config(params, project_dir, "run", retro_fit_from)  # fail on a bad flag before anything launches
 
         def build(writer: ArtifactWriter) -> dict:
             run_dir = os.path.join(writer.local_dir, "run")
-            config = run_config(params, project_dir, run_dir)
-            argv = retro_argv(params, project_dir, run_dir)
+            config = run_config(params, project_dir, run_dir, retro_fit_from)
+            argv = retro_argv(params, project_dir, run_dir, retro_fit_from)
             command = torchrun_command(params.nproc_per_node, LaunchParams(), RETRO.entry_module, argv)
-            return train_and_commit(writer, run_dir, command, config.training.train_iters, on_line)
+            fields = train_and_commit(writer, run_dir, command, config.training.train_iters, on_line)
+            return {**fields, "retro_fitted_from": None if gpt_run is None else gpt_run.url}
 
         return self.build_artifact(params, inputs, store, build)
 

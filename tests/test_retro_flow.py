@@ -104,16 +104,30 @@ def test_flow_writes_a_retro_project_and_a_rerun_is_all_cache_hits(
     assert report["retro"]["valid_tokens"] == report["gpt"]["valid_tokens"] == 4 * 128
     for model in ("retro", "gpt"):
         assert 1.0 < report[model]["valid_ppl"] < 1e5
-    assert 1.0 < report["retro"]["valid_ppl_other_neighbours"] < 1e5
+    # retro-fitted from the GPT run: its decoder, then the same steps more
+    assert report["retro"]["retro_fitted_from"] == refs["gpt_pretrain"]["url"]
+    ablations = report["ablations"]
+    assert ablations["retro_own_neighbours"] == report["retro"]["valid_ppl"]
+    assert ablations["gpt"] == report["gpt"]["valid_ppl"]
+    # 8 steps: too few to read neighbours
+    for name in ("retro_next_sample_neighbours", "retro_no_neighbours"):
+        assert 1.0 < ablations[name] < 1e5
+    leakage = report["leakage"]
+    # 4 samples, each's second chunk (the first is predicted without retrieval)
+    assert leakage["chunks"] == 4 * 1
+    assert sum(row["chunks"] for row in leakage["buckets"]) == leakage["chunks"]
+    for model in ("retro", "gpt"):
+        assert 0.0 < leakage["bits_per_byte"][model]["unfiltered"] < 20.0
     update = report["database_update"]
     assert update["added_chunks"] > 0 and update["queried_chunks"] == 4 * 2  # 4 samples of 2 chunks
     assert update["gpt_ppl_after"] == pytest.approx(update["gpt_ppl_before"])  # the GPT reads no database
-    # with their own documents in the database, the validation chunks' neighbours hold much of what follows
-    assert 0.0 <= update["neighbour_overlap_before"] < update["neighbour_overlap_after"] <= 1.0
+    # with their own documents in the database, the validation chunks' neighbours hold what follows
+    assert update["overlap_before"] == leakage["mean_overlap"] and update["overlap_after"] == 1.0
     published = artifacts(state)  # in the Prefect UI, under a key of its own (a pipeline's report keeps its)
     kind, markdown = published["retro-report"]
     assert kind == "markdown" and "evaluation-report" not in published
     assert Path(evaluate.local_path("loss_curves.png")).as_uri() in markdown
+    assert Path(evaluate.local_path("leakage.png")).as_uri() in markdown
     assert published["retro-summary"][0] == "table"
     lines = retro.result_lines(refs, config.corpus.store)
     assert (
