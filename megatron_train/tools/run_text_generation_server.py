@@ -15,9 +15,9 @@ POST /v1/chat/completions (OpenAI-style), GET /health.
 
     python -m megatron_train.tools.run_text_generation_server --load RETRO_CKPT --retro-project-dir DIR
 
-serves a Retro checkpoint: every forward step retrieves the neighbours of the text's chunks from the project's
-filled index with its embedder (`retro.retrieval.RetrievingModel`). One process only, no beam search (Retro
-has no KV cache); greedy and sampling as for GPT. What a checkpoint needs to be served is its model family's
+serves a Retro checkpoint: each chunk of the text is retrieved for once it is complete, from the project's
+filled index with its embedder (`retro.retrieval.RetrievingModel`), and decoding uses the Retro KV cache. One process only, no beam search (its beams cannot reorder a cache of encoded
+neighbours); greedy and sampling as for GPT. What a checkpoint needs to be served is its model family's
 (`ModelFamily.inference`); a family from outside the project is named with `--model-family pkg.module:ATTR`.
 """
 
