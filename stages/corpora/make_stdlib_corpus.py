@@ -1,6 +1,6 @@
 """Build `stdlib.jsonl.xz`, the Retro flow's default corpus: a fixed list of CPython standard-library modules.
 
-    python stages/corpora/make_stdlib_corpus.py /path/to/cpython-3.12/Lib stages/corpora/stdlib.jsonl.xz
+    python stages/corpora/make_stdlib_corpus.py /path/to/cpython-3.12.1/Lib stages/corpora/stdlib.jsonl.xz
 
 Reads each listed module's source through the download stage's reader of one-file-one-document text files
 (`storage.documents.iter_records`) and writes one JSON Lines record per module, `{"id": "<path in Lib>",
@@ -71,4 +71,8 @@ def main(lib: str, out: str) -> None:
 
 
 if __name__ == "__main__":
+    if len(sys.argv) != 3 or not os.path.isfile(os.path.join(sys.argv[1], "asyncio", "events.py")):
+        sys.exit(
+            "usage: make_stdlib_corpus.py CPYTHON_LIB_DIR OUT.jsonl.xz (the Lib folder of CPython 3.12.1)"
+        )
     main(*sys.argv[1:])
