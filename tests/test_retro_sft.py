@@ -26,7 +26,7 @@ from retro import family as retro_family
 from retro.config import ChunkDatabaseConfig
 from retro.db import ChunkDatabase, build_chunk_database
 from retro.project import DATA_DIR, RetroProject, db_dir, index_path
-from retro.retrieval import RetrievingDataset
+from retro.retrieval import RetrievingDataset, complete_chunks
 from storage.atomic import atomic_path
 from tests.helpers.convert_models import CHAT_SPECIALS, VOCAB, save_chat_tokenizer
 from tests.helpers.distributed import run_distributed
@@ -142,7 +142,10 @@ def test_sft_samples_mask_all_but_the_answer_and_retrieve_per_chunk(project, tmp
         # Neighbours [chunks, k, 2 chunks]: each chunk's nearest database chunks and their continuations.
         neighbours = sample["neighbor_tokens"]
         assert neighbours.shape == (SEQ_LENGTH // CHUNK_LENGTH, 2, 2 * CHUNK_LENGTH)
-        ids = train.retriever.neighbour_ids(sample["tokens"].tolist())
+        tokens = sample["tokens"].tolist()
+        ids = train.retriever.neighbour_ids(
+            [tokens[s:e] for s, e in complete_chunks(len(tokens), CHUNK_LENGTH)]
+        )
         for chunk in range(SEQ_LENGTH // CHUNK_LENGTH):
             first = db.chunk_tokens(int(ids[chunk, 0]))
             np.testing.assert_array_equal(neighbours[chunk, 0, : len(first)], first)
