@@ -83,7 +83,7 @@ def build_model(args: argparse.Namespace) -> RetrievingModel:
         retro_encoder_hidden_dropout=0.0, retro_encoder_attention_dropout=0.0,
     )  # fmt: skip
     torch.manual_seed(0)
-    model = RetroModel(config, retro, args.vocab).eval()
+    model = RetroModel(config, args.vocab, retro=retro).eval()
     tokenizer = build_tokenizer("NullTokenizer", vocab_size=args.vocab - 1)
     rng = np.random.default_rng(0)
     chunks = rng.integers(0, args.vocab - 1, (args.database_chunks, args.chunk_length))
