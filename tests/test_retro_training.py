@@ -313,6 +313,7 @@ def test_generation_retrieves_for_the_text_so_far_from_a_saved_retro_checkpoint(
     assert int(logits[0, len(prompt) - 1].argmax()) == generated[0]
 
 
+@pytest.mark.processes
 def test_generation_with_the_kv_cache_gives_the_tokens_of_generation_without(runs, project):
     """The cached decoder (new tokens only, each chunk's neighbours encoded once) gives the logits of the whole
     text run again, prompt lengths inside, at and across chunk ends, alone and in a batch of unequal prompts."""
