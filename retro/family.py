@@ -45,6 +45,7 @@ from megatron_train.convert.detect import open_checkpoint
 from megatron_train.data.builder import build_train_valid_test_datasets
 from megatron_train.data.retro_dataset import RetroDataset
 from megatron_train.data.sft_dataset import build_sft_datasets
+from megatron_train.device import get_device
 from megatron_train.families.family import (
     ALL_DIMENSIONS,
     InferenceHooks,
@@ -57,6 +58,7 @@ from megatron_train.families.registry import saved_family_name
 from megatron_train.models.retro import RetroModel, is_retro_parameter, retro_decoder_layer_numbers
 from megatron_train.models.terms import ModelTerms, cross_attention_terms, layer_stack_terms
 from megatron_train.parallel import state
+from megatron_train.parallel.param_init import materialize
 from megatron_train.tokenizer import MegatronTokenizer
 from retro.config import QueryConfig
 from retro.db import ChunkDatabase
@@ -174,8 +176,11 @@ def retrofitted(
     **options: Any,
 ) -> RetroModel:
     """Retro-fitting: this stage of the Retro model with the weights of `gpt_checkpoint` loaded into its decoder
-    as it is built (`load_gpt_decoder`)."""
+    as it is built (`load_gpt_decoder`). Built on the meta device (sharded initialization), it is materialised
+    first: weights loaded into meta tensors would be lost, and the GPT's drawn afresh."""
     model = RETRO.model_provider(config, padded_vocab_size, *stage, **options)
+    if any(param.is_meta for param in model.parameters()):
+        model = materialize(model, get_device())
     load_gpt_decoder(model, config, padded_vocab_size, gpt_checkpoint)
     return model
 
