@@ -3,11 +3,13 @@
 A stand-in model (a tied input/output projection around a stack of Linear+tanh layers) has the GPT
 model's pipeline interface, so the schedules are proven without depending on the real model; a tiny
 GPT split into stages then checks the real thing.
+The memory that freeing sent outputs saves is measured on a GPT stage driven in one process.
 """
 
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterator
 from functools import partial
 from types import SimpleNamespace
@@ -18,11 +20,12 @@ import torch
 from torch import nn
 
 from megatron_train.models.transformer import get_layer_range
-from megatron_train.parallel import state
-from megatron_train.parallel.p2p import P2PCommunicator, p2p_counters
+from megatron_train.parallel import schedules, state
+from megatron_train.parallel.p2p import P2PCommunicator, PendingExchange, p2p_counters
 from megatron_train.parallel.schedules import (
     forward_backward_no_pipelining,
     forward_backward_pipelining_with_interleaving,
+    forward_backward_pipelining_without_interleaving,
     get_forward_backward_func,
     pipeline_tensor_shape,
 )
@@ -368,9 +371,9 @@ def gpt_config():
     return TransformerConfig.gpt2(**dict(TINY_MODEL, num_layers=4, seq_length=GPT_SEQ))
 
 
-def gpt_batches() -> list[dict[str, torch.Tensor]]:
+def gpt_batches(num_microbatches: int = GPT_MICROBATCHES) -> list[dict[str, torch.Tensor]]:
     generator = torch.Generator().manual_seed(3)
-    shape = (GPT_MICROBATCHES, GPT_MICRO_BATCH, GPT_SEQ)
+    shape = (num_microbatches, GPT_MICRO_BATCH, GPT_SEQ)
     tokens = torch.randint(0, GPT_VOCAB, shape, generator=generator)
     labels = torch.randint(0, GPT_VOCAB, shape, generator=generator)
     return [{"tokens": t, "labels": lab} for t, lab in zip(tokens, labels, strict=True)]
@@ -522,3 +525,63 @@ def test_tiny_gpt_split_into_stages_equals_the_single_process_gpt():
         checked = [name for result in results for name in result["checked"]]
         assert set(checked) == set(ref_grads)
         assert checked.count("embedding.word_embeddings.weight") == 2 * ranks_per_stage
+
+
+# -- pipeline activation memory: what deallocate_output_tensor frees, measured ---------------------------------
+
+
+class FirstOfFourStages(P2PCommunicator):
+    """Stage 0 of 4 without processes: every exchange goes through `post`, which takes the output sent on and
+    hands back a gradient for it. It records each sent output and, when that output's backward starts, the
+    bytes the stage's outputs still hold (their original storages, and the current one of each output alive)."""
+
+    def __init__(self, tensor_shape: tuple[int, ...], dtype: torch.dtype) -> None:
+        self.tensor_shape, self.dtype = tuple(tensor_shape), dtype
+        self.is_first_stage, self.is_last_stage = True, False
+        self.sent: list[tuple[weakref.ref, weakref.ref]] = []  # (output tensor, its storage when sent)
+        self.samples: list[tuple[int, int]] = []  # (outputs alive, bytes they hold) as each backward starts
+
+    def post(self, tensor_send_next=None, tensor_send_prev=None, recv_prev=False, recv_next=False):
+        if tensor_send_next is not None:
+            self.sent.append((weakref.ref(tensor_send_next), weakref.ref(tensor_send_next.untyped_storage())))
+            tensor_send_next.grad_fn.register_prehook(lambda grad_outputs: self.sample())
+        grad = torch.ones(self.tensor_shape, dtype=self.dtype) if recv_next else None
+        return PendingExchange([], None, grad, [])
+
+    def sample(self) -> None:
+        outputs = [tensor for tensor_ref, _ in self.sent if (tensor := tensor_ref()) is not None]
+        storages = [storage_ref() for _, storage_ref in self.sent] + [t.untyped_storage() for t in outputs]
+        held = {storage.data_ptr(): storage.nbytes() for storage in storages if storage is not None}
+        self.samples.append((len(outputs), sum(held.values())))
+
+
+def test_deallocating_sent_outputs_frees_the_in_flight_activations_of_a_gpt_stage(monkeypatch):
+    """1F1B on the first of 4 stages of the tiny GPT (one process, the p2p faked): with 6 micro-batches, 4 are in
+    flight at the peak; keeping their outputs holds 4 x [s, b, h] x 4 bytes, deallocating holds one element each
+    (Megatron's figure), and the grads are the same."""
+    monkeypatch.setattr(state, "get_pipeline_model_parallel_world_size", lambda: 4)
+    monkeypatch.setattr(state, "get_pipeline_model_parallel_rank", lambda: 0)
+    stages = {}
+    monkeypatch.setattr(schedules, "P2PCommunicator", lambda shape, dtype: stages.setdefault(
+        "comm", FirstOfFourStages(shape, dtype)))  # fmt: skip
+    from megatron_train.models.gpt import GPTModel
+
+    shape = (GPT_SEQ, GPT_MICRO_BATCH, gpt_config().hidden_size)
+    peaks, grads = {}, {}
+    for deallocate in (False, True):
+        torch.manual_seed(0)
+        stage = GPTModel(gpt_config(), GPT_VOCAB, pre_process=True, post_process=False)
+        stages.clear()
+        forward_backward_pipelining_without_interleaving(
+            gpt_forward_step, iter(gpt_batches(6)), stage, 6, GPT_SEQ, GPT_MICRO_BATCH,
+            tensor_shape=shape, deallocate_pipeline_outputs=deallocate,
+        )  # fmt: skip
+        samples = stages["comm"].samples
+        assert [alive for alive, _ in samples] == [4, 4, 4, 3, 2, 1]  # 3 warm-up forwards, then 1F1B
+        peaks[deallocate] = samples[0][1]
+        grads[deallocate] = {name: param.grad.clone() for name, param in stage.named_parameters()}
+    in_flight, elements, itemsize = 4, GPT_SEQ * GPT_MICRO_BATCH * shape[2], torch.float32.itemsize
+    assert peaks == {False: in_flight * elements * itemsize, True: in_flight * itemsize}
+    assert peaks[False] - peaks[True] == in_flight * (elements - 1) * itemsize  # 16,368 of 16,384 bytes
+    for name, grad in grads[False].items():
+        torch.testing.assert_close(grads[True][name], grad, rtol=0, atol=0, msg=name)
