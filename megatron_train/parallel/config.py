@@ -68,6 +68,14 @@ class ParallelConfig:
             "opposite_flag": "--overlap-p2p-communication",
         },
     )
+    expert_model_parallel_size: int = field(
+        default=1,
+        metadata={"help": "Degree of expert parallelism: the MoE layers' experts split over this many ranks."},
+    )
+    expert_tensor_parallel_size: int | None = field(
+        default=None,
+        metadata={"help": "Degree of tensor parallelism inside each expert; default --tensor-model-parallel-size."},
+    )
     use_distributed_optimizer: bool = field(
         default=False, metadata={"help": "Shard optimizer state across data parallel ranks."}
     )
@@ -77,8 +85,14 @@ class ParallelConfig:
     )
 
     def __post_init__(self) -> None:
-        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"):
-            if getattr(self, name) < 1:
+        for name in (
+            "tensor_model_parallel_size",
+            "pipeline_model_parallel_size",
+            "context_parallel_size",
+            "expert_model_parallel_size",
+            "expert_tensor_parallel_size",
+        ):
+            if (getattr(self, name) or 1) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.pipeline_model_parallel_split_rank is not None:
             raise ValueError(
@@ -97,6 +111,24 @@ class ParallelConfig:
                 f"world size {world_size} is not divisible by --tensor-model-parallel-size "
                 f"{self.tensor_model_parallel_size}{context} x --pipeline-model-parallel-size "
                 f"{self.pipeline_model_parallel_size} = {model_parallel}; change the sizes or the process count"
+            )
+        return world_size // model_parallel
+
+    @property
+    def expert_tensor_size(self) -> int:
+        """--expert-tensor-parallel-size, which defaults to the tensor parallel size (as Megatron)."""
+        return self.expert_tensor_parallel_size or self.tensor_model_parallel_size
+
+    def expert_data_parallel_size(self, world_size: int) -> int:
+        """world_size / (ETP * EP * PP): how many replicas of each expert train (Megatron's expert rank layout)."""
+        experts = self.expert_tensor_size * self.expert_model_parallel_size
+        model_parallel = experts * self.pipeline_model_parallel_size
+        if world_size % model_parallel:
+            raise ValueError(
+                f"world size {world_size} is not divisible by --expert-tensor-parallel-size "
+                f"{self.expert_tensor_size} x --expert-model-parallel-size {self.expert_model_parallel_size}"
+                f" x --pipeline-model-parallel-size {self.pipeline_model_parallel_size} = {model_parallel}; change "
+                "the sizes or the process count"
             )
         return world_size // model_parallel
 

@@ -1,4 +1,4 @@
-"""Process groups for tensor, context, data and pipeline parallelism, in Megatron's rank order.
+"""Process groups for tensor, context, data, pipeline and expert parallelism, in Megatron's rank order.
 
 Ranks are laid out as Megatron-Core's `RankGenerator` lays them out for its default order "tp-cp-ep-dp-pp":
 tensor parallel fastest, then context, then data, then pipeline parallel. Without context parallelism,
@@ -8,6 +8,12 @@ With CP=2, TP=2 on 8 ranks: CP groups [0, 2], [1, 3], [4, 6], [5, 7]; DP groups 
 one CP group hold the same weights and different parts of each sequence, so gradients are reduced (and the
 distributed optimizer shards) over data x context parallel (`data_with_context`: [0, 2, 4, 6], [1, 3, 5, 7]),
 while the data loader splits samples over data parallel alone.
+
+Expert layers (MoE) see the same ranks through a second generator with the same order and no context dimension:
+expert tensor parallel (ETP, default TP) fastest, then expert model parallel (EP), then expert data parallel
+(EDP = world / (ETP x EP x PP)), then the same pipeline stages. The expert ranks are taken from the dense layers'
+data (and tensor, context) dimensions: with TP=1, EP=2 on 4 ranks the EP groups are [0, 1], [2, 3] and each
+expert's gradient is reduced over its EDP group [0, 2] or [1, 3] (docs/architecture.md, mixture of experts).
 
 Before `initialize_model_parallel` (or with torch.distributed uninitialised) every size is 1 and
 every rank 0, so single-process code runs unchanged; asking for a group then raises.
@@ -73,26 +79,46 @@ class RankGroups:
     tensor: list[list[int]]
     data: list[list[int]]
     pipeline: list[list[int]]
-    model: list[list[int]]  # TP x PP: all ranks holding one full model replica
+    model: list[list[int]]  # TP x PP: all ranks holding one full model replica (its dense layers)
     embedding: list[list[int]]  # first and last pipeline stage: they share the tied word embedding
     context: list[list[int]]  # CP: the ranks splitting one sequence
     data_with_context: list[list[int]]  # DP x CP: the ranks whose gradients are reduced together
-    tensor_and_context: list[list[int]]  # TP x CP: the tokens of one micro-batch
+    tensor_and_context: list[list[int]]  # TP x CP: the tokens of one micro-batch (MoE aux-loss statistics)
+    tensor_and_data: list[list[int]]  # TP x CP x DP: every token of a step (global aux loss, expert bias)
+    expert_tensor: list[list[int]]  # ETP: one expert's weight split
+    expert_model: list[list[int]]  # EP: the ranks holding the different experts, tokens exchanged among them
+    expert_data: list[list[int]]  # EDP: the replicas of the same experts, their gradients reduced together
+    expert_tensor_and_model: list[list[int]]  # ETP x EP: the all-gather token dispatcher's group
+    expert_tensor_model_pipeline: list[list[int]]  # ETP x EP x PP: every expert weight once (grad norm)
 
 
 def build_rank_groups(
-    world_size: int, tensor_size: int, pipeline_size: int, context_size: int = 1
+    world_size: int,
+    tensor_size: int,
+    pipeline_size: int,
+    context_size: int = 1,
+    expert_size: int = 1,
+    expert_tensor_size: int | None = None,
 ) -> RankGroups:
     """Partition `world_size` ranks into groups; raises when the sizes do not divide the world."""
+    expert_tensor_size = tensor_size if expert_tensor_size is None else expert_tensor_size
     dense = tensor_size * context_size * pipeline_size
     if min(tensor_size, pipeline_size, context_size) < 1 or world_size % dense:
-        context = f" x context-parallel-size {context_size}" if context_size != 1 else ""
+        context = f" x --context-parallel-size {context_size}" if context_size != 1 else ""
         raise ValueError(
             f"world size {world_size} is not divisible by tensor-model-parallel-size {tensor_size}{context} x "
             f"pipeline-model-parallel-size {pipeline_size}; launch a multiple of {dense} processes or change the "
             "parallel sizes"
         )
+    experts = expert_tensor_size * expert_size * pipeline_size
+    if min(expert_size, expert_tensor_size) < 1 or world_size % experts:
+        raise ValueError(
+            f"world size {world_size} is not divisible by --expert-tensor-parallel-size {expert_tensor_size} x "
+            f"--expert-model-parallel-size {expert_size} x --pipeline-model-parallel-size {pipeline_size}; launch "
+            f"a multiple of {experts} processes or change the expert parallel sizes"
+        )
     layers = RankGenerator(tensor_size, context_size, 1, world_size // dense, pipeline_size)
+    expert = RankGenerator(expert_tensor_size, 1, expert_size, world_size // experts, pipeline_size)
     pipeline = layers.ranks("pp")
     return RankGroups(
         tensor=layers.ranks("tp"),
@@ -103,6 +129,12 @@ def build_rank_groups(
         context=layers.ranks("cp"),
         data_with_context=layers.ranks("cp-dp"),
         tensor_and_context=layers.ranks("tp-cp"),
+        tensor_and_data=layers.ranks("tp-cp-dp"),
+        expert_tensor=expert.ranks("tp"),
+        expert_model=expert.ranks("ep"),
+        expert_data=expert.ranks("dp"),
+        expert_tensor_and_model=expert.ranks("tp-ep"),
+        expert_tensor_model_pipeline=expert.ranks("tp-ep-pp"),
     )
 
 
@@ -177,6 +209,8 @@ def initialize_model_parallel(
     pipeline_model_parallel_size: int = 1,
     virtual_pipeline_model_parallel_size: int | None = None,
     context_parallel_size: int = 1,
+    expert_model_parallel_size: int = 1,
+    expert_tensor_parallel_size: int | None = None,
 ) -> None:
     """Create every process group; all ranks must call this together after `dist.init_process_group`."""
     global _STATE
@@ -188,7 +222,12 @@ def initialize_model_parallel(
     if _STATE is not None:
         raise RuntimeError("model parallel groups are already initialised; call destroy_model_parallel first")
     layout = build_rank_groups(
-        dist.get_world_size(), tensor_model_parallel_size, pipeline_model_parallel_size, context_parallel_size
+        dist.get_world_size(),
+        tensor_model_parallel_size,
+        pipeline_model_parallel_size,
+        context_parallel_size,
+        expert_model_parallel_size,
+        expert_tensor_parallel_size,
     )
     me = dist.get_rank()
     groups: dict[str, dist.ProcessGroup] = {}
@@ -237,6 +276,12 @@ def _world_size(kind: str) -> int:
 
 def _rank(kind: str) -> int:
     return 0 if _STATE is None else _STATE.ranks[kind].index(dist.get_rank())
+
+
+def group_of_kind(kind: str) -> dist.ProcessGroup | None:
+    """This process's group of `kind` (one of `GROUP_KINDS`), or None when it has one rank (nothing to reduce
+    over, also before initialisation)."""
+    return None if _world_size(kind) == 1 else _group(kind)
 
 
 def get_tensor_model_parallel_group() -> dist.ProcessGroup:
@@ -319,6 +364,35 @@ def get_checkpoint_group() -> dist.ProcessGroup:
 def get_embedding_group() -> dist.ProcessGroup:
     """First and last pipeline stage: they all-reduce the tied word embedding's gradient."""
     return _group("embedding")
+
+
+def get_expert_model_parallel_world_size() -> int:
+    return _world_size("expert_model")
+
+
+def get_expert_model_parallel_rank() -> int:
+    return _rank("expert_model")
+
+
+def get_expert_tensor_parallel_world_size() -> int:
+    return _world_size("expert_tensor")
+
+
+def get_expert_tensor_parallel_rank() -> int:
+    return _rank("expert_tensor")
+
+
+def get_expert_data_parallel_world_size() -> int:
+    return _world_size("expert_data")
+
+
+def get_expert_data_parallel_rank() -> int:
+    return _rank("expert_data")
+
+
+def get_expert_data_parallel_group() -> dist.ProcessGroup:
+    """The replicas of this rank's experts: expert gradients are reduced over it."""
+    return _group("expert_data")
 
 
 def get_virtual_pipeline_model_parallel_world_size() -> int | None:
