@@ -95,7 +95,7 @@ def _overlap_worker(rank: int, world_size: int) -> dict:
     launched_during_backward = [bucket.launched for bucket in model.buckets]
     model.finish_grad_sync()
     grads = {n: p.main_grad.numpy().copy() for n, p in model.module.named_parameters()}
-    buffer = next(iter(model.buffers_by_dtype.values()))
+    (buffer,) = model.buffers
     contiguous = all(p.main_grad.data_ptr() >= buffer.data_ptr() for p in model.module.parameters())
     return {
         "launched": launched_during_backward,
@@ -210,7 +210,7 @@ def test_single_process_buffer_accumulates_in_fp32_for_bf16() -> None:
     """Without torch.distributed the wrapper still accumulates micro-batches into its fp32 buffer."""
     module = _model().to(torch.bfloat16)
     model = DistributedDataParallel(module, DDPConfig(grad_reduce_in_fp32=True))
-    assert list(model.buffers_by_dtype) == [torch.float32]
+    assert [buffer.dtype for buffer in model.buffers] == [torch.float32]
     x = torch.ones(2, 8, dtype=torch.bfloat16)
     with model.no_sync():
         model(x).float().sum().backward()

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 
 from megatron_train.distributed import DDPConfig, DistributedDataParallel
-from megatron_train.distributed.ddp import Bucket
+from megatron_train.distributed.ddp import Bucket, DataParallelGroup
 from megatron_train.models.gpt import GPTModel
 from megatron_train.optimizer import DistributedOptimizer, MegatronOptimizer, get_megatron_optimizer
 from megatron_train.optimizer.distrib_optimizer import shards_of_bucket
@@ -133,7 +133,7 @@ def _fp16_overflow(rank: int, world_size: int) -> dict:
     if rank == 1:
         bucket.data[bucket.data.numel() // 2] = float("inf")  # the first element of rank 1's part
     model.finish_grad_sync()
-    own_part_finite = bool(torch.isfinite(bucket.shard(bucket.data, rank, world_size)).all())
+    own_part_finite = bool(torch.isfinite(bucket.shard(bucket.data)).all())
     skipped = optimizer.step()
     after_skip = _flat_params(model)
     scale_after_skip = optimizer.get_loss_scale()
@@ -278,10 +278,11 @@ def test_per_rank_memory_follows_megatrons_table(runs) -> None:
 def test_params_straddling_rank_parts_are_split_as_megatron_does(dp_size: int) -> None:
     """Each rank owns an equal part of the padded bucket; a param cut by a part boundary is shared."""
     params = [torch.nn.Parameter(torch.zeros(n)) for n in (2, 5, 3)]
-    bucket = Bucket(params, [0, 2, 7], torch.zeros(-(-10 // dp_size) * dp_size), None)
     owned = []  # per rank: (param index, start, end) in the flattened param
     for rank in range(dp_size):
-        shards = shards_of_bucket(bucket, rank, dp_size)
+        dp = DataParallelGroup(None, rank, dp_size, 1.0 / dp_size)
+        bucket = Bucket(params, [0, 2, 7], torch.zeros(-(-10 // dp_size) * dp_size), None, dp)
+        shards = shards_of_bucket(bucket)
         owned.append([(i, shards[p].start, shards[p].end) for i, p in enumerate(params) if p in shards])
     tiles = [(i, start, end) for ranges in owned for i, start, end in ranges]
     assert sum(end - start for _, start, end in tiles) == 10  # every element once; padding owned by none

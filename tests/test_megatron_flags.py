@@ -139,7 +139,7 @@ def test_grad_reduce_in_bf16_keeps_the_grad_buffer_in_bf16(tmp_path) -> None:
     for in_fp32, dtype in ((True, torch.float32), (False, torch.bfloat16)):
         model = nn.Linear(4, 4, dtype=torch.bfloat16)
         ddp = DistributedDataParallel(model, DDPConfig(grad_reduce_in_fp32=in_fp32))
-        assert {buffer.dtype for buffer in ddp.buffers_by_dtype.values()} == {dtype}
+        assert {buffer.dtype for buffer in ddp.buffers} == {dtype}
         ddp(torch.randn(2, 4, dtype=torch.bfloat16)).sum().backward()
         assert model.weight.main_grad.dtype == dtype
     with pytest.raises(SystemExit):

@@ -14,6 +14,11 @@ and after the optimizer updated its parts `all_gather_params()` gives every rank
 params, so the gathers of later layers overlap the forward of earlier ones, as in Megatron-Core). The
 word embedding tied across pipeline stages gets a bucket of its own (as in Megatron-Core), so both stages'
 copies split the same way over DP and their grads can be summed after the reduce-scatter.
+
+MoE experts (params marked `allreduce = False`, Megatron's mark) live in buffers of their own, reduced over the
+expert-data-parallel group (the replicas of the same experts) instead of DP; their grads are scaled by 1 / DP, not
+1 / expert DP, and summed: each expert has seen the tokens of every DP rank of its expert-parallel group, so the
+sum over its replicas divided by DP is the mean over DP of the loss's gradient, as Megatron-Core's DDP does.
 """
 
 from __future__ import annotations
@@ -42,8 +47,33 @@ class DDPConfig:
     overlap_param_gather: bool = False
 
 
+@dataclass(frozen=True)
+class DataParallelGroup:
+    """The ranks a buffer's grads are reduced over (DP, or expert DP for experts), this rank's place in it, and
+    the factor the grads are scaled by before summing (1 / DP for both)."""
+
+    group: dist.ProcessGroup | None
+    rank: int
+    size: int
+    scale: float
+
+
+def reduction_group(group: dist.ProcessGroup | None, scale_size: int | None = None) -> DataParallelGroup:
+    """`group` (None: the default group) seen from this rank; grads scaled by 1 / `scale_size` (default its size)."""
+    size = dist.get_world_size(group) if dist.is_initialized() else 1
+    rank = dist.get_rank(group) if dist.is_initialized() else 0
+    return DataParallelGroup(group, rank, size, 1.0 / (scale_size or size))
+
+
+def is_expert_parameter(param: torch.nn.Parameter) -> bool:
+    """An MoE expert's weight (Megatron marks them `allreduce = False`): split over expert parallelism, its grad
+    reduced over expert data parallel."""
+    return getattr(param, "allreduce", True) is False
+
+
 class Bucket:
-    """A slice of the grad buffer holding whole params; reduced with one collective.
+    """A slice of the grad buffer holding whole params; reduced with one collective over `dp` (its rank `dp.rank`
+    owns the `dp.rank`-th equal part under the distributed optimizer).
 
     `offsets[i]` is where `params[i]` starts inside the bucket; `param_data` is the same slice of the param
     buffer (distributed optimizer only, else None).
@@ -55,11 +85,13 @@ class Bucket:
         offsets: list[int],
         data: torch.Tensor,
         param_data: torch.Tensor | None,
+        dp: DataParallelGroup,
     ) -> None:
         self.params = params
         self.offsets = offsets
         self.data = data
         self.param_data = param_data
+        self.dp = dp
         self.pending: set[torch.nn.Parameter] = set(params)
         self.handle: dist.Work | None = None
         self.launched = False
@@ -70,36 +102,44 @@ class Bucket:
         self.handle = None
         self.launched = False
 
-    def shard(self, tensor: torch.Tensor, dp_rank: int, dp_size: int) -> torch.Tensor:
-        """DP rank `dp_rank`'s equal part of `tensor` (this bucket's grads or params)."""
-        size = tensor.numel() // dp_size
-        return tensor[dp_rank * size : (dp_rank + 1) * size]
+    def shard(self, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's equal part of `tensor` (this bucket's grads or params)."""
+        size = tensor.numel() // self.dp.size
+        return tensor[self.dp.rank * size : (self.dp.rank + 1) * size]
 
 
 class DistributedDataParallel(torch.nn.Module):
-    """Wraps `module`; grads land in `param.main_grad` already averaged over `data_parallel_group`."""
+    """Wraps `module`; grads land in `param.main_grad` already averaged over `data_parallel_group` (experts' over
+    `expert_data_parallel_group`, see the module docstring)."""
 
     def __init__(
-        self, module: torch.nn.Module, config: DDPConfig, data_parallel_group: dist.ProcessGroup | None = None
+        self,
+        module: torch.nn.Module,
+        config: DDPConfig,
+        data_parallel_group: dist.ProcessGroup | None = None,
+        expert_data_parallel_group: dist.ProcessGroup | None = None,
     ) -> None:
         super().__init__()
         self.module = module
         self.config = config
-        self.group = data_parallel_group
-        self.dp_size = dist.get_world_size(data_parallel_group) if dist.is_initialized() else 1
-        self.dp_rank = dist.get_rank(data_parallel_group) if dist.is_initialized() else 0
-        bucket_size = config.bucket_size or max(DEFAULT_BUCKET_SIZE, 1_000_000 * self.dp_size)
+        self.dp = reduction_group(data_parallel_group)
+        self.expert_dp = expert_dp = self.dp
+        if any(is_expert_parameter(p) for p in module.parameters()):
+            self.expert_dp = expert_dp = reduction_group(expert_data_parallel_group, scale_size=self.dp.size)
+        bucket_size = config.bucket_size or max(DEFAULT_BUCKET_SIZE, 1_000_000 * self.dp.size)
         params = [p for p in module.parameters() if p.requires_grad]
         tied = getattr(module, "shared_embedding_or_output_weight", None)
         self.alone_in_bucket = tied() if config.use_distributed_optimizer and callable(tied) else None
-        self.buffers_by_dtype: dict[torch.dtype, torch.Tensor] = {}
+        self.buffers: list[torch.Tensor] = []
         self.buckets: list[Bucket] = []
         self.bucket_of: dict[torch.nn.Parameter, Bucket] = {}
-        for dtype in dict.fromkeys(self._grad_dtype(p) for p in params):
-            # Reverse order: roughly the order in which backward produces the grads.
-            self._build_buffer(
-                dtype, [p for p in reversed(params) if self._grad_dtype(p) == dtype], bucket_size
-            )
+        for expert, dp in ((False, self.dp), (True, expert_dp)):
+            for dtype in dict.fromkeys(self._grad_dtype(p) for p in params if is_expert_parameter(p) == expert):
+                # Reverse order: roughly the order in which backward produces the grads.
+                group = [
+                    p for p in reversed(params) if self._grad_dtype(p) == dtype and is_expert_parameter(p) == expert
+                ]
+                self._build_buffer(dtype, group, bucket_size, dp)
         self.is_last_microbatch = True
         self._broadcast_params()
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in params]
@@ -109,18 +149,21 @@ class DistributedDataParallel(torch.nn.Module):
                     submodule.register_forward_pre_hook(self._wait_for_own_params)
 
     def _broadcast_params(self) -> None:
-        """Start every DP replica from DP rank 0's weights (as Megatron's DDP does)."""
-        if self.dp_size == 1:
-            return
-        source = dist.get_global_rank(self.group, 0) if self.group is not None else 0
+        """Start every DP replica from DP rank 0's weights (as Megatron's DDP does; experts from expert DP rank 0's)."""
         for param in self.module.parameters():
-            dist.broadcast(param.data, src=source, group=self.group)
+            dp = self.bucket_of[param].dp if param in self.bucket_of else self.dp
+            if dp.size > 1:
+                source = dist.get_global_rank(dp.group, 0) if dp.group is not None else 0
+                dist.broadcast(param.data, src=source, group=dp.group)
 
     def _grad_dtype(self, param: torch.nn.Parameter) -> torch.dtype:
         return torch.float32 if self.config.grad_reduce_in_fp32 else param.dtype
 
-    def _build_buffer(self, dtype: torch.dtype, params: list[torch.nn.Parameter], bucket_size: int) -> None:
-        """One grad buffer for `params` (and, sharded, one param buffer), split into buckets of whole params."""
+    def _build_buffer(
+        self, dtype: torch.dtype, params: list[torch.nn.Parameter], bucket_size: int, dp: DataParallelGroup
+    ) -> None:
+        """One grad buffer for `params` (and, sharded, one param buffer), split into buckets of whole params, each
+        reduced over `dp`."""
         groups, current, current_numel = [], [], 0
         for param in params:
             if param is self.alone_in_bucket and current:
@@ -131,10 +174,10 @@ class DistributedDataParallel(torch.nn.Module):
             if current_numel >= bucket_size or param is self.alone_in_bucket or param is params[-1]:
                 groups.append(current)
                 current, current_numel = [], 0
-        multiple = self.dp_size if self.config.use_distributed_optimizer else 1
+        multiple = dp.size if self.config.use_distributed_optimizer else 1
         sizes = [-(-sum(p.numel() for p in group) // multiple) * multiple for group in groups]
         buffer = torch.zeros(sum(sizes), dtype=dtype, device=params[0].device)
-        self.buffers_by_dtype[dtype] = buffer
+        self.buffers.append(buffer)
         param_buffer = (
             self._build_param_buffer(params, sum(sizes)) if self.config.use_distributed_optimizer else None
         )
@@ -150,7 +193,7 @@ class DistributedDataParallel(torch.nn.Module):
                 offsets.append(offset - start)
                 offset += param.numel()
             param_data = param_buffer[start : start + size] if param_buffer is not None else None
-            bucket = Bucket(group, offsets, buffer[start : start + size], param_data)
+            bucket = Bucket(group, offsets, buffer[start : start + size], param_data, dp)
             self.buckets.append(bucket)
             self.bucket_of.update(dict.fromkeys(group, bucket))
             start += size
@@ -174,15 +217,16 @@ class DistributedDataParallel(torch.nn.Module):
 
     def _launch(self, bucket: Bucket) -> None:
         bucket.launched = True
-        if self.dp_size == 1:
+        dp = bucket.dp
+        if dp.scale != 1.0:
+            bucket.data.mul_(dp.scale)
+        if dp.size == 1:
             return
-        bucket.data.div_(self.dp_size)
         async_op = self.config.overlap_grad_reduce
         if self.config.use_distributed_optimizer:  # each rank keeps only its own part, reduced
-            local = bucket.shard(bucket.data, self.dp_rank, self.dp_size)
-            bucket.handle = _reduce_scatter(local, bucket.data, group=self.group, async_op=async_op)
+            bucket.handle = _reduce_scatter(bucket.shard(bucket.data), bucket.data, group=dp.group, async_op=async_op)
         else:
-            bucket.handle = dist.all_reduce(bucket.data, group=self.group, async_op=async_op)
+            bucket.handle = dist.all_reduce(bucket.data, group=dp.group, async_op=async_op)
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -206,15 +250,11 @@ class DistributedDataParallel(torch.nn.Module):
     def all_gather_params(self) -> None:
         """Distributed optimizer: after each rank updated its part of the param buffer, every rank gets all of it;
         with `overlap_param_gather` the gathers stay in flight until `finish_param_sync` or a forward needs them."""
-        if self.dp_size == 1:
-            return
         for bucket in reversed(self.buckets):  # the first layers' buckets first: the forward needs them first
-            bucket.param_gather = _all_gather(
-                bucket.param_data,
-                bucket.shard(bucket.param_data, self.dp_rank, self.dp_size),
-                group=self.group,
-                async_op=True,
-            )
+            if bucket.dp.size > 1:
+                bucket.param_gather = _all_gather(
+                    bucket.param_data, bucket.shard(bucket.param_data), group=bucket.dp.group, async_op=True
+                )
         if not self.config.overlap_param_gather:
             self.finish_param_sync()
 
@@ -235,7 +275,7 @@ class DistributedDataParallel(torch.nn.Module):
                 self._wait_for_param_gather(self.bucket_of[param])
 
     def zero_grad_buffer(self) -> None:
-        for buffer in self.buffers_by_dtype.values():
+        for buffer in self.buffers:
             buffer.zero_()
         for bucket in self.buckets:
             bucket.reset()
@@ -258,11 +298,16 @@ class TorchDistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
 
 
 def wrap_data_parallel(
-    module: torch.nn.Module, ddp_impl: str, config: DDPConfig, data_parallel_group: dist.ProcessGroup | None
+    module: torch.nn.Module,
+    ddp_impl: str,
+    config: DDPConfig,
+    data_parallel_group: dist.ProcessGroup | None,
+    expert_data_parallel_group: dist.ProcessGroup | None = None,
 ) -> torch.nn.Module:
-    """Wrap `module` with the chosen implementation (`local`: ours, `torch`: torch's DDP)."""
+    """Wrap `module` with the chosen implementation (`local`: ours, `torch`: torch's DDP, which averages every grad
+    over DP: arguments.validate_config refuses it with expert parallelism)."""
     if ddp_impl == "local":
-        return DistributedDataParallel(module, config, data_parallel_group)
+        return DistributedDataParallel(module, config, data_parallel_group, expert_data_parallel_group)
     if ddp_impl == "torch":
         if not dist.is_initialized():
             raise RuntimeError("--ddp-impl torch needs torch.distributed initialised (launch with torchrun)")

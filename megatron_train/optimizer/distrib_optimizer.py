@@ -27,7 +27,6 @@ import torch
 import torch.distributed as dist
 
 from megatron_train.distributed.ddp import Bucket, DistributedDataParallel
-from megatron_train.optimizer.clip_grads import all_reduce_model_parallel
 from megatron_train.optimizer.optimizer import MegatronOptimizer
 from megatron_train.training.config import OptimizerConfig
 
@@ -43,10 +42,10 @@ class ParamShard:
     end: int
 
 
-def shards_of_bucket(bucket: Bucket, dp_rank: int, dp_size: int) -> dict[torch.nn.Parameter, ParamShard]:
-    """The part of each param of `bucket` that falls into DP rank `dp_rank`'s equal part of the bucket."""
-    part = bucket.data.numel() // dp_size
-    low, high = dp_rank * part, (dp_rank + 1) * part
+def shards_of_bucket(bucket: Bucket) -> dict[torch.nn.Parameter, ParamShard]:
+    """The part of each param of `bucket` that falls into this rank's equal part of the bucket."""
+    part = bucket.data.numel() // bucket.dp.size
+    low, high = bucket.dp.rank * part, (bucket.dp.rank + 1) * part
     shards = {}
     for param, offset in zip(bucket.params, bucket.offsets, strict=True):
         start, end = max(low, offset) - offset, min(high, offset + param.numel()) - offset
@@ -85,15 +84,16 @@ class DistributedOptimizer(MegatronOptimizer):
                     "DistributedDataParallel(module, DDPConfig(use_distributed_optimizer=True)) (--ddp-impl local)"
                 )
         first = self.ddps[0]
-        if any(chunk.group is not first.group for chunk in self.ddps):
+        if any(chunk.dp.group is not first.dp.group for chunk in self.ddps):
             raise ValueError(
                 "--use-distributed-optimizer: every model chunk's DDP must use the same DP group"
             )
-        self.dp_group, self.dp_rank, self.dp_size = first.group, first.dp_rank, first.dp_size
+        self.dp = first.dp
+        self.grads_sharded_over = (first.dp, first.expert_dp)
         self.buckets = [bucket for chunk in self.ddps for bucket in chunk.buckets]
         self.shards: dict[torch.nn.Parameter, ParamShard] = {}
         for bucket in self.buckets:
-            self.shards.update(shards_of_bucket(bucket, self.dp_rank, self.dp_size))
+            self.shards.update(shards_of_bucket(bucket))
         named_params = chunk_named_parameters([chunk.module for chunk in self.ddps])
         super().__init__(named_params, config, params_dtype)
 
@@ -127,12 +127,6 @@ class DistributedOptimizer(MegatronOptimizer):
             grads.append(main.grad)
         return params, grads
 
-    def _all_reduce_grad_stats(self, tensor: torch.Tensor, op: dist.ReduceOp) -> None:
-        """Each DP rank holds different grads: reduce over DP, then over model parallel."""
-        if self.dp_size > 1:
-            dist.all_reduce(tensor, op=op, group=self.dp_group)
-        all_reduce_model_parallel(tensor, op)
-
     def _copy_main_params_to_model_params(self) -> None:
         """Write the updated shards into the param buffers, then all-gather each chunk's buffer over DP."""
         if self.mixed_precision:
@@ -163,18 +157,19 @@ class DistributedOptimizer(MegatronOptimizer):
     @torch.no_grad()
     def _full_param_states(self) -> list[tuple[str, torch.Tensor, dict]]:
         """Gather every DP rank's shards into full tensors on DP rank 0, in CPU memory as Megatron's
-        get_parameter_state_dp_zero (collective over DP; other ranks get an empty list). Per bucket and state,
-        each rank contributes its part of the bucket."""
+        get_parameter_state_dp_zero (collective over DP; the experts' over expert DP, to expert DP rank 0). A rank
+        gets the params whose first data-parallel rank it is (none on most). Per bucket and state, each rank
+        contributes its part of the bucket."""
         main_of = dict(zip(self.model_params, self.main_params, strict=True))
         first_state = next(iter(self.optimizer.state.values()), {})
         tensor_keys = self._broadcast_from_first_dp_rank(
             [k for k, v in first_state.items() if isinstance(v, torch.Tensor) and v.dim() > 0]
         )
         keys = ["main_param", *tensor_keys] if self.mixed_precision else tensor_keys
-        full: dict[torch.nn.Parameter, dict[str, torch.Tensor]] = {p: {} for p in self.model_params}
+        full: dict[torch.nn.Parameter, dict[str, torch.Tensor]] = {}
         for bucket in self.buckets:
-            part = bucket.data.numel() // self.dp_size
-            low = self.dp_rank * part
+            part = bucket.data.numel() // bucket.dp.size
+            low = bucket.dp.rank * part
             for key in keys:
                 local = torch.zeros(part, dtype=torch.float32, device=bucket.data.device)
                 for param in bucket.params:
@@ -184,36 +179,37 @@ class DistributedOptimizer(MegatronOptimizer):
                     value = main if key == "main_param" else self.optimizer.state[main][key]
                     begin = shard.offset + shard.start - low
                     local[begin : begin + shard.end - shard.start] = value.view(-1)
-                flat = self._gather_to_first_dp_rank(local)
+                flat = _gather_to_first_rank(local, bucket)
                 if flat is not None:
                     for param, offset in zip(bucket.params, bucket.offsets, strict=True):
-                        full[param][key] = (
+                        full.setdefault(param, {})[key] = (
                             flat[offset : offset + param.numel()].view_as(param).to("cpu", copy=True)
                         )
-        if self.dp_rank != 0:
-            return []
+            if bucket.dp.rank == 0 and not keys:  # an optimizer without tensor state (SGD without momentum)
+                full.update({param: {} for param in bucket.params})
         scalars = {k: v for k, v in first_state.items() if k not in tensor_keys}
         return [
             (name, full[param].pop("main_param", param.detach()), {**scalars, **full[param]})
             for name, param in zip(self.names, self.model_params, strict=True)
+            if param in full
         ]
-
-    @property
-    def _first_dp_rank_global(self) -> int:
-        return dist.get_global_rank(self.dp_group, 0) if self.dp_group is not None else 0
 
     def _broadcast_from_first_dp_rank(self, keys: list[str]) -> list[str]:
         """DP rank 0's state names (it owns the start of every bucket; a rank may own only padding)."""
-        if self.dp_size == 1:
+        if self.dp.size == 1:
             return keys
         message = [keys]
-        dist.broadcast_object_list(message, src=self._first_dp_rank_global, group=self.dp_group)
+        source = dist.get_global_rank(self.dp.group, 0) if self.dp.group is not None else 0
+        dist.broadcast_object_list(message, src=source, group=self.dp.group)
         return message[0]
 
-    def _gather_to_first_dp_rank(self, local: torch.Tensor) -> torch.Tensor | None:
-        """All ranks' `local` concatenated in DP rank order on DP rank 0; None on the others."""
-        if self.dp_size == 1:
-            return local
-        parts = [torch.empty_like(local) for _ in range(self.dp_size)] if self.dp_rank == 0 else None
-        dist.gather(local, parts, dst=self._first_dp_rank_global, group=self.dp_group)
-        return torch.cat(parts) if parts is not None else None
+
+def _gather_to_first_rank(local: torch.Tensor, bucket: Bucket) -> torch.Tensor | None:
+    """Every rank's `local` part of `bucket` concatenated in rank order on the bucket's first data-parallel rank;
+    None on the others."""
+    dp = bucket.dp
+    if dp.size == 1:
+        return local
+    parts = [torch.empty_like(local) for _ in range(dp.size)] if dp.rank == 0 else None
+    dist.gather(local, parts, dst=dist.get_global_rank(dp.group, 0) if dp.group is not None else 0, group=dp.group)
+    return torch.cat(parts) if parts is not None else None

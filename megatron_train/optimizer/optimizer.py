@@ -12,18 +12,22 @@ import torch
 import torch.distributed as dist
 
 from megatron_train.device import get_device
+from megatron_train.distributed.ddp import is_expert_parameter
 from megatron_train.optimizer.clip_grads import (
-    all_reduce_model_parallel,
+    ShardingGroups,
+    all_reduce_grad_stat,
     clip_grads_by_total_norm,
-    counts_towards_norm,
+    count_zeros_fp32,
+    get_grad_norm_fp32,
 )
 from megatron_train.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
 from megatron_train.training.config import OptimizerConfig
 
 
 def no_weight_decay(name: str, param: torch.nn.Parameter) -> bool:
-    """Megatron's rule: biases and 1-D params (norm weights) are not decayed."""
-    return name.endswith(".bias") or param.dim() == 1
+    """Megatron's rule: biases and 1-D params (norm weights) are not decayed (the MoE experts' stacked biases,
+    `experts.bias1` / `bias2`, are biases too)."""
+    return name.rsplit(".", 1)[-1].startswith("bias") or param.dim() == 1
 
 
 # Megatron-Core marks these `is_embedding_or_output_parameter`: the word embedding and the untied output layer.
@@ -74,6 +78,9 @@ class MegatronOptimizer:
     shards_state_over_data_parallel = (
         False  # each DP rank holds all of it (the distributed optimizer: a part)
     )
+    # The data-parallel groups over which each rank holds a different part of the grads (the distributed
+    # optimizer's shards): the grad statistics are then reduced over them too.
+    grads_sharded_over: ShardingGroups = None
 
     def __init__(
         self,
@@ -131,37 +138,20 @@ class MegatronOptimizer:
             grads.append(main.grad)
         return params, grads
 
-    def _unscale_and_check_for_inf(self, grads: list[torch.Tensor]) -> bool:
-        found_inf = torch.zeros((), dtype=torch.float32, device=get_device())
-        if grads:
-            torch._foreach_mul_(grads, self.grad_scaler.inv_scale)
-            finite = torch.stack([torch.isfinite(g).all() for g in grads]).all()
-            found_inf = (~finite).float().to(found_inf.device)
-        self._all_reduce_grad_stats(found_inf, dist.ReduceOp.MAX)
-        return bool(found_inf.item() > 0)
-
-    def _all_reduce_grad_stats(self, tensor: torch.Tensor, op: dist.ReduceOp) -> None:
-        """Reduce a statistic of the grads this rank holds over every rank holding other grads."""
-        all_reduce_model_parallel(tensor, op)
-
-    def _grad_norm(self, params: list[torch.Tensor], grads: list[torch.Tensor]) -> float:
-        """Global L2 norm: squares summed over the grads this rank holds (replicas once), then over the ranks
-        holding the others."""
-        total = torch.zeros((), dtype=torch.float32, device=get_device())
-        counted = [grad for param, grad in zip(params, grads, strict=True) if counts_towards_norm(param)]
-        if counted:
-            total += torch.stack(torch._foreach_norm(counted)).pow(2).sum().to(total.device)
-        self._all_reduce_grad_stats(total, dist.ReduceOp.SUM)
-        return total.sqrt().item()
-
-    def _count_zeros(self, params: list[torch.Tensor], grads: list[torch.Tensor]) -> float:
-        """Zero entries of the whole model's gradient (replicas once), as Megatron's count_zeros_fp32."""
-        total = torch.zeros((), dtype=torch.float32, device=get_device())
-        for param, grad in zip(params, grads, strict=True):
-            if counts_towards_norm(param):
-                total += grad.numel() - torch.count_nonzero(grad).to(total.device)
-        self._all_reduce_grad_stats(total, dist.ReduceOp.SUM)
-        return total.item()
+    def _unscale_and_check_for_inf(self, params: list[torch.Tensor], grads: list[torch.Tensor]) -> bool:
+        """Unscale the grads; whether any grad of any rank is not finite (dense and expert parts reduced over
+        their groups)."""
+        flags = []
+        for expert in (False, True):
+            part = [g for p, g in zip(params, grads, strict=True) if is_expert_parameter(p) == expert]
+            found_inf = torch.zeros((), dtype=torch.float32, device=get_device())
+            if part:
+                torch._foreach_mul_(part, self.grad_scaler.inv_scale)
+                finite = torch.stack([torch.isfinite(g).all() for g in part]).all()
+                found_inf = (~finite).float().to(found_inf.device)
+            flags.append(found_inf)
+        found = all_reduce_grad_stat(*flags, dist.ReduceOp.MAX, self.grads_sharded_over)
+        return bool(found.item() > 0)
 
     def _copy_main_params_to_model_params(self) -> None:
         if self.mixed_precision:
@@ -176,14 +166,18 @@ class MegatronOptimizer:
     def step(self) -> tuple[bool, float | None, float | None]:
         params, grads = self._main_grads()
         if self.grad_scaler is not None:
-            found_inf = self._unscale_and_check_for_inf(grads)
+            found_inf = self._unscale_and_check_for_inf(params, grads)
             self.grad_scaler.update(found_inf)
             if found_inf:
                 return False, None, None
-        grad_norm = self._grad_norm(params, grads)
+        grad_norm = get_grad_norm_fp32(params, grads, self.grads_sharded_over)
         if self.config.clip_grad > 0.0:
             clip_grads_by_total_norm(grads, self.config.clip_grad, grad_norm)
-        num_zeros = self._count_zeros(params, grads) if self.config.log_num_zeros_in_grad else None
+        num_zeros = (
+            count_zeros_fp32(params, grads, self.grads_sharded_over)
+            if self.config.log_num_zeros_in_grad
+            else None
+        )
         self.optimizer.step()
         self._copy_main_params_to_model_params()
         return True, grad_norm, num_zeros
@@ -315,7 +309,14 @@ class MegatronOptimizer:
 
 def copy_parallel_attributes(source: torch.Tensor, target: torch.Tensor) -> None:
     """Carry TP sharding and tied-weight marks over to an fp32 main param (the grad-norm rules read them)."""
-    for attr in ("tensor_model_parallel", "partition_dim", "partition_stride", "partition_sizes", "shared"):
+    for attr in (
+        "tensor_model_parallel",
+        "partition_dim",
+        "partition_stride",
+        "partition_sizes",
+        "shared",
+        "allreduce",
+    ):
         if hasattr(source, attr):
             setattr(target, attr, getattr(source, attr))
 
