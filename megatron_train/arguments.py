@@ -80,6 +80,9 @@ ACCEPTED_FLAG_NOTES: dict[str, str] = {
     "dataset_impl": ".bin/.idx files are Megatron's mmap format, the only one here",
     "data_parallel_sharding_strategy": "Megatron ignores it without --use-megatron-fsdp, which is not built here: "
     "data parallelism replicates the model, and --use-distributed-optimizer shards the optimizer state (ZeRO-1)",
+    "moe_permute_fusion": "MoE tokens are permuted with torch index operations (no fused kernel)",
+    "moe_router_fusion": "the MoE router runs as torch operations (no fused kernel)",
+    "moe_shared_expert_overlap": "the shared experts run after the token exchange (no CUDA-stream overlap)",
 }
 FP8_FLAGS = ("fp8_format", "fp8_amax_history_len", "fp8_amax_compute_algo", "fp8_param_gather")
 logger = logging.getLogger(__name__)
@@ -279,6 +282,7 @@ def validate_config(config: MegatronConfig, world_size: int) -> None:
             "--overlap-param-gather overlaps the distributed optimizer's param all-gather: it needs "
             "--use-distributed-optimizer and --overlap-grad-reduce (as in Megatron)"
         )
+    validate_moe(config, world_size)
     validate_context_parallel(config)
     validate_checkpoint_flags(config)
     logging_config = config.logging
@@ -354,6 +358,55 @@ def validate_context_parallel(config: MegatronConfig) -> None:
             f"--cp-comm-type a2a splits each tensor-parallel rank's {groups} key/value heads over "
             f"--context-parallel-size {cp}, which does not divide them; use --cp-comm-type p2p or all_gather"
         )
+
+
+def validate_moe(config: MegatronConfig, world_size: int) -> None:
+    """Megatron's rules for expert parallelism and the MoE layers (the MoE flags alone: MoEConfig.moe_checks)."""
+    model, parallel, compat = config.model, config.parallel, config.compat
+    if compat.moe_enable_deepep or compat.moe_flex_dispatcher_backend is not None:
+        flag = "--moe-enable-deepep" if compat.moe_enable_deepep else "--moe-flex-dispatcher-backend"
+        raise ValueError(
+            f"{flag} asks for DeepEP / HybridEP's fused GPU all-to-all kernels, which this engine does not have; drop "
+            "it and use --moe-token-dispatcher-type alltoall"
+        )
+    ep, etp = parallel.expert_model_parallel_size, parallel.expert_tensor_size
+    if not model.is_moe:
+        if ep > 1:
+            raise ValueError(f"--expert-model-parallel-size {ep} splits MoE experts: it needs --num-experts")
+        return
+    parallel.expert_data_parallel_size(world_size)
+    checks = [
+        (
+            model.num_experts % ep == 0,
+            f"--num-experts {model.num_experts} is not a multiple of --expert-model-parallel-size {ep}",
+        ),
+        (
+            model.moe_ffn_hidden_size % etp == 0,
+            f"--moe-ffn-hidden-size {model.moe_ffn_hidden_size} is not divisible by the expert tensor parallel size "
+            f"{etp} (--expert-tensor-parallel-size, default --tensor-model-parallel-size)",
+        ),
+        (
+            not model.add_bias_linear or etp == 1,
+            "MoE experts have biases only with --expert-tensor-parallel-size 1 (as Megatron); pass "
+            "--disable-bias-linear or --expert-tensor-parallel-size 1",
+        ),
+        (
+            parallel.tensor_model_parallel_size == 1 or parallel.sequence_parallel,
+            "MoE layers with --tensor-model-parallel-size > 1 need --sequence-parallel (as Megatron): each TP rank "
+            "routes its own share of the tokens",
+        ),
+        (
+            config.training.ddp_impl == "local" or ep == 1,
+            "--ddp-impl torch averages every gradient over data parallel; expert parallelism needs --ddp-impl local",
+        ),
+        (
+            not model.moe_use_upcycling or (config.checkpoint.load and config.checkpoint.save),
+            "--moe-use-upcycling turns the dense checkpoint of --load into an MoE run saved to --save: give both",
+        ),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise ValueError(message)
 
 
 def validate_step_batch_size_schedule(config: MegatronConfig) -> None:

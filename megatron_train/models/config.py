@@ -13,6 +13,7 @@ from typing import Literal, get_args
 import torch
 
 from megatron_train.models.hybrid_pattern import hybrid_layer_count, pattern_from_ratios
+from megatron_train.models.moe.config import MoEConfig
 
 PositionEmbeddingType = Literal["learned_absolute", "rope", "relative", "none"]
 Normalization = Literal["LayerNorm", "RMSNorm"]
@@ -24,7 +25,9 @@ CPCommType = Literal["p2p", "all_gather", "allgather", "a2a"]
 
 
 @dataclass
-class TransformerConfig:
+class TransformerConfig(MoEConfig):
+    """The model's shape and behaviour; the MoE flags are `MoEConfig`'s (models/moe/config.py)."""
+
     model_family: str | None = field(
         default=None,
         kw_only=True,
@@ -293,6 +296,7 @@ class TransformerConfig:
                 self.ffn_hidden_size = 4 * self.hidden_size
         if self.max_position_embeddings is None:
             self.max_position_embeddings = self.seq_length
+        self.normalize_moe()
         self._validate()
 
     def _validate(self) -> None:
@@ -368,9 +372,10 @@ class TransformerConfig:
                 "of 64); set --ffn-hidden-size explicitly",
             ),
         ]
-        for ok, message in checks:
+        for ok, message in checks + self.moe_checks():
             if not ok:
                 raise ValueError(message)
+        self.moe_layer_pattern  # noqa: B018 - parsing --moe-layer-freq raises on a bad pattern
 
     @property
     def num_decoder_layers(self) -> int:

@@ -21,7 +21,10 @@ from torch import nn
 
 from megatron_train.models.config import TransformerConfig
 from megatron_train.models.context_attention import ContextParallelDocuments, context_parallel_attention
+from megatron_train.models.init import init_method_normal, scaled_init_method_normal
 from megatron_train.models.kv_cache import KVCache
+from megatron_train.models.mlp import MLP
+from megatron_train.models.moe.layer import MoELayer
 from megatron_train.models.norms import build_norm
 from megatron_train.models.rotary import apply_rotary_pos_emb
 from megatron_train.parallel import state
@@ -40,15 +43,6 @@ TOKENTYPE_EMBEDDING_INIT_STREAM, LM_HEAD_INIT_STREAM, POOLER_INIT_STREAM, BINARY
 ENCODER_RELATIVE_BIAS_INIT_STREAM, DECODER_RELATIVE_BIAS_INIT_STREAM = (
     (1 << 20) - 5 - offset for offset in range(2)
 )
-
-
-def init_method_normal(std: float) -> Callable[[torch.Tensor], torch.Tensor]:
-    return lambda tensor: nn.init.normal_(tensor, mean=0.0, std=std)
-
-
-def scaled_init_method_normal(std: float, num_layers: int) -> Callable[[torch.Tensor], torch.Tensor]:
-    """Megatron's init for projections feeding the residual stream: std / sqrt(2 * num_layers)."""
-    return init_method_normal(std / (2.0 * num_layers) ** 0.5)
 
 
 def pack_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_query_groups: int) -> torch.Tensor:
@@ -291,50 +285,6 @@ class SelfAttention(nn.Module):
         return self.linear_proj(context)
 
 
-class MLP(nn.Module):
-    """h -> ffn (GELU, or ReLU as T5 v1.0) -> h, or SwiGLU: fc1 computes [gate; up] (TP stride 2: each rank has its slice of both).
-    The ffn dimension is split over `tp_group`."""
-
-    def __init__(
-        self, config: TransformerConfig, sequence_parallel: bool, tp_group: dist.ProcessGroup | None = None
-    ) -> None:
-        super().__init__()
-        self.swiglu = config.swiglu
-        self.relu = config.activation_func == "relu"
-        self.gelu_approximate = config.gelu_approximate
-        fc1_size = 2 * config.ffn_hidden_size if config.swiglu else config.ffn_hidden_size
-        self.linear_fc1 = ColumnParallelLinear(
-            config.hidden_size,
-            fc1_size,
-            init_method=init_method_normal(config.init_method_std),
-            bias=config.add_bias_linear,
-            stride=2 if config.swiglu else 1,
-            sequence_parallel=sequence_parallel,
-            params_dtype=config.params_dtype,
-            tp_group=tp_group,
-        )
-        self.linear_fc2 = RowParallelLinear(
-            config.ffn_hidden_size,
-            config.hidden_size,
-            init_method=scaled_init_method_normal(config.init_method_std, config.num_layers),
-            bias=config.add_bias_linear,
-            sequence_parallel=sequence_parallel,
-            params_dtype=config.params_dtype,
-            tp_group=tp_group,
-        )
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        x = self.linear_fc1(hidden)
-        if self.swiglu:
-            gate, up = x.chunk(2, dim=-1)
-            x = F.silu(gate) * up
-        elif self.relu:
-            x = F.relu(x)
-        else:
-            x = F.gelu(x, approximate=self.gelu_approximate)
-        return self.linear_fc2(x)
-
-
 class TransformerLayer(nn.Module):
     """Pre-norm residual layer (Megatron's): x + dropout(attn(norm(x))), then x + dropout(mlp(norm(x))).
 
@@ -355,7 +305,10 @@ class TransformerLayer(nn.Module):
         cross_attention: nn.Module | None = None,
         tp_group: dist.ProcessGroup | None = None,
         cp_group: dist.ProcessGroup | None = None,
+        layer_number: int | None = None,
     ) -> None:
+        """`layer_index`: the layer's place in this stage (its KV-cache slot); `layer_number`: its global index
+        (default `layer_index`), which decides whether its MLP is an MoE layer (--moe-layer-freq)."""
         super().__init__()
         self.post_ln = config.post_ln
         if not self.post_ln:
@@ -369,7 +322,11 @@ class TransformerLayer(nn.Module):
             setattr(self, norm_name, build_norm(config, sequence_parallel))
         if not self.post_ln:
             self.pre_mlp_layernorm = build_norm(config, sequence_parallel)
-        self.mlp = MLP(config, sequence_parallel, tp_group)
+        layer_number = layer_index if layer_number is None else layer_number
+        if config.is_moe_layer(layer_number):
+            self.mlp = MoELayer(config, layer_number, sequence_parallel)
+        else:
+            self.mlp = MLP(config, sequence_parallel, tp_group)
         if self.post_ln:
             self.post_mlp_layernorm = build_norm(config, sequence_parallel)
         self.hidden_dropout = nn.Dropout(config.hidden_dropout)
@@ -443,7 +400,13 @@ class TransformerBlock(nn.Module):
                 cross_attention = cross_attention_for(global_index) if cross_attention_for else None
                 layers.append(
                     TransformerLayer(
-                        config, index, sequence_parallel, cross_attention, pg_collection.tp, pg_collection.cp
+                        config,
+                        index,
+                        sequence_parallel,
+                        cross_attention,
+                        pg_collection.tp,
+                        pg_collection.cp,
+                        layer_number=global_index,
                     )
                 )
         self.layers = nn.ModuleList(layers)

@@ -141,6 +141,15 @@ def full_weight_initialization() -> bool:
     return _OPEN_INIT_STREAMS > 0
 
 
+_RECOMPUTING = [0]  # checkpointed blocks being recomputed right now (nested checkpoints count each)
+
+
+def is_recomputing() -> bool:
+    """Whether a `checkpoint`ed block is being recomputed in the backward pass: its forward then runs a second
+    time, which must build the same graph but not count what it counts twice (the MoE routers' statistics)."""
+    return _RECOMPUTING[0] > 0
+
+
 def checkpoint(function: Callable[..., Any], *args: Any) -> Any:
     """Activation checkpointing (torch.utils.checkpoint, use_reentrant=False) that also replays the tracked
     RNG streams, so dropout inside `fork()` draws the same masks when the block is recomputed (forks that
@@ -152,9 +161,11 @@ def checkpoint(function: Callable[..., Any], *args: Any) -> Any:
         current, current_running = _TRACKER.get_states(), _TRACKER._running
         _TRACKER.set_states(saved)
         _TRACKER._running = set(running)
+        _RECOMPUTING[0] += 1
         try:
             yield
         finally:
+            _RECOMPUTING[0] -= 1
             _TRACKER.set_states(current)
             _TRACKER._running = current_running
 

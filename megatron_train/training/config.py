@@ -297,6 +297,10 @@ class LoggingConfig:
     use_pytorch_profiler: bool = field(
         default=False, metadata=_help("Use torch's profiler (always the profiler here: no nsys).")
     )
+    moe_per_layer_logging: bool = field(
+        default=False,
+        metadata=_help("Write each MoE layer's losses and per-expert token counts to TensorBoard and metrics."),
+    )
     wandb_project: str | None = field(
         default=None, metadata=_help("Also log metrics to this Weights & Biases project (needs wandb).")
     )
@@ -377,3 +381,11 @@ class CompatibilityConfig:
         default="most_recent", metadata=_help("FP8 amax reduction.")
     )
     fp8_param_gather: bool = field(default=False, metadata=_help("Keep and all-gather params in FP8."))
+    moe_permute_fusion: bool = field(default=False, metadata=_help("Fused MoE token permutation kernels."))
+    moe_router_fusion: bool = field(default=False, metadata=_help("Fused MoE router kernels."))
+    moe_enable_deepep: bool = field(
+        default=False, metadata=_help("DeepEP's fused all-to-all (needs DeepEP on GPUs; refused here).")
+    )
+    moe_flex_dispatcher_backend: Literal["deepep", "hybridep"] | None = field(
+        default=None, metadata=_help("The flex dispatcher's kernels (DeepEP / HybridEP; refused here).")
+    )

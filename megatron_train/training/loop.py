@@ -23,6 +23,8 @@ from megatron_train.checkpointing.load import non_persistent_dir
 from megatron_train.checkpointing.save import prune_non_persistent
 from megatron_train.device import get_device
 from megatron_train.distributed import finalize_model_grads
+from megatron_train.models.moe.aux_losses import METRICS, set_backward_scale
+from megatron_train.models.moe.config import AUX_LOSS_NAMES
 from megatron_train.models.terms import ModelTerms
 from megatron_train.optimizer.clip_grads import params_l2_norm
 from megatron_train.parallel import state
@@ -90,20 +92,24 @@ def train_step(
 ) -> tuple[dict[str, float] | None, bool, float | None, float | None]:
     """One global batch through the pipeline schedule, then Megatron's grad finalisation and optimizer step.
 
-    Returns (the losses averaged over micro-batches and DP ranks, None off the last pipeline stage; skipped
-    (fp16 overflow); grad norm over the whole model; zeros in the whole model's grad with
-    --log-num-zeros-in-grad, else None).
+    Returns (the losses averaged over micro-batches and DP ranks, None off the last pipeline stage; an MoE
+    model's auxiliary losses are among them, under Megatron's names, and with --moe-per-layer-logging each layer's
+    as `moe/...` entries; skipped (fp16 overflow); grad norm over the whole model; zeros in the whole model's grad
+    with --log-num-zeros-in-grad, else None).
     """
     optimizer = setup.optimizer
     for chunk in setup.model:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
     loss_scale = optimizer.get_loss_scale()
+    num_micro_batches = setup.calculator.num_micro_batches
+    if config.model.is_moe:  # the routers' losses get the gradient scale of the LM loss
+        set_backward_scale(loss_scale / num_micro_batches, config.training.calculate_per_token_loss)
     reduced = get_forward_backward_func()(
         forward_step_func,
         data_iterators,
         setup.model,
-        setup.calculator.num_micro_batches,
+        num_micro_batches,
         config.model.seq_length,
         config.training.micro_batch_size,
         sequence_parallel=config.parallel.sequence_parallel,
@@ -118,7 +124,14 @@ def train_step(
     update_successful, grad_norm, num_zeros = optimizer.step()
     if update_successful:
         setup.scheduler.step(increment=setup.calculator.current_global_batch_size)
-    return average_losses(reduced), not update_successful, grad_norm, num_zeros
+    losses = average_losses(reduced)
+    if config.model.is_moe:
+        moe_losses, per_layer = METRICS.report(num_micro_batches, sum(config.model.moe_layer_pattern))
+        if losses is not None:
+            losses.update(moe_losses)
+            if config.logging.moe_per_layer_logging:
+                losses.update(per_layer)
+    return losses, not update_successful, grad_norm, num_zeros
 
 
 @torch.no_grad()
@@ -206,6 +219,11 @@ class Trainer:
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
         self.last_saved_iteration: int | None = None
         self.hooks = StepHooks(config)
+        model = config.model
+        if model.is_moe:
+            names = [AUX_LOSS_NAMES[kind] for kind in model.aux_loss_coeffs()]
+            names += ["z_loss"] if model.moe_z_loss_coeff is not None else []
+            METRICS.start(names, model.num_layers, model.num_experts, get_device())
 
     def save(self, non_persistent: bool = False) -> None:
         """Save this iteration under --save, or `non_persistent`ly (--non-persistent-save-interval: a folder that
@@ -258,7 +276,8 @@ class Trainer:
             "peak memory (MB)": peak_memory_mb(),
         }
         if _is_logging_rank():
-            print(format_training_line(stats, self.setup.train_iters, list(interval.loss_sums)), flush=True)
+            line_keys = [key for key in interval.loss_sums if not key.startswith("moe/")]  # TensorBoard only
+            print(format_training_line(stats, self.setup.train_iters, line_keys), flush=True)
             if self.writer is not None:
                 self.writer.write(stats)
 

@@ -56,11 +56,14 @@ def model_parallel_session(
     """A run's process group (joined, or created here and destroyed at the end) and model-parallel groups
     (--tensor-model-parallel-size x --context-parallel-size x `pipeline_size`), torn down when the run ends, also on an error."""
     created_group = initialize_distributed(config.training.distributed_timeout_minutes)
+    parallel = config.parallel
     state.initialize_model_parallel(
-        config.parallel.tensor_model_parallel_size,
+        parallel.tensor_model_parallel_size,
         pipeline_size,
         virtual_pipeline_size,
-        config.parallel.context_parallel_size,
+        parallel.context_parallel_size,
+        parallel.expert_model_parallel_size,
+        parallel.expert_tensor_size,
     )
     try:
         yield
@@ -169,7 +172,7 @@ def wrap_and_optimize(
 ) -> tuple[list[torch.nn.Module], MegatronOptimizer]:
     """The model chunks in their data-parallel wrappers and one optimizer over all of them (params named
     `<chunk>.<name>` for several chunks). Gradients are reduced, and the distributed optimizer shards, over data x
-    context parallel (Megatron's)."""
+    context parallel (Megatron's); expert gradients over expert data parallel, which holds the CP ranks too."""
     training = config.training
     ddp_config = DDPConfig(
         grad_reduce_in_fp32=training.accumulate_allreduce_grads_in_fp32,
@@ -178,12 +181,13 @@ def wrap_and_optimize(
         use_distributed_optimizer=config.parallel.use_distributed_optimizer,
         overlap_param_gather=training.overlap_param_gather,
     )
-    dp_group = (
-        state.get_data_parallel_group(with_context_parallel=True)
-        if state.model_parallel_is_initialized()
-        else None
-    )
-    model = [wrap_data_parallel(chunk, training.ddp_impl, ddp_config, dp_group) for chunk in unwrapped]
+    initialized = state.model_parallel_is_initialized()
+    dp_group = state.get_data_parallel_group(with_context_parallel=True) if initialized else None
+    expert_dp_group = state.get_expert_data_parallel_group() if initialized else None
+    model = [
+        wrap_data_parallel(chunk, training.ddp_impl, ddp_config, dp_group, expert_dp_group)
+        for chunk in unwrapped
+    ]
     optimizer = get_megatron_optimizer(
         config.optimizer, model, config.model.params_dtype, config.parallel.use_distributed_optimizer
     )

@@ -1,0 +1,163 @@
+"""Token dispatchers (Megatron-Core's MoEAllGatherTokenDispatcher and MoEAlltoAllTokenDispatcher): they bring each
+routed token to the rank holding its expert, grouped by local expert, and bring the experts' outputs back,
+weighted by the routing probabilities and summed per token.
+
+Both keep the same contract: `dispatch(hidden [T, h], probs [T, E], routing_map [T, E])` returns the local
+experts' input [N, h] (expert after expert) and how many rows each local expert has; `combine(output [N, h])`
+returns [T, h] in the input's order. An expert's output may be a partial sum over its expert-tensor-parallel
+(ETP) ranks (the row-parallel second linear layer); combining sums it.
+
+- allgather: every rank of the ETP x EP group gathers all the group's tokens, runs its local experts on those
+  routed to them, and a reduce-scatter returns each rank the sum over experts of its own tokens.
+- alltoall: each rank sends each token only to the EP rank of each of its experts (all_to_all with per-rank split
+  sizes), the ETP ranks of an expert then gather what each received; combining reverses both steps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from megatron_train.models.moe.comm import (
+    all_to_all,
+    gather_along_first_dim,
+    reduce_scatter_along_first_dim,
+)
+from megatron_train.parallel import state
+
+
+def permute(
+    tokens: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(the rows of `tokens` routed to each expert, expert after expert and in token order within an expert; the
+    source row of each; its routing weight)."""
+    expert_major = routing_map.t()
+    token_ids = expert_major.nonzero(as_tuple=True)[1]
+    return tokens.index_select(0, token_ids), token_ids, probs.t()[expert_major]
+
+
+def unpermute(
+    permuted: torch.Tensor, token_ids: torch.Tensor, probs: torch.Tensor, num_tokens: int
+) -> torch.Tensor:
+    """Inverse of `permute`: each row weighted by its routing weight and added into its token's row."""
+    weighted = permuted * probs.unsqueeze(-1).to(permuted.dtype)
+    out = permuted.new_zeros((num_tokens, permuted.shape[-1]))
+    return out.index_add(0, token_ids, weighted)
+
+
+def _groups() -> tuple:
+    return (
+        state.group_of_kind("expert_model"),
+        state.group_of_kind("expert_tensor"),
+        state.group_of_kind("expert_tensor_and_model"),
+    )
+
+
+@dataclass
+class _Dispatched:
+    """What combine needs from dispatch."""
+
+    token_ids: torch.Tensor
+    probs: torch.Tensor
+    num_tokens: int
+    chunk_sizes: list[int] | None = None  # alltoall: rows per (ETP rank, EP rank, local expert) chunk
+    received: list[int] | None = None  # alltoall: rows each ETP rank received through the all-to-all
+    input_splits: list[int] | None = None
+    output_splits: list[int] | None = None
+
+
+class TokenDispatcher:
+    """Base of both dispatchers: `num_local_experts` experts starting at global index `first_expert` on this
+    rank (its EP rank's), `ep_size` x `etp_size` ranks exchanging tokens."""
+
+    def __init__(self, num_experts: int) -> None:
+        self.ep_group, self.etp_group, self.tp_ep_group = _groups()
+        self.ep_size = state.get_expert_model_parallel_world_size()
+        self.etp_size = state.get_expert_tensor_parallel_world_size()
+        self.num_local_experts = num_experts // self.ep_size
+        self.first_expert = state.get_expert_model_parallel_rank() * self.num_local_experts
+        self._saved: _Dispatched | None = None
+
+    def dispatch(
+        self, hidden: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor
+    ) -> tuple[torch.Tensor, list[int]]:
+        raise NotImplementedError
+
+    def combine(self, expert_output: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class AllGatherDispatcher(TokenDispatcher):
+    """Megatron's allgather dispatcher over the ETP x EP group (every rank holds the same number of tokens)."""
+
+    def dispatch(
+        self, hidden: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor
+    ) -> tuple[torch.Tensor, list[int]]:
+        group = self.tp_ep_group
+        hidden_all = gather_along_first_dim(group, hidden)
+        probs_all = gather_along_first_dim(group, probs)
+        with torch.no_grad():
+            map_all = gather_along_first_dim(group, routing_map.to(torch.uint8)).bool()
+        local = slice(self.first_expert, self.first_expert + self.num_local_experts)
+        local_map = map_all[:, local]
+        tokens, token_ids, local_probs = permute(hidden_all, local_map, probs_all[:, local])
+        self._saved = _Dispatched(token_ids, local_probs, hidden_all.shape[0])
+        return tokens, local_map.sum(dim=0).tolist()
+
+    def combine(self, expert_output: torch.Tensor) -> torch.Tensor:
+        saved, self._saved = self._saved, None
+        summed = unpermute(expert_output, saved.token_ids, saved.probs, saved.num_tokens)
+        return reduce_scatter_along_first_dim(self.tp_ep_group, summed)
+
+
+class AlltoAllDispatcher(TokenDispatcher):
+    """Megatron's alltoall dispatcher: all-to-all over EP, then all-gather over ETP, then the rows sorted by local
+    expert; the per-rank counts (a small all-gather over ETP x EP) give every split size."""
+
+    def dispatch(
+        self, hidden: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor
+    ) -> tuple[torch.Tensor, list[int]]:
+        tokens, token_ids, permuted_probs = permute(hidden, routing_map, probs)
+        with torch.no_grad():  # [EP rank, ETP rank, expert]: tokens each rank routes to each expert
+            counts = gather_along_first_dim(self.tp_ep_group, routing_map.sum(dim=0, keepdim=True))
+        counts = counts.view(self.ep_size, self.etp_size, -1).tolist()
+        ep_rank = self.first_expert // self.num_local_experts
+        etp_rank = state.get_expert_tensor_parallel_rank()
+        per_rank = self.num_local_experts
+
+        def local(row: list[int]) -> list[int]:
+            return row[self.first_expert : self.first_expert + per_rank]
+
+        mine = counts[ep_rank][etp_rank]
+        input_splits = [sum(mine[r * per_rank : (r + 1) * per_rank]) for r in range(self.ep_size)]
+        output_splits = [sum(local(counts[r][etp_rank])) for r in range(self.ep_size)]
+        received = all_to_all(self.ep_group, tokens, output_splits, input_splits)
+        sizes = [sum(sum(local(counts[r][t])) for r in range(self.ep_size)) for t in range(self.etp_size)]
+        gathered = gather_along_first_dim(self.etp_group, received, sizes)
+        # chunks arrive ETP rank by ETP rank, then EP rank, then local expert: sort them expert-major
+        chunk_sizes = [n for t in range(self.etp_size) for r in range(self.ep_size) for n in local(counts[r][t])]
+        chunks = gathered.split(chunk_sizes)
+        order = [c for e in range(per_rank) for c in range(e, len(chunks), per_rank)]
+        self._saved = _Dispatched(
+            token_ids, permuted_probs, hidden.shape[0], chunk_sizes, sizes, input_splits, output_splits
+        )
+        tokens_per_expert = [sum(chunk_sizes[e::per_rank]) for e in range(per_rank)]
+        return torch.cat([chunks[c] for c in order]), tokens_per_expert
+
+    def combine(self, expert_output: torch.Tensor) -> torch.Tensor:
+        saved, self._saved = self._saved, None
+        per_rank = self.num_local_experts
+        num_chunks = len(saved.chunk_sizes)
+        order = [c for e in range(per_rank) for c in range(e, num_chunks, per_rank)]
+        pieces = expert_output.split([saved.chunk_sizes[c] for c in order])
+        by_chunk = [None] * num_chunks
+        for piece, c in zip(pieces, order, strict=True):
+            by_chunk[c] = piece
+        unsorted = torch.cat(by_chunk)
+        reduced = reduce_scatter_along_first_dim(self.etp_group, unsorted, saved.received)
+        returned = all_to_all(self.ep_group, reduced, saved.input_splits, saved.output_splits)
+        return unpermute(returned, saved.token_ids, saved.probs, saved.num_tokens)
+
+
+DISPATCHERS = {"allgather": AllGatherDispatcher, "alltoall": AlltoAllDispatcher}

@@ -1,0 +1,149 @@
+"""The local experts of an MoE layer: each an MLP (h -> ffn -> h, SwiGLU or GELU as the dense MLP), all of them held
+in two 3-D weights, Megatron's GroupedMLP layout: `weight1` [local experts, h, ffn (x2 for SwiGLU) / ETP] and
+`weight2` [local experts, ffn / ETP, h].
+
+One weight per linear layer, whatever runs them: `--moe-grouped-gemm` multiplies every local expert's rows in one
+`torch.nn.functional.grouped_mm` call per layer; without it (or where grouped_mm cannot run: `grouped_mm_refusal`)
+a loop runs the experts one after another on the same weights. The checkpoint holds the weights of all the
+layer's experts stacked on the first axis, so any expert-parallel layout loads them (docs/architecture.md).
+
+Initialisation draws each expert's full weight in turn from the CPU generator (or the layer's
+--use-cpu-initialization stream) and keeps this rank's experts and ETP slice: every (EP, ETP) layout starts from
+the same experts, holding one expert's master weight at a time.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatron_train.models.config import TransformerConfig
+from megatron_train.models.init import init_method_normal, scaled_init_method_normal
+from megatron_train.models.mlp import activation
+from megatron_train.parallel import state
+from megatron_train.parallel.layers import divide
+
+logger = logging.getLogger(__name__)
+
+
+def grouped_mm_refusal(x: torch.Tensor, weight: torch.Tensor) -> str | None:
+    """Why `grouped_mm(x, weight)` cannot run here (None when it can): its kernels need every row of both operands
+    to start on a 16-byte boundary, and on CUDA bf16 operands (torch 2.13; on CPU every float dtype runs)."""
+    if hasattr(F, "grouped_mm") is False:
+        return "this torch has no torch.nn.functional.grouped_mm"
+    if x.is_cuda and x.dtype != torch.bfloat16:
+        return f"grouped_mm on CUDA takes bf16, the experts are {x.dtype}"
+    for tensor in (x, weight):
+        if (tensor.shape[-1] * tensor.element_size()) % 16:
+            return f"a row of {tensor.shape[-1]} {tensor.dtype} values is not a multiple of 16 bytes"
+    return None
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the gradient contiguous (grouped_mm's backward refuses a broadcast one)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous()
+
+
+def grouped_matmul(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Rows offsets[e - 1]:offsets[e] of `x` [N, k] times weight[e] [k, n], for every e, in one kernel."""
+    return _ContiguousGrad.apply(F.grouped_mm(x, weight, offs=offsets))
+
+
+def expert_weight(
+    num_experts: int,
+    local: range,
+    shape: tuple[int, ...],
+    init: Callable[[torch.Tensor], torch.Tensor],
+    dtype: torch.dtype,
+    partition_dim: int | None = None,
+    stride: int = 1,
+) -> nn.Parameter:
+    """[local experts, *shape] with dim `partition_dim` of `shape` cut over the ETP ranks (None: not cut), in
+    `stride` interleaved chunks (SwiGLU's [gate; up]), as a tensor-parallel weight is: each of the layer's
+    `num_experts` experts is drawn in full in turn (the same draws on every rank) and this rank keeps its `local`
+    experts' slices."""
+    etp, etp_rank = state.get_expert_tensor_parallel_world_size(), state.get_expert_tensor_parallel_rank()
+    kept = []
+    for expert in range(num_experts):
+        master = init(torch.empty(shape, dtype=torch.float32))
+        if expert in local and partition_dim is not None:
+            chunk = divide(shape[partition_dim], etp * stride, "the expert hidden size (--moe-ffn-hidden-size)")
+            kept.append(torch.cat(master.split(chunk, dim=partition_dim)[etp_rank::etp], dim=partition_dim))
+        elif expert in local:
+            kept.append(master)
+    weight = nn.Parameter(torch.stack(kept).to(dtype).contiguous())
+    weight.allreduce = False  # Megatron's mark of an expert parameter: reduced over expert data parallel
+    weight.tensor_model_parallel = partition_dim is not None  # over the ETP ranks
+    weight.partition_dim = -1 if partition_dim is None else partition_dim + 1
+    weight.partition_stride = stride
+    return weight
+
+
+class Experts(nn.Module):
+    """This rank's `num_experts / EP` experts of one MoE layer (global indices `local_experts`)."""
+
+    def __init__(self, config: TransformerConfig) -> None:
+        super().__init__()
+        ep = state.get_expert_model_parallel_world_size()
+        per_rank = divide(config.num_experts, ep, "--num-experts")
+        first = state.get_expert_model_parallel_rank() * per_rank
+        self.local_experts = range(first, first + per_rank)
+        hidden, ffn = config.hidden_size, config.moe_ffn_hidden_size
+        fc1 = 2 * ffn if config.swiglu else ffn
+        stride = 2 if config.swiglu else 1
+        dtype = config.params_dtype
+        self.grouped_gemm = config.moe_grouped_gemm
+        self.activation = activation(config)
+        experts, local = config.num_experts, self.local_experts
+        init = init_method_normal(config.init_method_std)
+        out_init = scaled_init_method_normal(config.init_method_std, config.num_layers)
+        self.weight1 = expert_weight(experts, local, (hidden, fc1), init, dtype, partition_dim=1, stride=stride)
+        self.weight2 = expert_weight(experts, local, (ffn, hidden), out_init, dtype, partition_dim=0)
+        self.bias1 = self.bias2 = None
+        if config.add_bias_linear:  # refused with ETP > 1 (arguments.validate_config), as Megatron
+            self.bias1 = expert_weight(experts, local, (fc1,), nn.init.zeros_, dtype, partition_dim=0, stride=stride)
+            self.bias2 = expert_weight(experts, local, (hidden,), nn.init.zeros_, dtype)
+        self._refusal_logged = False
+
+    def forward(self, tokens: torch.Tensor, tokens_per_expert: list[int]) -> torch.Tensor:
+        """tokens [N, h], the rows of local expert e after those of e - 1 -> outputs [N, h] (partial sums over the
+        ETP ranks)."""
+        refusal = grouped_mm_refusal(tokens, self.weight1) if self.grouped_gemm else "not asked"
+        if self.grouped_gemm and refusal is not None and not self._refusal_logged:
+            logger.warning("--moe-grouped-gemm: %s; the experts run one after another", refusal)
+            self._refusal_logged = True
+        if refusal is None and tokens.shape[0] > 0:
+            return self._grouped(tokens, tokens_per_expert)
+        return self._sequential(tokens, tokens_per_expert)
+
+    def _grouped(self, tokens: torch.Tensor, tokens_per_expert: list[int]) -> torch.Tensor:
+        counts = torch.tensor(tokens_per_expert, device=tokens.device)
+        offsets = counts.cumsum(0).to(torch.int32)
+        hidden = grouped_matmul(tokens, self.weight1, offsets)
+        if self.bias1 is not None:
+            hidden = hidden + self.bias1.repeat_interleave(counts, dim=0, output_size=tokens.shape[0])
+        out = grouped_matmul(self.activation(hidden), self.weight2, offsets)
+        if self.bias2 is not None:
+            out = out + self.bias2.repeat_interleave(counts, dim=0, output_size=tokens.shape[0])
+        return out
+
+    def _sequential(self, tokens: torch.Tensor, tokens_per_expert: list[int]) -> torch.Tensor:
+        outputs = []
+        for e, rows in enumerate(tokens.split(tokens_per_expert)):
+            hidden = rows @ self.weight1[e]
+            if self.bias1 is not None:
+                hidden = hidden + self.bias1[e]
+            out = self.activation(hidden) @ self.weight2[e]
+            outputs.append(out if self.bias2 is None else out + self.bias2[e])
+        return torch.cat(outputs)
