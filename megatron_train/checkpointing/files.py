@@ -49,9 +49,14 @@ def checkpoint_dir(root: str, iteration: int) -> str:
     return os.path.join(root, f"iter_{iteration:07d}")
 
 
-def model_shard_dir(iteration_dir: str, tp_rank: int, pp_rank: int, pp_size: int) -> str:
-    """Megatron's per-model-parallel-rank folder name: mp_rank_<tp>[_<pp>]."""
+def model_shard_dir(
+    iteration_dir: str, tp_rank: int, pp_rank: int, pp_size: int, ep_rank: int | None = None
+) -> str:
+    """Megatron's per-model-parallel-rank folder name: mp_rank_<tp>[_<pp>]; with `ep_rank`, the folder of the MoE
+    experts expert-parallel rank `ep_rank` holds (its expert TP rank as <tp>): mp_rank_<tp>[_<pp>]_expert_<ep>."""
     name = f"mp_rank_{tp_rank:02d}" if pp_size == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
+    if ep_rank is not None:
+        name += f"_expert_{ep_rank:03d}"
     return os.path.join(iteration_dir, name)
 
 

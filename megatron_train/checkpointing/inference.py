@@ -12,7 +12,7 @@ from megatron_train.checkpointing.files import (
     resolve_iteration_dir,
 )
 from megatron_train.checkpointing.load import load_model_weights
-from megatron_train.checkpointing.names import global_names
+from megatron_train.checkpointing.names import current_expert_layout, global_names
 from megatron_train.checkpointing.saved import SavedCheckpoint
 from megatron_train.device import get_device
 from megatron_train.families.family import ModelFamily
@@ -106,7 +106,15 @@ def model_stage_from_saved(
     model = family.model_provider(
         config, padded_vocab_size, state.is_pipeline_first_stage(), state.is_pipeline_last_stage()
     )
-    load_model_weights(model, saved, global_names(model, config), padded_vocab_size, tp_size, tp_rank)
+    load_model_weights(
+        model,
+        saved,
+        global_names(model, config),
+        padded_vocab_size,
+        tp_size,
+        tp_rank,
+        current_expert_layout(),
+    )
     model.to(device=device or get_device(), dtype=config.model.params_dtype)
     return model.eval(), config
 

@@ -63,6 +63,34 @@ def param_sharding(param: torch.Tensor | None) -> TensorSharding:
     return TensorSharding(int(param.partition_dim), int(getattr(param, "partition_stride", 1)), sizes)
 
 
+@dataclass(frozen=True)
+class ExpertLayout:
+    """How MoE experts are split: over `ep_size` expert-parallel ranks along their first axis (the experts), each
+    expert over `etp_size` expert-tensor-parallel ranks as its `TensorSharding` says; this rank's place."""
+
+    ep_size: int = 1
+    ep_rank: int = 0
+    etp_size: int = 1
+    etp_rank: int = 0
+
+
+def merge_expert_shards(shards: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The experts of every EP rank, in EP rank order (their ETP shards already merged): all the layer's experts."""
+    return shards[0] if len(shards) == 1 else torch.cat(list(shards))
+
+
+def split_expert_shard(
+    tensor: torch.Tensor, ep_size: int, ep_rank: int, name: str = "tensor"
+) -> torch.Tensor:
+    """EP rank `ep_rank`'s experts of a tensor holding all of a layer's experts on its first axis."""
+    if tensor.shape[0] % ep_size:
+        raise ValueError(
+            f"{name}: {tensor.shape[0]} experts cannot be split over {ep_size} expert-parallel ranks; pick an "
+            "--expert-model-parallel-size that divides --num-experts"
+        )
+    return tensor.chunk(ep_size)[ep_rank].contiguous()
+
+
 def merge_tp_shards(shards: Sequence[torch.Tensor], sharding: TensorSharding) -> torch.Tensor:
     """The global tensor from its TP shards, in TP rank order (inverse of `split_tp_shard`)."""
     if not sharding.is_split or len(shards) == 1:

@@ -26,9 +26,17 @@ from megatron_train.checkpointing.files import (
     read_metadata,
     resolve_iteration_dir,
 )
-from megatron_train.checkpointing.layout import padded_vocab_sizes_agree, true_vocab_range
+from megatron_train.checkpointing.layout import (
+    ExpertLayout,
+    TensorSharding,
+    padded_vocab_sizes_agree,
+    split_expert_shard,
+    split_tp_shard,
+    true_vocab_range,
+)
 from megatron_train.checkpointing.names import (
     StageModel,
+    current_expert_layout,
     global_names,
     model_type,
     stage_module,
@@ -37,6 +45,7 @@ from megatron_train.checkpointing.progress import TrainingProgress
 from megatron_train.checkpointing.rng import global_rank, load_rng_state
 from megatron_train.checkpointing.saved import SavedCheckpoint, saved_true_vocab_range
 from megatron_train.families.registry import saved_family_name, trained_by
+from megatron_train.models.moe.upcycling import dense_source, upcycle
 from megatron_train.parallel import state
 
 logger = logging.getLogger(__name__)
@@ -66,6 +75,12 @@ MODEL_ARGS_TO_CHECK = (
     "mamba_head_dim",
     "mamba_num_groups",
     "mamba_num_heads",
+    "num_experts",
+    "moe_ffn_hidden_size",
+    "moe_layer_freq",
+    "moe_shared_expert_intermediate_size",
+    "moe_shared_expert_gate",
+    "moe_router_enable_expert_bias",
 )
 
 
@@ -73,10 +88,24 @@ def check_compatible(metadata: dict, config: MegatronConfig, padded_vocab_size: 
     """Refuse a checkpoint whose weights cannot fit this run's model, naming the first setting that differs.
 
     The parallel layout may differ; the padded vocabulary may differ only as TP sizes pad one true
-    vocabulary differently (Megatron pads to a multiple of --make-vocab-size-divisible-by x TP).
+    vocabulary differently (Megatron pads to a multiple of --make-vocab-size-divisible-by x TP). Upcycling
+    (--moe-use-upcycling) takes a dense checkpoint whose MLP is the experts' size.
     """
     saved_model = metadata["args"]["model"]
-    for name in MODEL_ARGS_TO_CHECK:
+    checked = MODEL_ARGS_TO_CHECK
+    if config.model.moe_use_upcycling:
+        if saved_model.get("num_experts") is not None:
+            raise CheckpointError(
+                f"checkpoint {where} already holds an MoE model: --moe-use-upcycling starts from a dense one; drop "
+                "the flag to resume an MoE run"
+            )
+        if saved_model.get("ffn_hidden_size") != config.model.moe_ffn_hidden_size:
+            raise CheckpointError(
+                f"checkpoint {where} has --ffn-hidden-size {saved_model.get('ffn_hidden_size')}: upcycling copies its "
+                f"MLP into every expert, so pass --moe-ffn-hidden-size {saved_model.get('ffn_hidden_size')}"
+            )
+        checked = tuple(name for name in MODEL_ARGS_TO_CHECK if not name.startswith(("num_experts", "moe_")))
+    for name in checked:
         ours = getattr(config.model, name)
         if name in saved_model and saved_model[name] != ours:
             raise CheckpointError(
@@ -104,10 +133,12 @@ def load_model_weights(
     padded_vocab_size: int,
     tp_size: int,
     tp_rank: int,
+    experts: ExpertLayout | None = None,
 ) -> None:
-    """`model`'s weights (`names`: its state-dict names -> checkpoint names) as TP rank `tp_rank` of `tp_size`."""
+    """`model`'s weights (`names`: its state-dict names -> checkpoint names) as TP rank `tp_rank` of `tp_size`, its
+    MoE experts as `experts` says (default: all of them, unsplit)."""
     weights = {
-        local: saved.tensor_for(name, "model", tp_size, tp_rank, padded_vocab_size)
+        local: saved.tensor_for(name, "model", tp_size, tp_rank, padded_vocab_size, experts)
         for local, name in names.items()
     }
     for local, tensor in model.state_dict().items():
@@ -140,16 +171,26 @@ def load_checkpoint(
     ckpt = config.checkpoint
     if saved is None:
         iteration_dir = _iteration_dir_to_load(config)
-        if iteration_dir is None:
-            _check_nothing_to_overwrite(config)
-            logger.warning(
-                "no %s in %s: nothing to load; starting from random weights", TRACKER_FILENAME, ckpt.load
-            )
-            return TrainingProgress()
+    else:
+        iteration_dir = saved.iteration_dir
+    if config.model.moe_use_upcycling:
+        _check_upcycling(config, iteration_dir)
+    if iteration_dir is None:
+        _check_nothing_to_overwrite(config)
+        logger.warning(
+            "no %s in %s: nothing to load; starting from random weights", TRACKER_FILENAME, ckpt.load
+        )
+        return TrainingProgress()
+    if saved is None:
         metadata = read_metadata(iteration_dir)
         saved = None if is_dist_checkpoint(metadata) else SavedCheckpoint(iteration_dir)
     else:
-        iteration_dir, metadata = saved.iteration_dir, saved.metadata
+        metadata = saved.metadata
+    if saved is None and config.model.is_moe:
+        raise CheckpointError(
+            f"{iteration_dir} is a torch_dist checkpoint: MoE models are saved and loaded in --ckpt-format torch "
+            "here (torch_dist's expert keys are not implemented); convert it with checkpoint_util or --load another"
+        )
     if saved_family_name(metadata) != model_type(model):
         raise CheckpointError(
             f"checkpoint {iteration_dir} holds a {saved_family_name(metadata)} model but this run trains a "
@@ -168,6 +209,13 @@ def load_checkpoint(
     )
     if saved_layout != our_layout and global_rank() == 0:
         logger.info("resharding %s from (TP, PP, CP) = %s to %s", iteration_dir, saved_layout, our_layout)
+    if config.model.moe_use_upcycling:
+        _load_upcycled_weights(model, saved, config, padded_vocab_size)
+        if optimizer is not None:
+            optimizer.reload_model_params()
+        logger.info("upcycled the dense model of %s into %d experts per MoE layer", iteration_dir,
+                    config.model.num_experts)  # fmt: skip
+        return TrainingProgress()
     loads_optimizer = optimizer is not None and not ckpt.finetune and not ckpt.no_load_optim
     if saved is None:
         load_dist_checkpoint(iteration_dir, metadata, model, optimizer if loads_optimizer else None, config)
@@ -206,13 +254,14 @@ def _load_from_saved(
     tp_size, tp_rank = state.get_tensor_model_parallel_world_size(), state.get_tensor_model_parallel_rank()
     names = global_names(model, config)
     module = stage_module(model)
-    load_model_weights(module, saved, names, padded_vocab_size, tp_size, tp_rank)
+    experts = current_expert_layout()
+    load_model_weights(module, saved, names, padded_vocab_size, tp_size, tp_rank, experts)
     if optimizer is None:
         return
     saved.require_optimizer_state()
     trained = {n: names[n] for n, p in module.named_parameters() if p.requires_grad}
     tensors = {
-        key: saved.tensor_for(name, "optimizer", tp_size, tp_rank, padded_vocab_size)
+        key: saved.tensor_for(name, "optimizer", tp_size, tp_rank, padded_vocab_size, experts)
         for key, name in saved.optimizer_tensor_names(trained).items()
     }
     meta = saved.optimizer_meta_for(trained)
@@ -244,6 +293,46 @@ def _iteration_dir_to_load(config: MegatronConfig) -> str | None:
         logger.info("loading the non-persistent checkpoint of iteration %d from %s", newest, transient)
         return resolve_iteration_dir(transient, None)
     return iteration_dir
+
+
+def _load_upcycled_weights(
+    model: StageModel, saved: SavedCheckpoint, config: MegatronConfig, padded_vocab_size: int
+) -> None:
+    """A dense checkpoint's weights into an MoE model: each expert weight from its layer's dense MLP
+    (`models.moe.upcycling`), cut for this rank's experts; the routers and shared experts keep their
+    initialisation; the rest as `load_model_weights`."""
+    tp_size, tp_rank = state.get_tensor_model_parallel_world_size(), state.get_tensor_model_parallel_rank()
+    names = global_names(model, config)
+    model = stage_module(model)
+    experts = current_expert_layout()
+    params = dict(model.named_parameters())
+    weights = model.state_dict()
+    for local, name in names.items():
+        source = dense_source(name)
+        if source is not None:
+            dense = saved.global_tensor(source[0])
+            everything = upcycle(dense, source[1], params[local].shape[0] * experts.ep_size)
+            mine = split_expert_shard(everything, experts.ep_size, experts.ep_rank, name)
+            sharding = TensorSharding(params[local].partition_dim, params[local].partition_stride)
+            weights[local] = split_tp_shard(mine, sharding, experts.etp_size, experts.etp_rank, name)
+        elif ".mlp.router." not in name and ".mlp.shared_experts." not in name:
+            weights[local] = saved.tensor_for(name, "model", tp_size, tp_rank, padded_vocab_size)
+    model.load_state_dict(weights)
+
+
+def _check_upcycling(config: MegatronConfig, iteration_dir: str | None) -> None:
+    """Megatron's rules: upcycling converts a dense checkpoint once, into a --save folder without checkpoints."""
+    ckpt = config.checkpoint
+    if iteration_dir is None:
+        raise CheckpointError(
+            f"--moe-use-upcycling needs the dense checkpoint to convert: --load {ckpt.load} has none"
+        )
+    saved = complete_iterations(ckpt.save)
+    if saved:
+        raise CheckpointError(
+            f"--moe-use-upcycling converts the dense checkpoint of --load, but --save {ckpt.save} already holds "
+            f"iterations {saved}: drop --moe-use-upcycling (and --load the MoE run) to resume it"
+        )
 
 
 def _check_nothing_to_overwrite(config: MegatronConfig) -> None:

@@ -17,11 +17,13 @@ from megatron_train.checkpointing.files import CheckpointError
 from megatron_train.checkpointing.layout import (
     OUTPUT_WEIGHT,
     WORD_EMBEDDING,
+    ExpertLayout,
     TensorSharding,
     global_param_name,
     layer_number,
     param_sharding,
 )
+from megatron_train.distributed.ddp import is_expert_parameter
 from megatron_train.families.registry import DEFAULT_FAMILY, get_family
 from megatron_train.parallel import state
 
@@ -79,6 +81,24 @@ def owned(names: dict[str, str]) -> dict[str, str]:
     }
 
 
+def current_expert_layout() -> ExpertLayout:
+    """This rank's place among the MoE experts' ranks (one rank holding all of them without process groups)."""
+    return ExpertLayout(
+        state.get_expert_model_parallel_world_size(),
+        state.get_expert_model_parallel_rank(),
+        state.get_expert_tensor_parallel_world_size(),
+        state.get_expert_tensor_parallel_rank(),
+    )
+
+
+def expert_names(model: torch.nn.Module, names: dict[str, str]) -> dict[str, str]:
+    """The entries of `names` (state-dict name -> checkpoint name) that are MoE expert weights."""
+    params = dict(model.named_parameters())
+    return {
+        local: name for local, name in names.items() if local in params and is_expert_parameter(params[local])
+    }
+
+
 def sharding_record(
     global_shape: list[int],
     sharding: TensorSharding,
@@ -88,8 +108,17 @@ def sharding_record(
     pp_rank: int,
     pp_size: int,
     name: str,
+    experts: ExpertLayout | None = None,
 ) -> dict[str, Any]:
-    """What a shard file records of one tensor: global shape, TP split, and PP stage and global layer."""
+    """What a shard file records of one tensor: global shape, TP split, and PP stage and global layer; an MoE
+    expert weight also its EP rank and size (its TP fields then count expert TP ranks)."""
+    if experts is not None:
+        return {
+            **sharding_record(global_shape, sharding, sequence_parallel, experts.etp_rank, experts.etp_size,
+                              pp_rank, pp_size, name),
+            "ep_rank": experts.ep_rank,
+            "ep_size": experts.ep_size,
+        }  # fmt: skip
     return {
         "global_shape": global_shape,
         "tensor_model_parallel": sharding.is_split,
@@ -106,17 +135,22 @@ def sharding_record(
 
 
 def sharding_records(model: torch.nn.Module, names: dict[str, str]) -> dict[str, dict[str, Any]]:
-    """Per saved tensor of this rank: its record (Megatron's param attributes tell the TP split)."""
-    tp_size = state.get_tensor_model_parallel_world_size()
+    """Per saved tensor of this rank: its record (Megatron's param attributes tell the TP split; an MoE expert
+    weight is split over expert TP and, along its first axis, over EP)."""
     params = dict(model.named_parameters())
     weights = model.state_dict()
+    experts = expert_names(model, names)
     records = {}
     for local, name in names.items():
         param = params.get(local)
+        layout = current_expert_layout() if local in experts else None
+        tp_size = layout.etp_size if layout else state.get_tensor_model_parallel_world_size()
         sharding = param_sharding(param)
         global_shape = list(weights[local].shape)
         if sharding.is_split:
             global_shape[sharding.partition_dim] *= tp_size
+        if layout:
+            global_shape[0] *= layout.ep_size
         records[name] = sharding_record(
             global_shape,
             sharding,
@@ -126,6 +160,7 @@ def sharding_records(model: torch.nn.Module, names: dict[str, str]) -> dict[str,
             state.get_pipeline_model_parallel_rank(),
             state.get_pipeline_model_parallel_world_size(),
             name,
+            layout,
         )
     return records
 

@@ -39,6 +39,8 @@ from megatron_train.checkpointing.files import (
 from megatron_train.checkpointing.layout import true_vocab_range
 from megatron_train.checkpointing.names import (
     StageModel,
+    current_expert_layout,
+    expert_names,
     global_names,
     model_type,
     owned,
@@ -168,23 +170,35 @@ def save_checkpoint(
         save_dist_checkpoint(root, iteration, model, optimizer, config, padded_vocab_size, metadata)
         return iteration_dir
     files: dict[str, FileRecord] = {}
+    experts = expert_names(module, names)
+    dense = {local: name for local, name in names.items() if local not in experts}
     failure = None
     try:
         optimizer_state = None
         if optimizer is not None and not config.checkpoint.no_save_optim:
             # every DP rank asks: a distributed optimizer gathers its shards into per-param tensors here
-            optimizer_state = rename_optimizer_state(*optimizer.state_dict(), names)
-        if state.get_data_parallel_rank(with_context_parallel=True) == 0:
-            weights = {
-                names[local]: tensor for local, tensor in module.state_dict().items() if local in names
-            }
-            shard_dir = model_shard_dir(
-                iteration_dir,
-                state.get_tensor_model_parallel_rank(),
-                state.get_pipeline_model_parallel_rank(),
-                state.get_pipeline_model_parallel_world_size(),
-            )
-            files.update(write_shard(shard_dir, weights, sharding_records(module, names), optimizer_state))
+            optimizer_state = optimizer.state_dict()
+        pp_rank, pp_size = (
+            state.get_pipeline_model_parallel_rank(),
+            state.get_pipeline_model_parallel_world_size(),
+        )
+        # the dense weights from DP rank 0 of each (TP, PP) rank, the experts from expert-DP rank 0 of each
+        # (expert TP, EP, PP) rank, each into a folder of its own (files.model_shard_dir)
+        for part, writes, shard_dir in (
+            (dense, state.get_data_parallel_rank(with_context_parallel=True) == 0,
+             model_shard_dir(iteration_dir, state.get_tensor_model_parallel_rank(), pp_rank, pp_size)),
+            (experts, bool(experts) and state.get_expert_data_parallel_rank() == 0,
+             model_shard_dir(iteration_dir, state.get_expert_tensor_parallel_rank(), pp_rank, pp_size,
+                             current_expert_layout().ep_rank)),
+        ):  # fmt: skip
+            if writes:
+                weights = {
+                    part[local]: tensor for local, tensor in module.state_dict().items() if local in part
+                }
+                part_optimizer = (
+                    None if optimizer_state is None else rename_optimizer_state(*optimizer_state, part)
+                )
+                files.update(write_shard(shard_dir, weights, sharding_records(module, part), part_optimizer))
         if not config.checkpoint.no_save_rng:
             files.update(save_rng_state(iteration_dir))
     except OSError as error:  # a full disk, a read-only or vanished --save: every rank learns it below
@@ -253,6 +267,8 @@ def _metadata(
         "virtual_pipeline_model_parallel_size": state.get_virtual_pipeline_model_parallel_world_size(),
         "data_parallel_size": state.get_data_parallel_world_size(),
         "context_parallel_size": state.get_context_parallel_world_size(),
+        "expert_model_parallel_size": state.get_expert_model_parallel_world_size(),
+        "expert_tensor_parallel_size": state.get_expert_tensor_parallel_world_size(),
         "opt_param_scheduler": opt_param_scheduler.state_dict() if opt_param_scheduler is not None else None,
         "args": config_to_dict(config),
     }

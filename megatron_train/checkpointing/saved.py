@@ -23,11 +23,14 @@ from megatron_train.checkpointing.files import (
 )
 from megatron_train.checkpointing.layout import (
     VOCAB_PARAMS,
+    ExpertLayout,
     TensorSharding,
+    merge_expert_shards,
     merge_tp_shards,
     module_order,
     resize_vocab,
     sharding_of,
+    split_expert_shard,
     split_tp_shard,
     true_vocab_range,
 )
@@ -51,6 +54,8 @@ class SavedCheckpoint:
 
     Opening reads metadata.json and each pipeline stage's shard header; tensors are read only when asked
     for, from the TP shards that hold them, each file verified against its recorded hash before its first use.
+    MoE experts live in folders of their own, one per (expert TP, PP, EP) rank (`files.model_shard_dir`); their
+    records carry their EP rank and size, and their global tensor holds every expert of the layer.
     """
 
     def __init__(self, iteration_dir: str) -> None:
@@ -65,18 +70,26 @@ class SavedCheckpoint:
         self.tp_size: int = self.metadata["tensor_model_parallel_size"]
         self.pp_size: int = self.metadata["pipeline_model_parallel_size"]
         self.padded_vocab_size: int = self.metadata["padded_vocab_size"]
-        folders = [name for name in os.listdir(iteration_dir) if name.startswith("mp_rank_")]
-        if len(folders) != self.tp_size * self.pp_size:
+        dense_folders = [
+            name
+            for name in os.listdir(iteration_dir)
+            if name.startswith("mp_rank_") and "_expert_" not in name
+        ]
+        if len(dense_folders) != self.tp_size * self.pp_size:
             raise CheckpointError(
                 f"{where}: tensor_model_parallel_size {self.tp_size} x pipeline_model_parallel_size "
-                f"{self.pp_size}, but {iteration_dir} holds {len(folders)} rank folders"
+                f"{self.pp_size}, but {iteration_dir} holds {len(dense_folders)} rank folders"
             )
+        # the experts' layout when saved (older checkpoints hold no experts)
+        self.ep_size: int = self.metadata.get("expert_model_parallel_size", 1)
         self._handles: dict[str, Any] = {}
         self._saved_optimizer: tuple[dict, set[str]] | None = None
         records: dict[str, dict[str, Any]] = {}
         for pp_rank in range(self.pp_size):
-            path = self.path("model", 0, pp_rank)
-            records.update(self._checked_records(path, pp_rank))
+            records.update(self._checked_records(self.path("model", 0, pp_rank), pp_rank))
+            expert_path = self.path("model", 0, pp_rank, 0)
+            if self._saved(expert_path):  # a stage may hold no experts
+                records.update(self._checked_records(expert_path, pp_rank))
         # checkpoint name -> record, in model order (an interleaved pipeline's stages hold layers out of order)
         self.params: dict[str, dict[str, Any]] = {
             name: records[name] for name in sorted(records, key=module_order)
@@ -105,10 +118,13 @@ class SavedCheckpoint:
                 and isinstance(record.get("partition_stride"), int)
                 and record.get("pp_rank") == pp_rank
             )
+            tp_size, ep_size = self._saved_cut(record) if ok else (0, 0)
+            ok = ok and tp_size >= 1 and ep_size >= 1
             if ok:
                 local = list(shape)
                 if dim >= 0:
-                    local[dim] //= self.tp_size
+                    local[dim] //= tp_size
+                local[0] //= ep_size
                 ok = list(handle.get_slice(name).get_shape()) == local
             if not ok:
                 raise CheckpointError(
@@ -117,10 +133,25 @@ class SavedCheckpoint:
                 )
         return records
 
-    def path(self, kind: str, tp_rank: int, pp_rank: int) -> str:
-        """`kind` is "model" or "optimizer"."""
+    def _saved_cut(self, record: dict) -> tuple[int, int]:
+        """The (TP, EP) sizes a record's tensor was cut for: the checkpoint's TP and no EP, or an MoE expert's
+        expert TP and EP (0 where the record holds no size)."""
+        if "ep_size" not in record:
+            return self.tp_size, 1
+        sizes = (record.get("tp_size"), record.get("ep_size"))
+        return tuple(s if isinstance(s, int) and not isinstance(s, bool) and s >= 1 else 0 for s in sizes)
+
+    def _saved(self, path: str) -> bool:
+        """Whether the save wrote `path` (listed in metadata.json; checkpoints without file records: on disk)."""
+        if "files" not in self.metadata:
+            return os.path.exists(path)
+        return os.path.relpath(path, self.iteration_dir) in self.metadata["files"]
+
+    def path(self, kind: str, tp_rank: int, pp_rank: int, ep_rank: int | None = None) -> str:
+        """`kind` is "model" or "optimizer"; with `ep_rank`, the file of those experts (`tp_rank`: expert TP)."""
         return os.path.join(
-            model_shard_dir(self.iteration_dir, tp_rank, pp_rank, self.pp_size), f"{kind}.safetensors"
+            model_shard_dir(self.iteration_dir, tp_rank, pp_rank, self.pp_size, ep_rank),
+            f"{kind}.safetensors",
         )
 
     def _handle(self, path: str) -> Any:
@@ -139,9 +170,11 @@ class SavedCheckpoint:
                 f"{self.iteration_dir} do not belong together: load another iteration"
             ) from error
 
-    def _shard(self, name: str, kind: str, tp_rank: int, pp_rank: int) -> torch.Tensor:
-        """One saved TP shard of a tensor, from the file of (`tp_rank`, `pp_rank`)."""
-        return self._read(self.path(kind, tp_rank, pp_rank), name)
+    def _shard(
+        self, name: str, kind: str, tp_rank: int, pp_rank: int, ep_rank: int | None = None
+    ) -> torch.Tensor:
+        """One saved TP shard of a tensor, from the file of (`tp_rank`, `pp_rank`[, `ep_rank`])."""
+        return self._read(self.path(kind, tp_rank, pp_rank, ep_rank), name)
 
     def _record(self, param: str) -> dict[str, Any]:
         if param not in self.params:
@@ -160,12 +193,26 @@ class SavedCheckpoint:
         param = param_of(name, kind)
         return param in VOCAB_PARAMS and self._record(param)["global_shape"][0] != padded_vocab_size
 
+    def is_expert(self, name: str, kind: str = "model") -> bool:
+        """Whether a tensor (or an optimizer tensor's param) is an MoE expert weight."""
+        return "ep_size" in self._record(param_of(name, kind))
+
     def global_tensor(
         self, name: str, kind: str = "model", padded_vocab_size: int | None = None
     ) -> torch.Tensor:
-        """A whole tensor, its TP shards merged; given `padded_vocab_size`, its vocabulary padding re-cut."""
+        """A whole tensor, its TP shards merged (an expert weight's: every EP rank's experts); given
+        `padded_vocab_size`, its vocabulary padding re-cut."""
         sharding = self.sharding(name, kind)
-        pp_rank = self._record(param_of(name, kind))["pp_rank"]
+        record = self._record(param_of(name, kind))
+        pp_rank = record["pp_rank"]
+        if "ep_size" in record:
+            tp_ranks = range(record["tp_size"]) if sharding.is_split else [0]
+            return merge_expert_shards(
+                [
+                    merge_tp_shards([self._shard(name, kind, r, pp_rank, e) for r in tp_ranks], sharding)
+                    for e in range(record["ep_size"])
+                ]
+            )
         tp_ranks = range(self.tp_size) if sharding.is_split else [0]
         tensor = merge_tp_shards([self._shard(name, kind, r, pp_rank) for r in tp_ranks], sharding)
         if padded_vocab_size is not None and self._repads(name, kind, padded_vocab_size):
@@ -174,10 +221,25 @@ class SavedCheckpoint:
         return tensor
 
     def tensor_for(
-        self, name: str, kind: str, tp_size: int, tp_rank: int, padded_vocab_size: int
+        self,
+        name: str,
+        kind: str,
+        tp_size: int,
+        tp_rank: int,
+        padded_vocab_size: int,
+        experts: ExpertLayout | None = None,
     ) -> torch.Tensor:
-        """TP rank `tp_rank`'s slice (of `tp_size`) of a tensor, the vocabulary padded to `padded_vocab_size`."""
+        """TP rank `tp_rank`'s slice (of `tp_size`) of a tensor, the vocabulary padded to `padded_vocab_size`; of an
+        MoE expert weight, the slice `experts` says (default one rank holding every expert)."""
         sharding = self.sharding(name, kind)
+        record = self._record(param_of(name, kind))
+        if "ep_size" in record:
+            experts = experts or ExpertLayout()
+            if (experts.ep_size, experts.etp_size) == (record["ep_size"], record["tp_size"]):
+                ep_rank, etp_rank = experts.ep_rank, experts.etp_rank if sharding.is_split else 0
+                return self._shard(name, kind, etp_rank, record["pp_rank"], ep_rank)  # the saved cut
+            mine = split_expert_shard(self.global_tensor(name, kind), experts.ep_size, experts.ep_rank, name)
+            return split_tp_shard(mine, sharding, experts.etp_size, experts.etp_rank, name)
         if sharding.is_split and tp_size == self.tp_size and not self._repads(name, kind, padded_vocab_size):
             pp_rank = self._record(param_of(name, kind))["pp_rank"]
             return self._shard(name, kind, tp_rank, pp_rank)  # the saved cut: one shard
@@ -186,9 +248,20 @@ class SavedCheckpoint:
         )
 
     def optimizer_json_paths(self) -> list[str]:
-        return [
+        """Each stage's optimizer.json, and each expert folder's (their entries: the experts' params)."""
+        dense = [
             os.path.join(model_shard_dir(self.iteration_dir, 0, pp_rank, self.pp_size), "optimizer.json")
             for pp_rank in range(self.pp_size)
+        ]
+        experts = [
+            os.path.join(
+                model_shard_dir(self.iteration_dir, 0, pp_rank, self.pp_size, ep_rank), "optimizer.json"
+            )
+            for pp_rank in range(self.pp_size)
+            for ep_rank in range(self.ep_size)
+        ]
+        return dense + [
+            path for path in experts if self._saved(os.path.join(os.path.dirname(path), "model.safetensors"))
         ]
 
     def has_optimizer_state(self) -> bool:
@@ -220,11 +293,11 @@ class SavedCheckpoint:
             stages = [self.files.read_json(path) for path in self.optimizer_json_paths()]
             meta = {**stages[0], "param_names": [], "scalars": {}, "tensor_states": {}}
             tensor_names: set[str] = set()
-            for pp_rank, stage in enumerate(stages):
+            for json_path, stage in zip(self.optimizer_json_paths(), stages, strict=True):
                 meta["param_names"] += stage["param_names"]
                 meta["scalars"].update(stage["scalars"])
                 meta["tensor_states"].update(stage["tensor_states"])
-                path = self.path("optimizer", 0, pp_rank)
+                path = os.path.join(os.path.dirname(json_path), "optimizer.safetensors")
                 if os.path.exists(path):
                     tensor_names.update(self._handle(path).keys())
             self._saved_optimizer = meta, tensor_names

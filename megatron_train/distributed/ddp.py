@@ -134,10 +134,14 @@ class DistributedDataParallel(torch.nn.Module):
         self.buckets: list[Bucket] = []
         self.bucket_of: dict[torch.nn.Parameter, Bucket] = {}
         for expert, dp in ((False, self.dp), (True, expert_dp)):
-            for dtype in dict.fromkeys(self._grad_dtype(p) for p in params if is_expert_parameter(p) == expert):
+            for dtype in dict.fromkeys(
+                self._grad_dtype(p) for p in params if is_expert_parameter(p) == expert
+            ):
                 # Reverse order: roughly the order in which backward produces the grads.
                 group = [
-                    p for p in reversed(params) if self._grad_dtype(p) == dtype and is_expert_parameter(p) == expert
+                    p
+                    for p in reversed(params)
+                    if self._grad_dtype(p) == dtype and is_expert_parameter(p) == expert
                 ]
                 self._build_buffer(dtype, group, bucket_size, dp)
         self.is_last_microbatch = True
@@ -224,7 +228,9 @@ class DistributedDataParallel(torch.nn.Module):
             return
         async_op = self.config.overlap_grad_reduce
         if self.config.use_distributed_optimizer:  # each rank keeps only its own part, reduced
-            bucket.handle = _reduce_scatter(bucket.shard(bucket.data), bucket.data, group=dp.group, async_op=async_op)
+            bucket.handle = _reduce_scatter(
+                bucket.shard(bucket.data), bucket.data, group=dp.group, async_op=async_op
+            )
         else:
             bucket.handle = dist.all_reduce(bucket.data, group=dp.group, async_op=async_op)
 

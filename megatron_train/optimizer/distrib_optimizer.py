@@ -211,5 +211,7 @@ def _gather_to_first_rank(local: torch.Tensor, bucket: Bucket) -> torch.Tensor |
     if dp.size == 1:
         return local
     parts = [torch.empty_like(local) for _ in range(dp.size)] if dp.rank == 0 else None
-    dist.gather(local, parts, dst=dist.get_global_rank(dp.group, 0) if dp.group is not None else 0, group=dp.group)
+    dist.gather(
+        local, parts, dst=dist.get_global_rank(dp.group, 0) if dp.group is not None else 0, group=dp.group
+    )
     return torch.cat(parts) if parts is not None else None

@@ -70,11 +70,15 @@ class ParallelConfig:
     )
     expert_model_parallel_size: int = field(
         default=1,
-        metadata={"help": "Degree of expert parallelism: the MoE layers' experts split over this many ranks."},
+        metadata={
+            "help": "Degree of expert parallelism: the MoE layers' experts split over this many ranks."
+        },
     )
     expert_tensor_parallel_size: int | None = field(
         default=None,
-        metadata={"help": "Degree of tensor parallelism inside each expert; default --tensor-model-parallel-size."},
+        metadata={
+            "help": "Degree of tensor parallelism inside each expert; default --tensor-model-parallel-size."
+        },
     )
     use_distributed_optimizer: bool = field(
         default=False, metadata={"help": "Shard optimizer state across data parallel ranks."}

@@ -299,7 +299,9 @@ class LoggingConfig:
     )
     moe_per_layer_logging: bool = field(
         default=False,
-        metadata=_help("Write each MoE layer's losses and per-expert token counts to TensorBoard and metrics."),
+        metadata=_help(
+            "Write each MoE layer's losses and per-expert token counts to TensorBoard and metrics."
+        ),
     )
     wandb_project: str | None = field(
         default=None, metadata=_help("Also log metrics to this Weights & Biases project (needs wandb).")

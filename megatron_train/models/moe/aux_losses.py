@@ -119,7 +119,9 @@ class MoEMetrics:
         if name in self.values:
             self.values[name][layer] += value.detach().to(self.values[name].dtype)
 
-    def report(self, num_micro_batches: int, num_moe_layers: int) -> tuple[dict[str, float], dict[str, float]]:
+    def report(
+        self, num_micro_batches: int, num_moe_layers: int
+    ) -> tuple[dict[str, float], dict[str, float]]:
         """(each loss averaged over micro-batches and MoE layers, per-layer values and per-expert token counts) of
         the step, identical on every rank; the sums start again from zero."""
         means: dict[str, float] = {}

@@ -61,7 +61,9 @@ def _gather(group: dist.ProcessGroup, x: torch.Tensor, sizes: list[int] | None) 
         _all_gather_single(out, x.contiguous(), group=group)
         return out
     out = x.new_empty((sum(sizes), *x.shape[1:]))
-    dist.all_to_all_single(out, x.repeat(world, *[1] * (x.dim() - 1)), sizes, [x.shape[0]] * world, group=group)
+    dist.all_to_all_single(
+        out, x.repeat(world, *[1] * (x.dim() - 1)), sizes, [x.shape[0]] * world, group=group
+    )
     return out
 
 

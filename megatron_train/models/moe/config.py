@@ -91,7 +91,9 @@ class MoEConfig:
     )
     moe_router_pre_softmax: bool = field(
         default=False,
-        metadata=_help("Softmax over all experts before choosing the top k (default: over the top k's logits)."),
+        metadata=_help(
+            "Softmax over all experts before choosing the top k (default: over the top k's logits)."
+        ),
     )
     moe_router_topk_scaling_factor: float | None = field(
         default=None, metadata=_help("Multiply the chosen experts' routing weights by this.")
@@ -138,20 +140,24 @@ class MoEConfig:
         metadata=_help("Over capacity, keep the tokens with the highest routing weights, or the first ones."),
     )
     moe_pad_expert_input_to_capacity: bool = field(
-        default=False, metadata=_help("Fill every expert to its capacity (needs --moe-expert-capacity-factor).")
+        default=False,
+        metadata=_help("Fill every expert to its capacity (needs --moe-expert-capacity-factor)."),
     )
     moe_token_dispatcher_type: TokenDispatcherType = field(
         default="allgather",
         metadata=_help("How tokens reach their experts' ranks: allgather or alltoall (flex needs DeepEP)."),
     )
     moe_shared_expert_intermediate_size: int | None = field(
-        default=None, metadata=_help("Hidden size of the shared experts every token goes through (None: none).")
+        default=None,
+        metadata=_help("Hidden size of the shared experts every token goes through (None: none)."),
     )
     moe_shared_expert_gate: bool = field(
-        default=False, metadata=_help("Scale the shared experts' output by a learned sigmoid gate (Qwen2-MoE).")
+        default=False,
+        metadata=_help("Scale the shared experts' output by a learned sigmoid gate (Qwen2-MoE)."),
     )
     moe_shared_expert_overlap: bool = field(
-        default=False, metadata=_help("Overlap the shared experts with the token exchange (a CUDA-stream option).")
+        default=False,
+        metadata=_help("Overlap the shared experts with the token exchange (a CUDA-stream option)."),
     )
     moe_grouped_gemm: bool = field(
         default=False,
@@ -162,10 +168,13 @@ class MoEConfig:
     )
     moe_use_upcycling: bool = field(
         default=False,
-        metadata=_help("--load a dense checkpoint and start every expert from its MLP (Megatron's upcycling)."),
+        metadata=_help(
+            "--load a dense checkpoint and start every expert from its MLP (Megatron's upcycling)."
+        ),
     )
     moe_upcycling_granularity: int = field(
-        default=1, metadata=_help("Experts per dense MLP in upcycling (only 1: each expert is the whole MLP).")
+        default=1,
+        metadata=_help("Experts per dense MLP in upcycling (only 1: each expert is the whole MLP)."),
     )
 
     @property

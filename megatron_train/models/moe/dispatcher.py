@@ -136,7 +136,9 @@ class AlltoAllDispatcher(TokenDispatcher):
         sizes = [sum(sum(local(counts[r][t])) for r in range(self.ep_size)) for t in range(self.etp_size)]
         gathered = gather_along_first_dim(self.etp_group, received, sizes)
         # chunks arrive ETP rank by ETP rank, then EP rank, then local expert: sort them expert-major
-        chunk_sizes = [n for t in range(self.etp_size) for r in range(self.ep_size) for n in local(counts[r][t])]
+        chunk_sizes = [
+            n for t in range(self.etp_size) for r in range(self.ep_size) for n in local(counts[r][t])
+        ]
         chunks = gathered.split(chunk_sizes)
         order = [c for e in range(per_rank) for c in range(e, len(chunks), per_rank)]
         self._saved = _Dispatched(

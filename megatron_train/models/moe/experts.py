@@ -78,7 +78,9 @@ def expert_weight(
     for expert in range(num_experts):
         master = init(torch.empty(shape, dtype=torch.float32))
         if expert in local and partition_dim is not None:
-            chunk = divide(shape[partition_dim], etp * stride, "the expert hidden size (--moe-ffn-hidden-size)")
+            chunk = divide(
+                shape[partition_dim], etp * stride, "the expert hidden size (--moe-ffn-hidden-size)"
+            )
             kept.append(torch.cat(master.split(chunk, dim=partition_dim)[etp_rank::etp], dim=partition_dim))
         elif expert in local:
             kept.append(master)
@@ -108,11 +110,15 @@ class Experts(nn.Module):
         experts, local = config.num_experts, self.local_experts
         init = init_method_normal(config.init_method_std)
         out_init = scaled_init_method_normal(config.init_method_std, config.num_layers)
-        self.weight1 = expert_weight(experts, local, (hidden, fc1), init, dtype, partition_dim=1, stride=stride)
+        self.weight1 = expert_weight(
+            experts, local, (hidden, fc1), init, dtype, partition_dim=1, stride=stride
+        )
         self.weight2 = expert_weight(experts, local, (ffn, hidden), out_init, dtype, partition_dim=0)
         self.bias1 = self.bias2 = None
         if config.add_bias_linear:  # refused with ETP > 1 (arguments.validate_config), as Megatron
-            self.bias1 = expert_weight(experts, local, (fc1,), nn.init.zeros_, dtype, partition_dim=0, stride=stride)
+            self.bias1 = expert_weight(
+                experts, local, (fc1,), nn.init.zeros_, dtype, partition_dim=0, stride=stride
+            )
             self.bias2 = expert_weight(experts, local, (hidden,), nn.init.zeros_, dtype)
         self._refusal_logged = False
 

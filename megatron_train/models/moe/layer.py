@@ -20,7 +20,9 @@ class SharedExpertMLP(MLP):
     sigmoid(x . gate_weight) (Qwen2-MoE's shared_expert_gate)."""
 
     def __init__(self, config: TransformerConfig, sequence_parallel: bool) -> None:
-        super().__init__(config, sequence_parallel, ffn_hidden_size=config.moe_shared_expert_intermediate_size)
+        super().__init__(
+            config, sequence_parallel, ffn_hidden_size=config.moe_shared_expert_intermediate_size
+        )
         self.gate_weight = None
         if config.moe_shared_expert_gate:
             self.gate_weight = nn.Parameter(torch.zeros(1, config.hidden_size, dtype=config.params_dtype))

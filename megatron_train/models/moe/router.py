@@ -49,7 +49,9 @@ class TopKRouter(nn.Module):
         if config.moe_router_enable_expert_bias:
             self.register_buffer("expert_bias", torch.zeros(config.num_experts, dtype=torch.float32))
             self.register_buffer(
-                "local_tokens_per_expert", torch.zeros(config.num_experts, dtype=torch.float32), persistent=False
+                "local_tokens_per_expert",
+                torch.zeros(config.num_experts, dtype=torch.float32),
+                persistent=False,
             )
         else:
             self.expert_bias = None

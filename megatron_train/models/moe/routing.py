@@ -21,7 +21,9 @@ def group_limited_topk(
     group_scores = scores.view(tokens, num_groups, -1).topk(topk // group_topk, dim=-1)[0].sum(dim=-1)
     group_index = group_scores.topk(group_topk, dim=-1, sorted=False)[1]
     group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter(1, group_index, True)
-    expert_mask = group_mask.unsqueeze(-1).expand(tokens, num_groups, experts // num_groups).reshape(tokens, -1)
+    expert_mask = (
+        group_mask.unsqueeze(-1).expand(tokens, num_groups, experts // num_groups).reshape(tokens, -1)
+    )
     return scores.masked_fill(~expert_mask, float("-inf")).topk(topk, dim=-1)
 
 
@@ -121,7 +123,9 @@ def drop_tokens(
         keep = torch.zeros_like(routing_map).scatter(0, probs.topk(capacity, dim=0, sorted=False)[1], True)
     elif policy == "position":
         # the first `capacity` routed tokens of each expert, then (padding) the first tokens not routed to it
-        order = torch.where(routing_map, 0, num_tokens) + torch.arange(num_tokens, device=probs.device)[:, None]
+        order = (
+            torch.where(routing_map, 0, num_tokens) + torch.arange(num_tokens, device=probs.device)[:, None]
+        )
         keep = torch.zeros_like(routing_map).scatter(0, order.topk(capacity, dim=0, largest=False)[1], True)
     else:
         raise ValueError(f"--moe-token-drop-policy {policy!r}: choose probs or position")
