@@ -78,7 +78,9 @@ def _losses(tmp, name: str, key: str = "lm loss") -> list[float]:
     return [r[key] for r in _steps(tmp, name)]
 
 
-@pytest.mark.parametrize("name", ["ep2", "ep2-allgather", "pp2", "ep2-tp2-sp", "ep2-dp4-distopt", "ep2-at-ep1"])
+@pytest.mark.parametrize(
+    "name", ["ep2", "ep2-allgather", "pp2", "ep2-tp2-sp", "ep2-dp4-distopt", "ep2-at-ep1"]
+)
 def test_every_layout_continues_the_one_process_checkpoint_with_its_losses(moe_runs, name) -> None:
     reference = _steps(moe_runs, "reference")
     assert len(reference) == 4 and len({r["lm loss"] for r in reference}) == 4
@@ -97,7 +99,12 @@ def test_a_run_at_ep2_from_scratch_logs_the_one_process_losses(moe_runs) -> None
 def test_aux_and_z_losses_follow_lm_loss_on_the_line_and_in_tensorboard(moe_runs) -> None:
     record = _steps(moe_runs, "reference")[0]
     keys = list(record)
-    assert keys.index("lm loss") < keys.index("load_balancing_loss") < keys.index("z_loss") < keys.index("loss scale")
+    assert (
+        keys.index("lm loss")
+        < keys.index("load_balancing_loss")
+        < keys.index("z_loss")
+        < keys.index("loss scale")
+    )
     # balanced routing gives a load-balancing loss near 1 (its minimum for top-k), the z-loss logsumexp^2
     assert 0.99 < record["load_balancing_loss"] < 1.2 and record["z_loss"] > 0
     (events,) = glob.glob(str(moe_runs / "pp2" / "tb" / "events.out.tfevents.*"))
@@ -135,4 +142,6 @@ def test_moe_run_killed_with_sigkill_resumes_bitwise(tmp_path) -> None:
         "megatron_train.pretrain_gpt", lambda run, *flags: tiny_args(run, *moe, *flags), tmp_path, 7
     )
     assert [r["lm loss"] for r in killed] == [r["lm loss"] for r in reference]
-    assert [r["global_load_balancing_loss"] for r in killed] == [r["global_load_balancing_loss"] for r in reference]
+    assert [r["global_load_balancing_loss"] for r in killed] == [
+        r["global_load_balancing_loss"] for r in reference
+    ]
