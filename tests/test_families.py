@@ -34,6 +34,17 @@ MODELS = {
     "gpt2 post-LN untied": ("gpt", _config(post_ln=True, untie_embeddings_and_output_weights=True), {}),
     "llama": ("gpt", _llama(), {}),
     "qwen2": ("gpt", _llama(add_qkv_bias=True, untie_embeddings_and_output_weights=False), {}),
+    "mixtral": ("gpt", _llama(num_experts=4, moe_ffn_hidden_size=16), {}),
+    "gpt2 moe layers 1, biased experts, gated shared expert": (
+        "gpt",
+        _config(
+            num_experts=4,
+            moe_layer_freq="[0,1]",
+            moe_shared_expert_intermediate_size=8,
+            moe_shared_expert_gate=True,
+        ),
+        {},
+    ),
     "bert": ("bert", _config(), {}),
     "bert post-LN, no binary head": ("bert", _config(post_ln=True, bert_binary_head=False), {}),
     "t5": ("t5", _config(decoder_seq_length=8, decoder_num_layers=3), {}),
@@ -117,7 +128,10 @@ def test_a_checkpoint_of_a_family_from_outside_the_project_loads_only_when_named
         ("bert", ["--calculate-per-token-loss"], "Megatron's BERT loss is per micro-batch"),
         ("retro", ["--pipeline-model-parallel-size", "2", "--retro-add-retriever"], "Retro does not support"),
         ("bert_classifier", ["--pipeline-model-parallel-size", "2"], "finetuning runs without pipeline"),
+        ("t5", ["--decoder-seq-length", "8", "--num-experts", "4"], "--num-experts 4: the t5 model has no MoE"),
+        ("bert", ["--num-experts", "4"], "--num-experts 4: the bert model has no MoE"),
     ],
+
 )
 def test_each_family_refuses_what_it_cannot_do_naming_the_flag(tmp_path, name, flags, message):
     argv = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16"]

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from tests.distributed import run_distributed
-from tests.test_training import pretrain_worker, read_metrics, sigkill_and_resume, tiny_args, write_corpus
+from tests.helpers.distributed import run_distributed
+from tests.helpers.training import pretrain_worker, read_metrics, sigkill_and_resume, tiny_args, write_corpus
 
 # 4 layers, MoE in layers 1 and 3 (one per stage under PP=2): 4 experts of top-2, shared experts with a gate,
 # aux and z losses; no biases (expert TP > 1 takes none) and no dropout, so runs compare to float tolerance.

@@ -189,8 +189,9 @@ class ModelFamily:
     padded vocabulary, the stage's ends and, as keywords, `vp_stage` and the run's `model_build_options`, plus
     what `model_options(config)` adds (BERT's binary head, Retro's config); `model_provider` builds a stage of it;
     `forward_step(data_iterator, model)` (with `per_token_loss=` when `per_token_loss`, for
-    --calculate-per-token-loss) runs a micro-batch; `datasets_provider` builds the data; `layouts` and
-    `check_config` refuse what the family cannot do; `prepare_argv` adds flags its files imply (Retro's project);
+    --calculate-per-token-loss) runs a micro-batch; `datasets_provider` builds the data; `mixture_of_experts`: its
+    layers take --num-experts (MoE layers, `models.moe`); `layouts` and `check_config` refuse what the family
+    cannot do; `prepare_argv` adds flags its files imply (Retro's project);
     `run_model_provider(config)` gives the provider a run uses when it is not `model_provider` (Retro
     retro-fitting from a GPT checkpoint). `entry_module` is its `torchrun -m` entry point.
     Accounting: `terms(config, padded_vocab_size)`, the parameters and FLOPs of one sample.
@@ -210,7 +211,9 @@ class ModelFamily:
     model_options: Callable[[MegatronConfig], dict[str, Any]] = lambda config: {}
     datasets_provider: DatasetsProvider | None = None
     per_token_loss: bool = False
+    mixture_of_experts: bool = False
     check_config: Callable[[MegatronConfig], None] | None = None
+
     prepare_argv: Callable[[list[str]], list[str]] | None = None
     run_model_provider: Callable[[MegatronConfig], ModelProvider] | None = None
     entry_module: str = "megatron_train.pretrain"

@@ -97,6 +97,8 @@ GPT = ModelFamily(
     forward_step=forward_step,
     datasets_provider=datasets_provider,
     per_token_loss=True,
+    mixture_of_experts=True,
+
     entry_module="megatron_train.pretrain_gpt",
     corpus="document",
     finetune_data="--sft --train-data-path <conversations.jsonl> [training flags] (or, for more pretraining, "

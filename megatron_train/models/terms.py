@@ -21,7 +21,7 @@ class WeightTerm:
 
     name: str
     count: int
-    tokens: int = 0
+    tokens: float = 0  # an MoE expert's weights multiply top k / experts of the tokens, on average
     stored: bool = True
 
 
@@ -95,10 +95,14 @@ def layer_stack_terms(
     """`num_layers` transformer layers (`transformer.TransformerLayer`: self-attention and MLP with their norms)
     over `tokens` tokens, each query attending to `keys` of them (default all: one sequence; causal attention is
     counted in full, as Megatron does), and a final norm when `final_norm`. A layer's cross-attention is
-    `cross_attention_terms`."""
+    `cross_attention_terms`. The MoE layers (--moe-layer-freq of a GPT with --num-experts) hold `moe_terms`
+    instead of an MLP."""
+    moe_layers = sum(config.moe_layer_pattern) if config.is_moe else 0
     terms = self_attention_terms(name, config, num_layers, tokens, keys) + mlp_terms(
-        name, config, num_layers, tokens
+        name, config, num_layers - moe_layers, tokens
     )
+    if moe_layers:
+        terms += moe_terms(name, config, moe_layers, tokens)
     return terms + final_norm_terms(name, config) if final_norm else terms
 
 
@@ -121,12 +125,10 @@ def self_attention_terms(
 
 def mlp_terms(name: str, config: TransformerConfig, layers: int, tokens: int) -> ModelTerms:
     """`layers` MLPs with the norm before each (`transformer.MLP`) over `tokens` tokens."""
-    hidden, ffn = config.hidden_size, config.ffn_hidden_size
-    fc1 = ffn * (2 if config.swiglu else 1)
-    biases = fc1 + hidden if config.add_bias_linear else 0
+    weights, biases = mlp_parameters(config, config.ffn_hidden_size)
     return ModelTerms(
         (
-            WeightTerm(f"{name} MLP weights", layers * (hidden * fc1 + ffn * hidden), tokens),
+            WeightTerm(f"{name} MLP weights", layers * weights, tokens),
             WeightTerm(f"{name} MLP norms and biases", layers * (norm_parameters(config) + biases)),
         )
     )
@@ -134,6 +136,41 @@ def mlp_terms(name: str, config: TransformerConfig, layers: int, tokens: int) ->
 
 def final_norm_terms(name: str, config: TransformerConfig) -> ModelTerms:
     return ModelTerms((WeightTerm(f"{name} final norm", norm_parameters(config)),))
+
+
+def mlp_parameters(config: TransformerConfig, ffn_hidden_size: int) -> tuple[int, int]:
+    """(weights, biases) of one MLP of `ffn_hidden_size` (`models.mlp.MLP`; SwiGLU's fc1 is twice as wide)."""
+    fc1 = ffn_hidden_size * (2 if config.swiglu else 1)
+    hidden = config.hidden_size
+    return hidden * fc1 + ffn_hidden_size * hidden, (fc1 + hidden if config.add_bias_linear else 0)
+
+
+def moe_terms(name: str, config: TransformerConfig, layers: int, tokens: int) -> ModelTerms:
+    """`layers` MoE layers (`models.moe.layer.MoELayer`) over `tokens` tokens: the router over every token, each
+    of the --num-experts experts over top k / experts of them (the active parameters, as Megatron's FLOPs count
+    them), the shared experts and their gate over every token; the norm before each."""
+    experts, hidden = config.num_experts, config.hidden_size
+    expert_weights, expert_biases = mlp_parameters(config, config.moe_ffn_hidden_size)
+    router = experts * hidden
+    stored_only = (
+        norm_parameters(config) + experts * expert_biases + (experts if config.add_bias_linear else 0)
+    )
+    every_token = router
+    if config.moe_shared_expert_intermediate_size is not None:
+        shared_weights, shared_biases = mlp_parameters(config, config.moe_shared_expert_intermediate_size)
+        every_token += shared_weights + (hidden if config.moe_shared_expert_gate else 0)
+        stored_only += shared_biases
+    return ModelTerms(
+        (
+            WeightTerm(f"{name} MoE routers and shared experts", layers * every_token, tokens),
+            WeightTerm(
+                f"{name} MoE experts",
+                layers * experts * expert_weights,
+                tokens * config.moe_router_topk / experts,
+            ),
+            WeightTerm(f"{name} MoE norms and biases", layers * stored_only),
+        )
+    )
 
 
 def cross_attention_terms(

@@ -303,17 +303,19 @@ class TransformerLayer(nn.Module):
         layer_index: int,
         sequence_parallel: bool,
         cross_attention: nn.Module | None = None,
-        tp_group: dist.ProcessGroup | None = None,
-        cp_group: dist.ProcessGroup | None = None,
+        pg_collection: state.ProcessGroupCollection | None = None,
         layer_number: int | None = None,
     ) -> None:
         """`layer_index`: the layer's place in this stage (its KV-cache slot); `layer_number`: its global index
-        (default `layer_index`), which decides whether its MLP is an MoE layer (--moe-layer-freq)."""
+        (default `layer_index`), which decides whether its MLP is an MoE layer (--moe-layer-freq);
+        `pg_collection`: the groups it is split over (default parallel.state's)."""
         super().__init__()
+        pg_collection = pg_collection or state.process_groups()
+        tp_group = pg_collection.tp
         self.post_ln = config.post_ln
         if not self.post_ln:
             self.input_layernorm = build_norm(config, sequence_parallel)
-        self.self_attention = SelfAttention(config, layer_index, sequence_parallel, tp_group, cp_group)
+        self.self_attention = SelfAttention(config, layer_index, sequence_parallel, tp_group, pg_collection.cp)
         if self.post_ln:
             self.post_attention_layernorm = build_norm(config, sequence_parallel)
         self.cross_attention = cross_attention
@@ -324,7 +326,7 @@ class TransformerLayer(nn.Module):
             self.pre_mlp_layernorm = build_norm(config, sequence_parallel)
         layer_number = layer_index if layer_number is None else layer_number
         if config.is_moe_layer(layer_number):
-            self.mlp = MoELayer(config, layer_number, sequence_parallel)
+            self.mlp = MoELayer(config, layer_number, sequence_parallel, pg_collection)
         else:
             self.mlp = MLP(config, sequence_parallel, tp_group)
         if self.post_ln:
@@ -404,8 +406,7 @@ class TransformerBlock(nn.Module):
                         index,
                         sequence_parallel,
                         cross_attention,
-                        pg_collection.tp,
-                        pg_collection.cp,
+                        pg_collection,
                         layer_number=global_index,
                     )
                 )

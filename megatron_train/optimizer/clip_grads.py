@@ -40,15 +40,15 @@ def all_reduce_grad_stat(
 ) -> torch.Tensor:
     """dense (over TP x PP) op expert (over ETP x EP x PP), each first reduced over its data-parallel group of
     `sharded_over`."""
-    for tensor, kind, dp in (
-        (dense, "model", sharded_over and sharded_over[0]),
-        (expert, "expert_tensor_model_pipeline", sharded_over and sharded_over[1]),
+    groups = state.process_groups()
+    for tensor, model_parallel, dp in (
+        (dense, groups.mp, sharded_over and sharded_over[0]),
+        (expert, groups.tp_ep_pp, sharded_over and sharded_over[1]),
     ):
         if dp and dp.size > 1:
             dist.all_reduce(tensor, op=op, group=dp.group)
-        group = state.group_of_kind(kind)
-        if group is not None:
-            dist.all_reduce(tensor, op=op, group=group)
+        if state.group_size(model_parallel) > 1:
+            dist.all_reduce(tensor, op=op, group=model_parallel)
     return dense + expert if op == dist.ReduceOp.SUM else torch.maximum(dense, expert)
 
 

@@ -156,10 +156,12 @@ _STATE: _ParallelState | None = None
 class ProcessGroupCollection:
     """The process groups a model communicates over (Megatron-Core's ProcessGroupCollection): tensor parallel
     (`tp`), pipeline (`pp`), data parallel (`dp`), model parallel (`mp`: TP x PP), the tied embedding's first
-    and last stage (`embd`), context parallel (`cp`) and data x context parallel (`dp_cp`: gradients). None: no
-    group, this process alone (a model built without process groups). A new parallel dimension adds its groups here
-    (expert parallel and its data-parallel group), made by `initialize_model_parallel` and handed to the layers
-    that use them the same way."""
+    and last stage (`embd`), context parallel (`cp`) and data x context parallel (`dp_cp`: gradients); for MoE
+    layers the expert-parallel (`ep`), expert tensor-parallel (`expt_tp`) and expert data-parallel (`expt_dp`,
+    which holds the CP ranks too) groups, ETP x EP (`tp_ep`, the all-gather dispatcher's) and ETP x EP x PP
+    (`tp_ep_pp`), and the ranks sharing a micro-batch's tokens (`tp_cp`) or a step's (`tp_dp_cp`). None: no group,
+    this process alone (a model built without process groups). A new parallel dimension adds its groups here, made
+    by `initialize_model_parallel` and handed to the layers that use them the same way."""
 
     tp: dist.ProcessGroup | None = None
     pp: dist.ProcessGroup | None = None
@@ -168,6 +170,13 @@ class ProcessGroupCollection:
     embd: dist.ProcessGroup | None = None
     cp: dist.ProcessGroup | None = None
     dp_cp: dist.ProcessGroup | None = None
+    ep: dist.ProcessGroup | None = None
+    expt_tp: dist.ProcessGroup | None = None
+    expt_dp: dist.ProcessGroup | None = None
+    tp_ep: dist.ProcessGroup | None = None
+    tp_ep_pp: dist.ProcessGroup | None = None
+    tp_cp: dist.ProcessGroup | None = None
+    tp_dp_cp: dist.ProcessGroup | None = None
 
 
 def process_groups() -> ProcessGroupCollection:
@@ -184,6 +193,13 @@ def process_groups() -> ProcessGroupCollection:
         embd=groups.get("embedding"),  # only the first and last pipeline stages are in one
         cp=groups["context"],
         dp_cp=groups["data_with_context"],
+        ep=groups["expert_model"],
+        expt_tp=groups["expert_tensor"],
+        expt_dp=groups["expert_data"],
+        tp_ep=groups["expert_tensor_and_model"],
+        tp_ep_pp=groups["expert_tensor_model_pipeline"],
+        tp_cp=groups["tensor_and_context"],
+        tp_dp_cp=groups["tensor_and_data"],
     )
 
 
@@ -276,12 +292,6 @@ def _world_size(kind: str) -> int:
 
 def _rank(kind: str) -> int:
     return 0 if _STATE is None else _STATE.ranks[kind].index(dist.get_rank())
-
-
-def group_of_kind(kind: str) -> dist.ProcessGroup | None:
-    """This process's group of `kind` (one of `GROUP_KINDS`), or None when it has one rank (nothing to reduce
-    over, also before initialisation)."""
-    return None if _world_size(kind) == 1 else _group(kind)
 
 
 def get_tensor_model_parallel_group() -> dist.ProcessGroup:

@@ -42,8 +42,13 @@ def padded_vocab_size_for(config: MegatronConfig, tokenizer: MegatronTokenizer) 
 def check_family_config(family: ModelFamily, config: MegatronConfig) -> None:
     """What the family refuses of a run, as ValueErrors naming the flag: a parallel layout it is not split along,
     --calculate-per-token-loss for a loss per micro-batch, --ckpt-format torch_dist where its layers have no
-    Megatron-Core names, and its own checks."""
+    Megatron-Core names, MoE layers where it has none, and its own checks."""
     family.layouts.check(family.name, config)
+    if config.model.is_moe and not family.mixture_of_experts:
+        raise ValueError(
+            f"--num-experts {config.model.num_experts}: the {family.name} model has no MoE layers here (GPT has)"
+        )
+
     if config.training.calculate_per_token_loss and not family.per_token_loss:
         raise ValueError(
             f"--calculate-per-token-loss is GPT's; Megatron's {family.name.upper()} loss is per micro-batch"

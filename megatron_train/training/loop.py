@@ -126,7 +126,9 @@ def train_step(
         setup.scheduler.step(increment=setup.calculator.current_global_batch_size)
     losses = average_losses(reduced)
     if config.model.is_moe:
-        moe_losses, per_layer = METRICS.report(num_micro_batches, sum(config.model.moe_layer_pattern))
+        moe_losses, per_layer = METRICS.report(
+            num_micro_batches, sum(config.model.moe_layer_pattern), state.process_groups()
+        )
         if losses is not None:
             losses.update(moe_losses)
             if config.logging.moe_per_layer_logging:

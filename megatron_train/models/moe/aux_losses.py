@@ -88,15 +88,16 @@ class AuxLossAutoScaler(torch.autograd.Function):
         return grad_output, torch.full_like(aux_loss, BACKWARD_SCALE.scale)
 
 
-# How each recorded metric is reduced across ranks: (group kind summed over, group kind averaged over, average
-# over data parallel). A micro-batch's aux loss is split over the TP x CP ranks that hold parts of its tokens;
-# the global one already counts every token of the step; the z-loss is a mean over tokens.
+# How each recorded metric is reduced across ranks, after summing the pipeline stages' layers: (group summed over,
+# group averaged over), fields of the ProcessGroupCollection. A micro-batch's aux loss is split over the TP x CP
+# ranks holding parts of its tokens, then averaged over DP; the global one already counts every token of the step;
+# the z-loss is a mean over tokens.
 REDUCTIONS = {
-    "load_balancing_loss": ("tensor_and_context", None, True),
-    "seq_load_balancing_loss": ("tensor_and_context", None, True),
-    "global_load_balancing_loss": ("tensor_and_data", None, False),
-    "z_loss": (None, "tensor_and_data", False),
-    "tokens_per_expert": ("tensor_and_data", None, False),
+    "load_balancing_loss": ("tp_cp", "dp"),
+    "seq_load_balancing_loss": ("tp_cp", "dp"),
+    "global_load_balancing_loss": ("tp_dp_cp", None),
+    "z_loss": (None, "tp_dp_cp"),
+    "tokens_per_expert": ("tp_dp_cp", None),
 }
 
 
@@ -120,19 +121,17 @@ class MoEMetrics:
             self.values[name][layer] += value.detach().to(self.values[name].dtype)
 
     def report(
-        self, num_micro_batches: int, num_moe_layers: int
+        self, num_micro_batches: int, num_moe_layers: int, pg_collection: state.ProcessGroupCollection
     ) -> tuple[dict[str, float], dict[str, float]]:
         """(each loss averaged over micro-batches and MoE layers, per-layer values and per-expert token counts) of
-        the step, identical on every rank; the sums start again from zero."""
+        the step, identical on every rank of `pg_collection`'s groups; the sums start again from zero."""
         means: dict[str, float] = {}
         per_layer: dict[str, float] = {}
         for name, values in self.values.items():
-            reduce_kind, average_kind, data_average = REDUCTIONS[name]
-            _reduce(values, "pipeline", dist.ReduceOp.SUM)
-            _reduce(values, reduce_kind, dist.ReduceOp.SUM)
-            _reduce(values, average_kind, dist.ReduceOp.AVG)
-            if data_average:
-                _reduce(values, "data", dist.ReduceOp.AVG)
+            summed_over, averaged_over = REDUCTIONS[name]
+            _reduce(values, pg_collection.pp, dist.ReduceOp.SUM)
+            _reduce(values, summed_over and getattr(pg_collection, summed_over), dist.ReduceOp.SUM)
+            _reduce(values, averaged_over and getattr(pg_collection, averaged_over), dist.ReduceOp.AVG)
             if name == "tokens_per_expert":
                 for (layer, expert), count in zip(_indices(values), values.flatten().tolist(), strict=True):
                     if values[layer].any():
@@ -149,9 +148,8 @@ def _indices(values: torch.Tensor) -> list[tuple[int, int]]:
     return [(layer, expert) for layer in range(values.shape[0]) for expert in range(values.shape[1])]
 
 
-def _reduce(values: torch.Tensor, kind: str | None, op: dist.ReduceOp) -> None:
-    group = state.group_of_kind(kind) if kind is not None else None
-    if group is not None:
+def _reduce(values: torch.Tensor, group: dist.ProcessGroup | None, op: dist.ReduceOp) -> None:
+    if state.group_size(group) > 1:
         dist.all_reduce(values, op=op, group=group)
 
 

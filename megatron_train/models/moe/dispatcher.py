@@ -46,14 +46,6 @@ def unpermute(
     return out.index_add(0, token_ids, weighted)
 
 
-def _groups() -> tuple:
-    return (
-        state.group_of_kind("expert_model"),
-        state.group_of_kind("expert_tensor"),
-        state.group_of_kind("expert_tensor_and_model"),
-    )
-
-
 @dataclass
 class _Dispatched:
     """What combine needs from dispatch."""
@@ -69,14 +61,19 @@ class _Dispatched:
 
 class TokenDispatcher:
     """Base of both dispatchers: `num_local_experts` experts starting at global index `first_expert` on this
-    rank (its EP rank's), `ep_size` x `etp_size` ranks exchanging tokens."""
+    rank (its EP rank's), the `ep_size` x `etp_size` ranks of `pg_collection`'s EP and ETP groups exchanging
+    tokens."""
 
-    def __init__(self, num_experts: int) -> None:
-        self.ep_group, self.etp_group, self.tp_ep_group = _groups()
-        self.ep_size = state.get_expert_model_parallel_world_size()
-        self.etp_size = state.get_expert_tensor_parallel_world_size()
+    def __init__(self, num_experts: int, pg_collection: state.ProcessGroupCollection) -> None:
+        self.ep_group, self.etp_group, self.tp_ep_group = (
+            pg_collection.ep,
+            pg_collection.expt_tp,
+            pg_collection.tp_ep,
+        )
+        self.ep_size, self.etp_size = state.group_size(self.ep_group), state.group_size(self.etp_group)
+        self.etp_rank = state.group_rank(self.etp_group)
         self.num_local_experts = num_experts // self.ep_size
-        self.first_expert = state.get_expert_model_parallel_rank() * self.num_local_experts
+        self.first_expert = state.group_rank(self.ep_group) * self.num_local_experts
         self._saved: _Dispatched | None = None
 
     def dispatch(
@@ -122,8 +119,7 @@ class AlltoAllDispatcher(TokenDispatcher):
         with torch.no_grad():  # [EP rank, ETP rank, expert]: tokens each rank routes to each expert
             counts = gather_along_first_dim(self.tp_ep_group, routing_map.sum(dim=0, keepdim=True))
         counts = counts.view(self.ep_size, self.etp_size, -1).tolist()
-        ep_rank = self.first_expert // self.num_local_experts
-        etp_rank = state.get_expert_tensor_parallel_rank()
+        ep_rank, etp_rank = self.first_expert // self.num_local_experts, self.etp_rank
         per_rank = self.num_local_experts
 
         def local(row: list[int]) -> list[int]:

@@ -14,10 +14,12 @@ the same experts, holding one expert's master weight at a time.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -63,17 +65,18 @@ def grouped_matmul(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor)
 def expert_weight(
     num_experts: int,
     local: range,
+    etp_group: dist.ProcessGroup | None,
     shape: tuple[int, ...],
     init: Callable[[torch.Tensor], torch.Tensor],
     dtype: torch.dtype,
     partition_dim: int | None = None,
     stride: int = 1,
 ) -> nn.Parameter:
-    """[local experts, *shape] with dim `partition_dim` of `shape` cut over the ETP ranks (None: not cut), in
-    `stride` interleaved chunks (SwiGLU's [gate; up]), as a tensor-parallel weight is: each of the layer's
+    """[local experts, *shape] with dim `partition_dim` of `shape` cut over the ETP ranks of `etp_group` (None: not
+    cut), in `stride` interleaved chunks (SwiGLU's [gate; up]), as a tensor-parallel weight is: each of the layer's
     `num_experts` experts is drawn in full in turn (the same draws on every rank) and this rank keeps its `local`
     experts' slices."""
-    etp, etp_rank = state.get_expert_tensor_parallel_world_size(), state.get_expert_tensor_parallel_rank()
+    etp, etp_rank = state.group_size(etp_group), state.group_rank(etp_group)
     kept = []
     for expert in range(num_experts):
         master = init(torch.empty(shape, dtype=torch.float32))
@@ -93,33 +96,34 @@ def expert_weight(
 
 
 class Experts(nn.Module):
-    """This rank's `num_experts / EP` experts of one MoE layer (global indices `local_experts`)."""
+    """This rank's `num_experts / EP` experts of one MoE layer (global indices `local_experts`), split over the EP
+    and ETP groups of `pg_collection`."""
 
-    def __init__(self, config: TransformerConfig) -> None:
+    def __init__(self, config: TransformerConfig, pg_collection: state.ProcessGroupCollection) -> None:
         super().__init__()
-        ep = state.get_expert_model_parallel_world_size()
-        per_rank = divide(config.num_experts, ep, "--num-experts")
-        first = state.get_expert_model_parallel_rank() * per_rank
+        per_rank = divide(config.num_experts, state.group_size(pg_collection.ep), "--num-experts")
+        first = state.group_rank(pg_collection.ep) * per_rank
         self.local_experts = range(first, first + per_rank)
         hidden, ffn = config.hidden_size, config.moe_ffn_hidden_size
         fc1 = 2 * ffn if config.swiglu else ffn
         stride = 2 if config.swiglu else 1
-        dtype = config.params_dtype
         self.grouped_gemm = config.moe_grouped_gemm
         self.activation = activation(config)
-        experts, local = config.num_experts, self.local_experts
         init = init_method_normal(config.init_method_std)
         out_init = scaled_init_method_normal(config.init_method_std, config.num_layers)
-        self.weight1 = expert_weight(
-            experts, local, (hidden, fc1), init, dtype, partition_dim=1, stride=stride
+        weight = functools.partial(
+            expert_weight,
+            config.num_experts,
+            self.local_experts,
+            pg_collection.expt_tp,
+            dtype=config.params_dtype,
         )
-        self.weight2 = expert_weight(experts, local, (ffn, hidden), out_init, dtype, partition_dim=0)
+        self.weight1 = weight((hidden, fc1), init, partition_dim=1, stride=stride)
+        self.weight2 = weight((ffn, hidden), out_init, partition_dim=0)
         self.bias1 = self.bias2 = None
         if config.add_bias_linear:  # refused with ETP > 1 (arguments.validate_config), as Megatron
-            self.bias1 = expert_weight(
-                experts, local, (fc1,), nn.init.zeros_, dtype, partition_dim=0, stride=stride
-            )
-            self.bias2 = expert_weight(experts, local, (hidden,), nn.init.zeros_, dtype)
+            self.bias1 = weight((fc1,), nn.init.zeros_, partition_dim=0, stride=stride)
+            self.bias2 = weight((hidden,), nn.init.zeros_)
         self._refusal_logged = False
 
     def forward(self, tokens: torch.Tensor, tokens_per_expert: list[int]) -> torch.Tensor:

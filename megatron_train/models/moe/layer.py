@@ -4,6 +4,7 @@ experts, combine, and add the shared experts' output."""
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from megatron_train.models.config import TransformerConfig
@@ -11,6 +12,7 @@ from megatron_train.models.mlp import MLP
 from megatron_train.models.moe.dispatcher import DISPATCHERS
 from megatron_train.models.moe.experts import Experts
 from megatron_train.models.moe.router import TopKRouter
+from megatron_train.parallel import state
 from megatron_train.parallel.random import checkpoint
 
 
@@ -19,10 +21,11 @@ class SharedExpertMLP(MLP):
     tensor-parallel MLP of that hidden size; with --moe-shared-expert-gate its output is scaled per token by
     sigmoid(x . gate_weight) (Qwen2-MoE's shared_expert_gate)."""
 
-    def __init__(self, config: TransformerConfig, sequence_parallel: bool) -> None:
-        super().__init__(
-            config, sequence_parallel, ffn_hidden_size=config.moe_shared_expert_intermediate_size
-        )
+    def __init__(
+        self, config: TransformerConfig, sequence_parallel: bool, tp_group: dist.ProcessGroup | None
+    ) -> None:
+        super().__init__(config, sequence_parallel, tp_group, config.moe_shared_expert_intermediate_size)
+
         self.gate_weight = None
         if config.moe_shared_expert_gate:
             self.gate_weight = nn.Parameter(torch.zeros(1, config.hidden_size, dtype=config.params_dtype))
@@ -39,19 +42,28 @@ class SharedExpertMLP(MLP):
 class MoELayer(nn.Module):
     """hidden [s, b, h] (the sequence shard under SP) -> [s, b, h]: each token's top-k experts' outputs weighted
     by the router's probabilities, plus the shared experts'. `layer_number` is the layer's global index (the
-    router records its losses there). With --moe-layer-recompute its activations are recomputed in the backward
-    pass."""
+    router records its losses there); `pg_collection` gives the groups (default parallel.state's). With
+    --moe-layer-recompute its activations are recomputed in the backward pass."""
 
-    def __init__(self, config: TransformerConfig, layer_number: int, sequence_parallel: bool) -> None:
+    def __init__(
+        self,
+        config: TransformerConfig,
+        layer_number: int,
+        sequence_parallel: bool,
+        pg_collection: state.ProcessGroupCollection | None = None,
+    ) -> None:
         super().__init__()
-        self.router = TopKRouter(config, layer_number, sequence_parallel)
-        self.experts = Experts(config)
+        pg_collection = pg_collection or state.process_groups()
+        self.router = TopKRouter(config, layer_number, sequence_parallel, pg_collection)
+        self.experts = Experts(config, pg_collection)
         self.shared_experts = (
-            SharedExpertMLP(config, sequence_parallel)
+            SharedExpertMLP(config, sequence_parallel, pg_collection.tp)
             if config.moe_shared_expert_intermediate_size is not None
             else None
         )
-        self.token_dispatcher = DISPATCHERS[config.moe_token_dispatcher_type](config.num_experts)
+        self.token_dispatcher = DISPATCHERS[config.moe_token_dispatcher_type](
+            config.num_experts, pg_collection
+        )
         self.recompute = config.moe_layer_recompute
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:

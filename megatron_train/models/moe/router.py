@@ -30,10 +30,19 @@ class TopKRouter(nn.Module):
     """Routes each token to `--moe-router-topk` experts. `weight` [experts, hidden] (and `bias` with linear biases)
     is replicated over TP; under sequence parallelism each TP rank routes its own tokens, so the weight's gradient
     is summed over TP (`sequence_parallel`). With --moe-router-enable-expert-bias, `expert_bias` (fp32, saved) is
-    moved after each step by `update_expert_bias` from the tokens counted in `local_tokens_per_expert`."""
+    moved after each step by `end_of_step` from the tokens counted in `local_tokens_per_expert`. Token counts are
+    summed over the ranks holding the rest of a micro-batch's tokens (`pg_collection.tp_cp`) or of the step's
+    (`tp_dp_cp`)."""
 
-    def __init__(self, config: TransformerConfig, layer_number: int, sequence_parallel: bool) -> None:
+    def __init__(
+        self,
+        config: TransformerConfig,
+        layer_number: int,
+        sequence_parallel: bool,
+        pg_collection: state.ProcessGroupCollection,
+    ) -> None:
         super().__init__()
+        self.tp_cp_group, self.tp_dp_cp_group = pg_collection.tp_cp, pg_collection.tp_dp_cp
         self.config = config
         self.layer_number = layer_number
         self.topk = config.moe_router_topk
@@ -113,12 +122,12 @@ class TopKRouter(nn.Module):
         """`tensor` with `loss`'s gradient attached (per-token-loss runs scale it by the tokens the TP x CP group
         routed, which the per-token division takes back out)."""
         if BACKWARD_SCALE.per_token:
-            loss = loss * num_tokens * _size("tensor_and_context")
+            loss = loss * num_tokens * state.group_size(self.tp_cp_group)
         return AuxLossAutoScaler.apply(tensor, loss)
 
     def _attach_z_loss(self, logits: torch.Tensor) -> torch.Tensor:
         """The z-loss of this rank's tokens, averaged over the TP x CP ranks' shares of the micro-batch."""
-        coeff = self.config.moe_z_loss_coeff / _size("tensor_and_context")
+        coeff = self.config.moe_z_loss_coeff / state.group_size(self.tp_cp_group)
         loss = z_loss(logits, coeff)
         self._record("z_loss", loss / coeff)
         return self._attach(logits, loss, logits.shape[0])
@@ -130,30 +139,33 @@ class TopKRouter(nn.Module):
         every token routed so far this step; token counts summed over the ranks holding the other tokens."""
         routing_map, scores = scores_for_aux_loss(logits, self.topk, self.config.moe_router_score_function)
         tokens_per_expert = routing_map.sum(dim=0).float()
+        tp_cp, tp_dp_cp = state.group_size(self.tp_cp_group), state.group_size(self.tp_dp_cp_group)
         for kind, coeff in self.aux_loss_coeffs.items():
             if kind == "aux_loss":
-                counts, total = _summed(tokens_per_expert, "tensor_and_context"), logits.shape[0]
+                counts = _summed(tokens_per_expert, self.tp_cp_group)
                 loss = switch_load_balancing_loss(
-                    scores, counts, total * _size("tensor_and_context"), self.topk, self.num_experts, coeff
+                    scores, counts, logits.shape[0] * tp_cp, self.topk, self.num_experts, coeff
                 )
             elif kind == "seq_aux_loss":
                 # experts x sequences as "experts": the loss of each sequence summed, then averaged
                 per_sequence = routing_map.view(seq, batch * self.num_experts).sum(dim=0).float()
-                counts = _summed(per_sequence, "tensor_and_context")
-                loss = switch_load_balancing_loss(
-                    scores.view(seq, -1), counts, seq * _size("tensor_and_context"), self.topk,
-                    self.num_experts, coeff,
-                ) / batch  # fmt: skip
+                counts = _summed(per_sequence, self.tp_cp_group)
+                loss = (
+                    switch_load_balancing_loss(
+                        scores.view(seq, -1), counts, seq * tp_cp, self.topk, self.num_experts, coeff
+                    )
+                    / batch
+                )
             else:
                 if not is_recomputing():  # the recomputed pass reuses the counts that include its tokens
-                    counts = _summed(tokens_per_expert, "tensor_and_data")
+                    counts = _summed(tokens_per_expert, self.tp_dp_cp_group)
                     if self.global_tokens_per_expert is None:
                         self.global_tokens_per_expert = torch.zeros_like(counts)
                     self.global_tokens_per_expert += counts
                     self.global_steps += 1
                 loss = switch_load_balancing_loss(
                     scores, self.global_tokens_per_expert / self.global_steps,
-                    logits.shape[0] * _size("tensor_and_data"), self.topk, self.num_experts, coeff,
+                    logits.shape[0] * tp_dp_cp, self.topk, self.num_experts, coeff,
                 )  # fmt: skip
             self._record(AUX_LOSS_NAMES[kind], loss / coeff)
             probs = self._attach(probs, loss, logits.shape[0])
@@ -165,20 +177,14 @@ class TopKRouter(nn.Module):
         self.global_tokens_per_expert, self.global_steps = None, 0
         if self.expert_bias is None:
             return
-        counts = _summed(self.local_tokens_per_expert, "tensor_and_data")
+        counts = _summed(self.local_tokens_per_expert, self.tp_dp_cp_group)
         self.expert_bias += torch.sign(counts.mean() - counts) * self.config.moe_router_bias_update_rate
         self.local_tokens_per_expert.zero_()
 
 
-def _size(kind: str) -> int:
-    group = state.group_of_kind(kind)
-    return 1 if group is None else torch.distributed.get_world_size(group)
-
-
-def _summed(counts: torch.Tensor, kind: str) -> torch.Tensor:
-    """`counts` summed over this rank's group of `kind` (a copy; the gradient does not flow through counts)."""
+def _summed(counts: torch.Tensor, group: torch.distributed.ProcessGroup | None) -> torch.Tensor:
+    """`counts` summed over `group` (a copy; the gradient does not flow through counts)."""
     counts = counts.detach().clone()
-    group = state.group_of_kind(kind)
-    if group is not None:
+    if state.group_size(group) > 1:
         torch.distributed.all_reduce(counts, group=group)
     return counts
