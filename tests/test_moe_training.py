@@ -7,12 +7,16 @@ SIGKILL resumes bitwise."""
 from __future__ import annotations
 
 import glob
+import os
 import shutil
 
 import numpy as np
 import pytest
+import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from megatron_train.checkpointing import SavedCheckpoint, require_iteration_dir
+from megatron_train.tools.checkpoint_util import convert_checkpoint
 from tests.helpers.distributed import run_distributed
 from tests.helpers.training import pretrain_worker, read_metrics, sigkill_and_resume, tiny_args, write_corpus
 
@@ -145,3 +149,23 @@ def test_moe_run_killed_with_sigkill_resumes_bitwise(tmp_path) -> None:
     assert [r["global_load_balancing_loss"] for r in killed] == [
         r["global_load_balancing_loss"] for r in reference
     ]
+
+
+def test_checkpoint_util_reshards_experts_to_another_ep_and_expert_tp(moe_runs, tmp_path) -> None:
+    """EP=2 (expert DP 2, distributed optimizer) to TP=2, EP=4, expert TP=1 offline: every weight and optimizer
+    tensor reads back the same, from the new layout's files."""
+    source = moe_runs / "ep2-dp4-distopt"
+    out = convert_checkpoint(str(source), str(tmp_path / "out"), target_tp=2, target_ep=4, target_etp=1)
+    before, after = (
+        SavedCheckpoint(require_iteration_dir(str(run), None)) for run in (source, tmp_path / "out")
+    )
+    assert os.path.isdir(os.path.join(out, "mp_rank_00_expert_003")) and after.ep_size == 4
+    assert list(after.params) == list(before.params)
+    for name in before.params:
+        torch.testing.assert_close(after.global_tensor(name), before.global_tensor(name), rtol=0, atol=0)
+    states = before.optimizer_tensor_names({name: name for name in before.params})
+    assert states == after.optimizer_tensor_names({name: name for name in after.params})
+    for name in states.values():
+        torch.testing.assert_close(
+            after.global_tensor(name, "optimizer"), before.global_tensor(name, "optimizer")
+        )

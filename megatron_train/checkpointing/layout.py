@@ -91,6 +91,15 @@ def split_expert_shard(
     return tensor.chunk(ep_size)[ep_rank].contiguous()
 
 
+def split_expert_tensor(
+    tensor: torch.Tensor, sharding: TensorSharding, layout: ExpertLayout, name: str = "tensor"
+) -> torch.Tensor:
+    """The part of a layer's all-experts tensor `layout` says this rank holds: its EP rank's experts, cut over
+    expert TP as `sharding` says."""
+    mine = split_expert_shard(tensor, layout.ep_size, layout.ep_rank, name)
+    return split_tp_shard(mine, sharding, layout.etp_size, layout.etp_rank, name)
+
+
 def merge_tp_shards(shards: Sequence[torch.Tensor], sharding: TensorSharding) -> torch.Tensor:
     """The global tensor from its TP shards, in TP rank order (inverse of `split_tp_shard`)."""
     if not sharding.is_split or len(shards) == 1:

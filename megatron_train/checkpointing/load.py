@@ -30,8 +30,7 @@ from megatron_train.checkpointing.layout import (
     ExpertLayout,
     TensorSharding,
     padded_vocab_sizes_agree,
-    split_expert_shard,
-    split_tp_shard,
+    split_expert_tensor,
     true_vocab_range,
 )
 from megatron_train.checkpointing.names import (
@@ -312,9 +311,9 @@ def _load_upcycled_weights(
         if source is not None:
             dense = saved.global_tensor(source[0])
             everything = upcycle(dense, source[1], params[local].shape[0] * experts.ep_size)
-            mine = split_expert_shard(everything, experts.ep_size, experts.ep_rank, name)
             sharding = TensorSharding(params[local].partition_dim, params[local].partition_stride)
-            weights[local] = split_tp_shard(mine, sharding, experts.etp_size, experts.etp_rank, name)
+            weights[local] = split_expert_tensor(everything, sharding, experts, name)
+
         elif ".mlp.router." not in name and ".mlp.shared_experts." not in name:
             weights[local] = saved.tensor_for(name, "model", tp_size, tp_rank, padded_vocab_size)
     model.load_state_dict(weights)

@@ -30,7 +30,7 @@ from megatron_train.checkpointing.layout import (
     module_order,
     resize_vocab,
     sharding_of,
-    split_expert_shard,
+    split_expert_tensor,
     split_tp_shard,
     true_vocab_range,
 )
@@ -238,8 +238,7 @@ class SavedCheckpoint:
             if (experts.ep_size, experts.etp_size) == (record["ep_size"], record["tp_size"]):
                 ep_rank, etp_rank = experts.ep_rank, experts.etp_rank if sharding.is_split else 0
                 return self._shard(name, kind, etp_rank, record["pp_rank"], ep_rank)  # the saved cut
-            mine = split_expert_shard(self.global_tensor(name, kind), experts.ep_size, experts.ep_rank, name)
-            return split_tp_shard(mine, sharding, experts.etp_size, experts.etp_rank, name)
+            return split_expert_tensor(self.global_tensor(name, kind), sharding, experts, name)
         if sharding.is_split and tp_size == self.tp_size and not self._repads(name, kind, padded_vocab_size):
             pp_rank = self._record(param_of(name, kind))["pp_rank"]
             return self._shard(name, kind, tp_rank, pp_rank)  # the saved cut: one shard

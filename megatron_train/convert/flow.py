@@ -23,13 +23,19 @@ from megatron_train.checkpointing import (
     write_metadata_and_marker,
     write_shard,
 )
-from megatron_train.checkpointing.layout import split_tp_shard, stage_tensor_names
+from megatron_train.checkpointing.layout import (
+    ExpertLayout,
+    split_expert_tensor,
+    split_tp_shard,
+    stage_tensor_names,
+)
 from megatron_train.checkpointing.saved import saved_true_vocab_range
 from megatron_train.convert.checks import check_fields, check_layers, check_shapes
 from megatron_train.convert.target import output_folder
 from megatron_train.convert.tokenizer_files import copy_tokenizer, tokenizer_sources
 from megatron_train.convert.weights import (
     ModelWeights,
+    expert_names,
     model_shapes,
     model_shardings,
     pad_vocab,
@@ -143,11 +149,26 @@ def _write(weights: ModelWeights, root: str, target_tp: int, target_pp: int, pad
     config, out_dir = weights.config, checkpoint_dir(root, weights.iteration)
     tensors = pad_vocab(weights.tensors, padded_vocab_size)
     shardings = model_shardings(config, padded_vocab_size, weights.family)
+    experts = expert_names(config, padded_vocab_size, weights.family)
     split = weights.family.pipeline
     files = {}
     for pp_rank in range(target_pp):
         layers = split.layer_range(config.model, pp_rank, target_pp)
-        names = stage_tensor_names(split, list(shardings), layers, pp_rank == 0, pp_rank == target_pp - 1)
+        stage = stage_tensor_names(split, list(shardings), layers, pp_rank == 0, pp_rank == target_pp - 1)
+        names = [name for name in stage if name not in experts]
+        moe = [name for name in stage if name in experts]
+        for etp_rank in range(target_tp) if moe else ():  # MoE experts as a run splits them: EP 1, ETP = TP
+            layout = ExpertLayout(1, 0, target_tp, etp_rank)
+            shard = {name: split_expert_tensor(tensors[name], shardings[name], layout, name) for name in moe}
+            records = {
+                name: sharding_record(
+                    list(tensors[name].shape), shardings[name], False, etp_rank, target_tp, pp_rank, target_pp,
+                    name, layout,
+                )
+                for name in moe
+            }  # fmt: skip
+            shard_dir = model_shard_dir(out_dir, etp_rank, pp_rank, target_pp, layout.ep_rank)
+            files.update(write_shard(shard_dir, shard, records, None))
         for tp_rank in range(target_tp):
             shard = {
                 name: split_tp_shard(tensors[name], shardings[name], target_tp, tp_rank, name)
@@ -181,6 +202,8 @@ def _write(weights: ModelWeights, root: str, target_tp: int, target_pp: int, pad
         "pipeline_model_parallel_size": target_pp,
         "virtual_pipeline_model_parallel_size": None,
         "data_parallel_size": 1,
+        "expert_model_parallel_size": 1,
+        "expert_tensor_parallel_size": target_tp,
         "opt_param_scheduler": None,
         "args": config_to_dict(config),
         "token_ids": weights.token_ids,

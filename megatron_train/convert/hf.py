@@ -1,5 +1,5 @@
 """The `hf` loader and saver: a Hugging Face model folder for GPT-2, the Llama family (Llama-2/3, Mistral,
-Qwen2) and BERT (BertForPreTraining with the binary head, BertForMaskedLM without; post-LN, as Hugging Face's).
+Qwen2), its mixtures of experts (Mixtral, Qwen2-MoE), BERT (BertForPreTraining with the binary head, BertForMaskedLM without; post-LN, as Hugging Face's).
 
 A folder is config.json, safetensors weights (one `model.safetensors`, or shards listed by
 `model.safetensors.index.json`) and the tokenizer's files. The loader reads the model config from config.json,
@@ -10,7 +10,6 @@ mapping itself is `megatron_train.models.hf_import`'s table of each family.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import math
@@ -40,7 +39,7 @@ from megatron_train.families.family import ModelFamily
 from megatron_train.families.registry import hf_family
 from megatron_train.models.config import TransformerConfig
 from megatron_train.models.hf_bert import hf_bert_name, transformer_config_from_hf
-from megatron_train.models.hf_gpt import LLAMA3_ROPE, LLAMA_TYPES
+from megatron_train.models.hf_gpt import LLAMA3_ROPE, LLAMA_TYPES, MOE_TYPES
 from megatron_train.models.hf_import import (
     Rule,
     bert_rules,
@@ -51,6 +50,7 @@ from megatron_train.models.hf_import import (
     to_hf,
 )
 from megatron_train.models.hf_mamba import mamba2_config, mamba2_rules
+from megatron_train.models.moe.config import pattern_text
 from storage.atomic import atomic_path, atomic_write_text
 
 logger = logging.getLogger(__name__)
@@ -113,9 +113,22 @@ MAMBA2_FIELDS = {
     "mamba_num_groups": "n_groups",
     "mamba_num_heads": "num_heads",
 }
+MIXTRAL_FIELDS = LLAMA_FIELDS | {
+    "num_experts": "num_local_experts",
+    "moe_router_topk": "num_experts_per_tok",
+    "moe_ffn_hidden_size": "intermediate_size",
+}
+QWEN2_MOE_FIELDS = LLAMA_FIELDS | {
+    "num_experts": "num_experts",
+    "moe_router_topk": "num_experts_per_tok",
+    "moe_ffn_hidden_size": "moe_intermediate_size",
+    "moe_shared_expert_intermediate_size": "shared_expert_intermediate_size",
+}
 FIELD_NAMES = {
     "gpt2": GPT2_FIELDS,
     **dict.fromkeys(LLAMA_TYPES, LLAMA_FIELDS),
+    "mixtral": MIXTRAL_FIELDS,
+    "qwen2_moe": QWEN2_MOE_FIELDS,
     "bert": BERT_FIELDS,
     "mamba2": MAMBA2_FIELDS,
 }
@@ -133,6 +146,12 @@ HF_KEY_TYPES: dict[str, Any] = {
     "dtype": str,
     "torch_dtype": str,
     "layer_types": list,
+    "qkv_bias": bool,
+    "norm_topk_prob": bool,
+    "decoder_sparse_step": int,
+    "mlp_only_layers": list,
+    "router_aux_loss_coef": float,
+    "router_jitter_noise": float,
 }
 
 
@@ -228,10 +247,11 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def _llama_config(hf: dict[str, Any], where: str) -> TransformerConfig:
+def _llama_config(hf: dict[str, Any], where: str, **moe: Any) -> TransformerConfig:
+    """A Llama-family config.json's model (`moe`: the MoE settings of Mixtral's or Qwen2-MoE's)."""
     rope = _rope_settings(hf, where)
     heads, kv_heads = hf["num_attention_heads"], hf.get("num_key_value_heads") or hf["num_attention_heads"]
-    qkv_bias = LLAMA_TYPES[hf["model_type"]]
+    qkv_bias = hf.get("qkv_bias", LLAMA_TYPES.get(hf["model_type"], hf["model_type"] == "qwen2_moe"))
     # Qwen2 configs carry a sliding_window that only use_sliding_window (or a sliding layer) turns on
     sliding = hf.get("use_sliding_window") if qkv_bias else hf.get("sliding_window") is not None
     refuse_unless(
@@ -257,6 +277,64 @@ def _llama_config(hf: dict[str, Any], where: str) -> TransformerConfig:
         add_qkv_bias=qkv_bias,
         true_vocab_size=hf["vocab_size"],
         **rope,
+    )
+
+
+def _aux_loss(hf: dict[str, Any]) -> dict[str, Any]:
+    """HF's load-balancing loss coefficient as Megatron's aux_loss (what training a converted model uses)."""
+    return {
+        "moe_router_load_balancing_type": ["aux_loss"],
+        "moe_aux_loss_coeff": [hf.get("router_aux_loss_coef", 0.0)],
+    }
+
+
+def _mixtral_config(hf: dict[str, Any], where: str) -> TransformerConfig:
+    """MixtralForCausalLM: every layer MoE, top-k of the router's softmax renormalised (Megatron's default
+    softmax over the top k logits)."""
+    refuse_unless(
+        [(not hf.get("router_jitter_noise"), f"router_jitter_noise {hf.get('router_jitter_noise')} (noise on the "
+          "router's input in training) is not implemented here")],
+        where,
+    )  # fmt: skip
+    return _llama_config(
+        hf,
+        where,
+        num_experts=hf["num_local_experts"],
+        moe_router_topk=hf["num_experts_per_tok"],
+        moe_ffn_hidden_size=hf["intermediate_size"],
+        **_aux_loss(hf),
+    )
+
+
+def _qwen2_moe_config(hf: dict[str, Any], where: str) -> TransformerConfig:
+    """Qwen2MoeForCausalLM: MoE layers every decoder_sparse_step-th layer but mlp_only_layers (dense MLPs of
+    intermediate_size), top-k of the softmax kept as is (--moe-router-pre-softmax) unless norm_topk_prob, a shared
+    expert with a sigmoid gate (--moe-shared-expert-gate)."""
+    layers, step = hf["num_hidden_layers"], hf.get("decoder_sparse_step", 1)
+    dense = hf.get("mlp_only_layers") or []
+    refuse_unless(
+        [(step >= 1, f"decoder_sparse_step {step} is not at least 1"),
+         (all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < layers for i in dense),
+          f"mlp_only_layers {dense!r:.80} are not layer numbers below num_hidden_layers {layers}")],
+        where,
+    )  # fmt: skip
+    pattern = [int(hf["num_experts"] > 0 and i not in dense and (i + 1) % step == 0) for i in range(layers)]
+    shared = hf.get("shared_expert_intermediate_size")
+    refuse_unless([(bool(shared), f"shared_expert_intermediate_size {shared}: Qwen2-MoE's shared expert is mapped "
+                    "only with a size > 0")], where)  # fmt: skip
+    if not any(pattern):
+        return _llama_config(hf, where)
+    return _llama_config(
+        hf,
+        where,
+        num_experts=hf["num_experts"],
+        moe_layer_freq=pattern_text(pattern),
+        moe_router_topk=hf["num_experts_per_tok"],
+        moe_ffn_hidden_size=hf["moe_intermediate_size"],
+        moe_router_pre_softmax=not hf.get("norm_topk_prob", False),
+        moe_shared_expert_intermediate_size=shared,
+        moe_shared_expert_gate=True,
+        **_aux_loss(hf),
     )
 
 
@@ -379,6 +457,8 @@ def load(load_dir: str, model_family: str | None = None) -> ModelWeights:
     readers = {
         "gpt2": (_gpt2_config, gpt2_rules),
         **dict.fromkeys(LLAMA_TYPES, (_llama_config, llama_rules)),
+        "mixtral": (_mixtral_config, lambda config: llama_rules(config, MOE_TYPES["mixtral"])),
+        "qwen2_moe": (_qwen2_moe_config, lambda config: llama_rules(config, MOE_TYPES["qwen2_moe"])),
         "bert": (transformer_config_from_hf, None),
         "mamba2": (mamba2_config, mamba2_rules),
     }
@@ -461,7 +541,8 @@ def _check_against_weights(
     names = {hf_bert_name(name) if model_type == "bert" else name: name for name in weights}
     shapes = {ours: weights.shape(name) for ours, name in names.items()}
     source = f"the weights of {load_dir}"
-    one_layer = {rule.ours: rule.hf for rule in rules(dataclasses.replace(model, num_layers=1))}
+    # the whole model's table (one layer's would cut an MoE layer pattern to a model it does not fit)
+    one_layer = {rule.ours: rule.hf for rule in rules(model)}
     layer_name = next(name for hf_names in one_layer.values() for name in hf_names if ".0." in name)
     check_layers(model.num_layers, shapes, layer_name[: layer_name.index(".0.") + 1], fields["num_layers"],
                  where, source)  # fmt: skip

@@ -21,6 +21,7 @@ from megatron_train.checkpointing.layout import (
     param_sharding,
     resize_vocab,
 )
+from megatron_train.distributed.ddp import is_expert_parameter
 from megatron_train.families.family import ModelFamily
 from megatron_train.families.registry import DEFAULT_FAMILY, get_family
 from megatron_train.parallel import state
@@ -28,7 +29,7 @@ from megatron_train.tokenizer import vocab_size_with_padding
 
 TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
 # _meta_params' results: building even a meta-device model takes a fraction of a second
-_META_PARAMS: dict[tuple[str, str, int], dict[str, tuple[TensorSharding, tuple[int, ...]]]] = {}
+_META_PARAMS: dict[tuple[str, str, int], dict[str, tuple[TensorSharding, tuple[int, ...], bool]]] = {}
 
 
 @dataclass
@@ -54,8 +55,8 @@ class ModelWeights:
 
 def _meta_params(
     config: MegatronConfig, vocab_size: int, family: ModelFamily, where: str
-) -> dict[str, tuple[TensorSharding, tuple[int, ...]]]:
-    """(TP sharding, shape) of each param of the whole model of `family`, read off a model built on the meta
+) -> dict[str, tuple[TensorSharding, tuple[int, ...], bool]]:
+    """(TP sharding, shape, whether an MoE expert weight) of each param of the whole model of `family`, read off a model built on the meta
     device (no memory, no process groups): the attributes a training run records in its checkpoint. Remembered
     per (family, model config, vocabulary): a conversion's loader and saver build it once. A loader checks the
     config's layer count against the weights first: the build takes time per layer. A model the config's
@@ -70,7 +71,8 @@ def _meta_params(
                 f"{where}: its settings describe no model that can be built ({error})"
             ) from error
         _META_PARAMS[key] = {
-            name: (param_sharding(param), tuple(param.shape)) for name, param in model.named_parameters()
+            name: (param_sharding(param), tuple(param.shape), is_expert_parameter(param))
+            for name, param in model.named_parameters()
         }
     return _META_PARAMS[key]
 
@@ -80,14 +82,23 @@ def model_shardings(
 ) -> dict[str, TensorSharding]:
     """How each param of the whole model splits across TP (see `_meta_params`)."""
     params = _meta_params(config, vocab_size, family, where)
-    return {name: sharding for name, (sharding, _) in params.items()}
+    return {name: sharding for name, (sharding, _, _) in params.items()}
 
 
 def model_shapes(
     config: MegatronConfig, vocab_size: int, family: ModelFamily, where: str = "the converted model"
 ) -> dict[str, tuple[int, ...]]:
     """Each param's shape in the whole model the config describes (see `_meta_params`)."""
-    return {name: shape for name, (_, shape) in _meta_params(config, vocab_size, family, where).items()}
+    return {name: shape for name, (_, shape, _) in _meta_params(config, vocab_size, family, where).items()}
+
+
+def expert_names(
+    config: MegatronConfig, vocab_size: int, family: ModelFamily, where: str = "the converted model"
+) -> set[str]:
+    """The names of the MoE expert weights of the whole model (each holds all of a layer's experts)."""
+    return {
+        name for name, (_, _, expert) in _meta_params(config, vocab_size, family, where).items() if expert
+    }
 
 
 def check_tensor_names(tensors: dict[str, torch.Tensor], expected: list[str], source: str) -> None:

@@ -27,6 +27,7 @@ from megatron_train.families.family import (
 from megatron_train.models.gpt import GPTModel
 from megatron_train.models.hf_gpt import (
     LLAMA_TYPES,
+    MOE_TYPES,
     export_gpt,
 )
 from megatron_train.models.terms import ModelTerms, embedding_terms, layer_stack_terms, output_layer_terms
@@ -98,14 +99,13 @@ GPT = ModelFamily(
     datasets_provider=datasets_provider,
     per_token_loss=True,
     mixture_of_experts=True,
-
     entry_module="megatron_train.pretrain_gpt",
     corpus="document",
     finetune_data="--sft --train-data-path <conversations.jsonl> [training flags] (or, for more pretraining, "
     "--data-path <token prefix> without --sft)",
     megatron_names=MegatronNames("decoder"),
     hf=HFConversion(
-        ("gpt2", *LLAMA_TYPES),
+        ("gpt2", *LLAMA_TYPES, *MOE_TYPES),
         export_gpt,
         "AutoModelForCausalLM",
     ),

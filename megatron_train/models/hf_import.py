@@ -111,15 +111,83 @@ def gpt2_rules(config: TransformerConfig) -> list[Rule]:
     ]
 
 
-def llama_rules(config: TransformerConfig) -> list[Rule]:
+def gated_mlp_rules(
+    ours: str, hf: str, names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+) -> list[Rule]:
+    """Our SwiGLU MLP under `ours` (fc1 = [gate; up], fc2) from HF's gate, up and down projections under `hf`."""
+    gate, up, down = (f"{hf}{name}.weight" for name in names)
+    return [
+        Rule(ours + "linear_fc1.weight", (gate, up), lambda g, u: torch.cat((g, u)), lambda t: t.chunk(2)),
+        same(ours + "linear_fc2.weight", down),
+    ]
+
+
+@dataclass(frozen=True)
+class MoENames:
+    """Where an HF MoE architecture keeps an MoE layer's parts, under `model.layers.<i>.`: the router, an expert
+    (`expert` formatted with its index) and its gate, up and down projections, and (Qwen2-MoE) the shared expert
+    and its sigmoid gate."""
+
+    router: str
+    expert: str
+    projections: tuple[str, str, str]
+    shared_expert: str | None = None
+    shared_gate: str | None = None
+
+
+MIXTRAL_MOE = MoENames("block_sparse_moe.gate.weight", "block_sparse_moe.experts.{}.", ("w1", "w3", "w2"))
+QWEN2_MOE = MoENames(
+    "mlp.gate.weight", "mlp.experts.{}.", ("gate_proj", "up_proj", "down_proj"), "mlp.shared_expert.",
+    "mlp.shared_expert_gate.weight",
+)  # fmt: skip
+
+
+def moe_layer_rules(config: TransformerConfig, src: str, dst: str, names: MoENames) -> list[Rule]:
+    """An MoE layer's router, experts and shared experts: our experts' [experts, h, 2 ffn] fc1 (each [gate | up]
+    transposed) and [experts, ffn, h] fc2 from every expert's HF projections."""
+    experts, ffn = config.num_experts, config.moe_ffn_hidden_size
+    gate, up, down = (
+        tuple(f"{src}{names.expert.format(e)}{name}.weight" for e in range(experts))
+        for name in names.projections
+    )
+
+    def weight1(*tensors: torch.Tensor) -> torch.Tensor:
+        return torch.stack(
+            [torch.cat((g, u)).t() for g, u in zip(tensors[:experts], tensors[experts:], strict=True)]
+        )
+
+    rules = [
+        same(dst + "mlp.router.weight", src + names.router),
+        Rule(
+            dst + "mlp.experts.weight1",
+            gate + up,
+            weight1,
+            lambda w: (
+                tuple(w[..., :ffn].transpose(1, 2).unbind(0)) + tuple(w[..., ffn:].transpose(1, 2).unbind(0))
+            ),
+        ),
+        Rule(
+            dst + "mlp.experts.weight2",
+            down,
+            lambda *tensors: torch.stack([d.t() for d in tensors]),
+            lambda w: tuple(w.transpose(1, 2).unbind(0)),
+        ),
+    ]
+    if config.moe_shared_expert_intermediate_size is not None:
+        rules += gated_mlp_rules(dst + "mlp.shared_experts.", src + names.shared_expert)
+        rules.append(same(dst + "mlp.shared_experts.gate_weight", src + names.shared_gate))
+    return rules
+
+
+def llama_rules(config: TransformerConfig, moe: MoENames | None = None) -> list[Rule]:
     """`transformers.LlamaForCausalLM` (rotate-half RoPE convention, as ours; lm_head only when untied), and
-    `Qwen2ForCausalLM`, the same with q/k/v biases (--add-qkv-bias)."""
+    `Qwen2ForCausalLM`, the same with q/k/v biases (--add-qkv-bias); with `moe`, Mixtral's or Qwen2-MoE's MoE
+    layers where --moe-layer-freq puts them."""
     groups, heads = config.num_query_groups_effective, config.num_attention_heads
     kinds = ("weight", "bias") if config.add_qkv_bias else ("weight",)
     rules = [same("embedding.word_embeddings.weight", "model.embed_tokens.weight")]
     for i in range(config.num_layers):
         src, dst = f"model.layers.{i}.", f"decoder.layers.{i}."
-        gate_up = (src + "mlp.gate_proj.weight", src + "mlp.up_proj.weight")
         rules.append(same(dst + "input_layernorm.weight", src + "input_layernorm.weight"))
         for kind in kinds:
             qkv = tuple(f"{src}self_attn.{name}_proj.{kind}" for name in "qkv")
@@ -127,15 +195,13 @@ def llama_rules(config: TransformerConfig) -> list[Rule]:
         rules += [
             same(dst + "self_attention.linear_proj.weight", src + "self_attn.o_proj.weight"),
             same(dst + "pre_mlp_layernorm.weight", src + "post_attention_layernorm.weight"),
-            Rule(
-                dst + "mlp.linear_fc1.weight",
-                gate_up,
-                lambda gate, up: torch.cat((gate, up)),
-                lambda t: t.chunk(2),
-            ),
-            same(dst + "mlp.linear_fc2.weight", src + "mlp.down_proj.weight"),
         ]
+        if config.is_moe_layer(i):
+            rules += moe_layer_rules(config, src, dst, moe)
+        else:
+            rules += gated_mlp_rules(dst + "mlp.", src + "mlp.")
     rules.append(same("decoder.final_layernorm.weight", "model.norm.weight"))
+
     if config.untie_embeddings_and_output_weights:
         rules.append(same("output_layer.weight", "lm_head.weight"))
     return rules

@@ -26,6 +26,7 @@ import logging
 import os
 import sys
 import time
+from collections.abc import Callable
 
 import torch
 from tqdm import tqdm
@@ -45,8 +46,11 @@ from megatron_train.checkpointing import (
     write_shard,
 )
 from megatron_train.checkpointing.layout import (
+    ExpertLayout,
+    TensorSharding,
     check_layout,
     sharding_of,
+    split_expert_tensor,
     split_tp_shard,
     stage_tensor_names,
 )
@@ -91,12 +95,14 @@ def convert_checkpoint(
     target_layers_per_virtual_stage: int | None = None,
     overwrite: bool = False,
     model_family: str | None = None,
+    target_ep: int | None = None,
+    target_etp: int | None = None,
 ) -> str:
     """Write `load_dir`'s checkpoint (latest, or `iteration`) to `save_dir` under (target_tp, target_pp),
     each defaulting to the saved size, with files laid out for virtual stages of
     `target_layers_per_virtual_stage` layers (None: a plain pipeline), cut as the checkpoint's family cuts its
-    model (a family from outside the project needs `model_family`, --model-family). Returns the written
-    iteration folder.
+    model (a family from outside the project needs `model_family`, --model-family); MoE experts in the files of
+    (target_ep, target_etp) ranks (default: the saved EP, the target TP). Returns the written iteration folder.
     `save_dir` is built whole beside its final name (`convert.target`): a folder holding anything is refused
     unless `overwrite`, which replaces it.
 
@@ -123,6 +129,10 @@ def convert_checkpoint(
     config.parallel.tensor_model_parallel_size = target_tp
     config.parallel.pipeline_model_parallel_size = target_pp
     config.parallel.num_layers_per_virtual_pipeline_stage = target_layers_per_virtual_stage
+    target_ep, target_etp = target_ep or saved.ep_size, target_etp or target_tp
+    config.parallel.expert_model_parallel_size = target_ep
+    config.parallel.expert_tensor_parallel_size = target_etp
+    layouts = [ExpertLayout(target_ep, e, target_etp, t) for e in range(target_ep) for t in range(target_etp)]
     virtual_size = config.parallel.virtual_pipeline_model_parallel_size(config.model.num_layers)
     with_optimizer = saved.has_optimizer_state()
     start = time.perf_counter()
@@ -130,7 +140,15 @@ def convert_checkpoint(
     with output_folder(save_dir, overwrite) as build:
         config.tokenizer = copy_tokenizer(config.tokenizer, tokenizer_files, build, save_dir)
         files = _reshard(
-            saved, config, family.pipeline, build, target_tp, target_pp, padded_vocab_size, virtual_size
+            saved,
+            config,
+            family.pipeline,
+            build,
+            target_tp,
+            target_pp,
+            padded_vocab_size,
+            virtual_size,
+            layouts,
         )
         _write_resharded_metadata(saved, config, build, files, target_tp, target_pp, padded_vocab_size,
                                   true_vocab_size, virtual_size)  # fmt: skip
@@ -153,34 +171,54 @@ def _reshard(
     target_pp: int,
     padded_vocab_size: int,
     virtual_size: int | None,
+    layouts: list[ExpertLayout],
 ) -> dict:
     """Every target rank's shard files in the folder `root`, one pipeline stage at a time (the model cut by its
-    family's `split`); their records."""
+    family's `split`; MoE experts into the folders of the (expert TP, EP) ranks `layouts`); their records."""
     with_optimizer, files = saved.has_optimizer_state(), {}
     out_dir = checkpoint_dir(root, saved.metadata["iteration"])
     stages = tqdm(range(target_pp), desc="pipeline stages", unit="stage", disable=None)
     for pp_rank in stages:
         layers = split.stage_layers(config.model, pp_rank, target_pp, virtual_size)
         names = stage_tensor_names(split, list(saved.params), layers, pp_rank == 0, pp_rank == target_pp - 1)
-        params = {name: name for name in names}  # the files keep checkpoint names
-        weights = _split_for_tp(saved, params, "model", target_tp, padded_vocab_size)
-        optimizer_tensors = optimizer_meta = None
-        if with_optimizer:
-            optimizer_tensors = _split_for_tp(
-                saved, saved.optimizer_tensor_names(params), "optimizer", target_tp, padded_vocab_size
-            )
-            optimizer_meta = saved.optimizer_meta_for(params)
-        for tp_rank in range(target_tp):
-            sharding = {
-                name: _target_record(saved.params[name], weights[tp_rank][name].shape, tp_rank, target_tp,
-                                     pp_rank, target_pp, name)
-                for name in names
-            }  # fmt: skip
-            optimizer_state = (
-                None if optimizer_tensors is None else (optimizer_tensors[tp_rank], optimizer_meta)
-            )
-            shard_dir = model_shard_dir(out_dir, tp_rank, pp_rank, target_pp)
-            files.update(write_shard(shard_dir, weights[tp_rank], sharding, optimizer_state))
+        experts = [name for name in names if saved.is_expert(name)]
+        dense = [name for name in names if name not in experts]
+
+        def dense_cut(tensor: torch.Tensor, sharding: TensorSharding, name: str) -> list[torch.Tensor]:
+            return [
+                split_tp_shard(tensor, sharding, target_tp, tp_rank, name) for tp_rank in range(target_tp)
+            ]
+
+        def expert_cut(tensor: torch.Tensor, sharding: TensorSharding, name: str) -> list[torch.Tensor]:
+            return [split_expert_tensor(tensor, sharding, layout, name) for layout in layouts]
+
+        # each dense (TP, PP) rank's folder, then (a stage with MoE layers) each (expert TP, EP) rank's
+        targets = [(dense, dense_cut, [(tp_rank, None) for tp_rank in range(target_tp)])]
+        if experts:
+            targets.append((experts, expert_cut, layouts))
+        for part, cut, ranks in targets:
+            params = {name: name for name in part}  # the files keep checkpoint names
+            weights = _split(saved, params, "model", padded_vocab_size, cut, len(ranks))
+            optimizer_tensors = optimizer_meta = None
+            if with_optimizer:
+                optimizer_names = saved.optimizer_tensor_names(params)
+                optimizer_tensors = _split(
+                    saved, optimizer_names, "optimizer", padded_vocab_size, cut, len(ranks)
+                )
+                optimizer_meta = saved.optimizer_meta_for(params)
+            for index, rank in enumerate(ranks):
+                layout = rank if isinstance(rank, ExpertLayout) else None
+                tp_rank, tp_size = (layout.etp_rank, layout.etp_size) if layout else (rank[0], target_tp)
+                sharding = {
+                    name: _target_record(saved.params[name], weights[index][name].shape, tp_rank, tp_size,
+                                         pp_rank, target_pp, name, layout)
+                    for name in part
+                }  # fmt: skip
+                optimizer_state = (
+                    None if optimizer_tensors is None else (optimizer_tensors[index], optimizer_meta)
+                )
+                shard_dir = model_shard_dir(out_dir, tp_rank, pp_rank, target_pp, layout and layout.ep_rank)
+                files.update(write_shard(shard_dir, weights[index], sharding, optimizer_state))
     return files
 
 
@@ -215,6 +253,8 @@ def _write_resharded_metadata(
             "tensor_model_parallel_size": target_tp,
             "pipeline_model_parallel_size": target_pp,
             "virtual_pipeline_model_parallel_size": virtual_size,
+            "expert_model_parallel_size": config.parallel.expert_model_parallel_size,
+            "expert_tensor_parallel_size": config.parallel.expert_tensor_parallel_size,
             "args": config_to_dict(config),
             "converted_from": {
                 "iteration_dir": os.path.abspath(iteration_dir),
@@ -228,15 +268,21 @@ def _write_resharded_metadata(
     )
 
 
-def _split_for_tp(
-    saved: SavedCheckpoint, names: dict[str, str], kind: str, tp_size: int, padded_vocab_size: int
+def _split(
+    saved: SavedCheckpoint,
+    names: dict[str, str],
+    kind: str,
+    padded_vocab_size: int,
+    cut: Callable[[torch.Tensor, TensorSharding, str], list[torch.Tensor]],
+    num_ranks: int,
 ) -> list[dict[str, torch.Tensor]]:
-    """Per target TP rank, {key: its slice of saved tensor names[key]}: each tensor is merged once."""
-    shards: list[dict[str, torch.Tensor]] = [{} for _ in range(tp_size)]
+    """Per target rank, {key: its part of saved tensor names[key]} (`cut`: every rank's part of a whole tensor):
+    each tensor is merged once."""
+    shards: list[dict[str, torch.Tensor]] = [{} for _ in range(num_ranks)]
     for key, name in names.items():
         tensor, sharding = saved.global_tensor(name, kind, padded_vocab_size), saved.sharding(name, kind)
-        for tp_rank, shard in enumerate(shards):
-            shard[key] = split_tp_shard(tensor, sharding, tp_size, tp_rank, name)
+        for shard, part in zip(shards, cut(tensor, sharding, name), strict=True):
+            shard[key] = part
     return shards
 
 
@@ -248,13 +294,16 @@ def _target_record(
     pp_rank: int,
     pp_size: int,
     name: str,
+    experts: ExpertLayout | None = None,
 ) -> dict:
     sharding = sharding_of(source)
     global_shape = list(local_shape)
     if sharding.is_split:
         global_shape[sharding.partition_dim] *= tp_size
+    if experts is not None:
+        global_shape[0] *= experts.ep_size
     return sharding_record(
-        global_shape, sharding, source["sequence_parallel"], tp_rank, tp_size, pp_rank, pp_size, name
+        global_shape, sharding, source["sequence_parallel"], tp_rank, tp_size, pp_rank, pp_size, name, experts
     )
 
 
@@ -428,6 +477,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="Default: the checkpoint's PP size.",
     )
     parser.add_argument(
+        "--target-expert-model-parallel-size",
+        type=positive_int,
+        default=None,
+        help="Flow to flow: the MoE experts' files for this EP size; default the checkpoint's (any EP loads it).",
+    )
+    parser.add_argument(
+        "--target-expert-tensor-parallel-size",
+        type=positive_int,
+        default=None,
+        help="Flow to flow: the experts' tensor parallel size; default --target-tensor-parallel-size.",
+    )
+    parser.add_argument(
         "--target-num-layers-per-virtual-pipeline-stage",
         type=positive_int,
         default=None,
@@ -493,6 +554,8 @@ def main(argv: list[str] | None = None) -> None:
             args.target_num_layers_per_virtual_pipeline_stage,
             args.overwrite,
             args.model_family,
+            args.target_expert_model_parallel_size,
+            args.target_expert_tensor_parallel_size,
         )
     except (ValueError, CheckpointError) as error:
         parser.error(str(error))

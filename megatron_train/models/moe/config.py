@@ -51,7 +51,13 @@ def parse_moe_layer_freq(text: str, num_layers: int) -> list[int]:
     return pattern
 
 
+def pattern_text(pattern: list[int]) -> str:
+    """A layer pattern as --moe-layer-freq takes it, one shell word: "[1,0,1]"."""
+    return "[" + ",".join(str(int(entry)) for entry in pattern) + "]"
+
+
 def _pattern(node: ast.expr, text: str) -> list[int]:
+
     if isinstance(node, ast.List):
         values = [element.value for element in node.elts if isinstance(element, ast.Constant)]
         if len(values) == len(node.elts) and all(value in (0, 1) and type(value) is int for value in values):
@@ -207,8 +213,8 @@ class MoEConfig:
             self.moe_router_load_balancing_type = [self.moe_router_load_balancing_type]
         if isinstance(self.moe_aux_loss_coeff, int | float):
             self.moe_aux_loss_coeff = [float(self.moe_aux_loss_coeff)]
-        if isinstance(self.moe_layer_freq, list):
-            self.moe_layer_freq = str(self.moe_layer_freq)
+        if isinstance(self.moe_layer_freq, list):  # Megatron's args hold the pattern evaluated
+            self.moe_layer_freq = pattern_text(self.moe_layer_freq)
         self.moe_layer_freq = str(self.moe_layer_freq)
         types, coeffs = self.moe_router_load_balancing_type, self.moe_aux_loss_coeff
         if len(coeffs) == 1 and len(types) > 1:
