@@ -24,3 +24,14 @@ def test_megatron_core_loads_our_save_and_we_load_its_save(layout, embeddings):
     assert run.returncode == 0 and "megatron-core interop ok" in run.stdout, (
         run.stdout[-2000:] + run.stderr[-4000:]
     )
+
+
+def test_megatron_core_and_we_read_each_others_legacy_moe_checkpoints():
+    """An MoE GPT (top-2 of 4 experts, gated shared expert): Megatron-Core loads our legacy save computing our
+    logits, and we load its legacy save (`local_experts.<j>`) to its logits."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([ROOT, *sys.path])}
+    run = subprocess.run([sys.executable, "-m", "tests.helpers.megatron_core_interop", "moe"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert run.returncode == 0 and run.stdout.count("megatron-core interop ok") == 1, (
+        run.stdout[-2000:] + run.stderr[-4000:]
+    )

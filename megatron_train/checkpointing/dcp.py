@@ -135,9 +135,15 @@ def tp_pieces(
 def megatron_args(
     config: MegatronConfig, tp: int, pp: int, padded_vocab_size: int, iteration: int
 ) -> argparse.Namespace:
-    """Megatron's args for a saved model: its model and tokenizer flags under Megatron's names, the layout."""
+    """Megatron's args for a saved model: its model and tokenizer flags under Megatron's names (an MoE layer
+    pattern as Megatron's int or list), the layout (the experts on one EP rank)."""
+    model = dataclasses.asdict(config.model)
+    if config.model.is_moe:
+        pattern = config.model.moe_layer_pattern
+        model["moe_layer_freq"] = 1 if all(pattern) else pattern
     return argparse.Namespace(
-        **dataclasses.asdict(config.model),
+        **model,
+        expert_model_parallel_size=1,
         **dataclasses.asdict(config.tokenizer),
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,

@@ -157,7 +157,7 @@ def converted_legacy(checkpoint: LegacyCheckpoint, family: ModelFamily) -> Conve
     weights = checkpoint.weights(args.padded_vocab_size, family)
     shardings = model_shardings(weights.config, args.padded_vocab_size, family)
     scheduler = _scheduler_state(
-        checkpoint.files[(0, 0)].get("opt_param_scheduler"), checkpoint.iteration_dir
+        checkpoint.files[(0, 0, 0)].get("opt_param_scheduler"), checkpoint.iteration_dir
     )
     return ConvertedCheckpoint(
         weights, args, "torch", checkpoint.iteration_dir, scheduler,

@@ -17,6 +17,7 @@ import argparse
 import dataclasses
 import errno
 import io
+import itertools
 import logging
 import os
 import pickle
@@ -37,6 +38,7 @@ from megatron_train.checkpointing.layout import (
     OUTPUT_WEIGHT,
     WORD_EMBEDDING,
     TensorSharding,
+    merge_expert_shards,
     merge_tp_shards,
     split_tp_shard,
     stage_tensor_names,
@@ -231,6 +233,61 @@ def _our_names(
     return tensors
 
 
+# Megatron-Core's MoE experts in its state dicts, one Linear per expert (`[out, in]`), under `<layer>.mlp.experts.`:
+# SequentialMLP's `local_experts.<j>.linear_fc1.weight`, TransformerEngine's grouped `linear_fc1.weight<j>` (j the
+# expert's index on its EP rank); and the legacy GroupedMLP's `weight1` [h, local experts x fc1] / `weight2`.
+_SEQUENTIAL_EXPERT = re.compile(
+    r"^(.*\.mlp\.experts\.)(?:local_experts\.(\d+)\.(linear_fc[12])\.weight|(linear_fc[12])\.weight(\d+))$"
+)
+_GROUPED_EXPERTS = re.compile(r"^(.*\.mlp\.experts\.)(weight[12])$")
+EXPERT_WEIGHTS = {"linear_fc1": "weight1", "linear_fc2": "weight2"}
+
+
+def expert_linear_sharding(linear: str, model: TransformerConfig) -> TensorSharding:
+    """How Megatron splits one expert's Linear over (expert) TP: fc1 column-parallel ([gate; up] with SwiGLU),
+    fc2 row-parallel."""
+    return TensorSharding(0, 2 if model.swiglu else 1) if linear == "linear_fc1" else TensorSharding(1)
+
+
+def experts_from_linears(linears: list[torch.Tensor]) -> torch.Tensor:
+    """Our stacked expert weight ([experts, in, out], grouped_mm's layout) from every expert's Linear [out, in]."""
+    return torch.stack(linears).transpose(1, 2).contiguous()
+
+
+def experts_to_linears(tensor: torch.Tensor) -> list[torch.Tensor]:
+    """Inverse of `experts_from_linears`."""
+    return [expert.t().contiguous() for expert in tensor]
+
+
+def _merge_experts(
+    per_expert: dict[tuple[str, str], dict[int, list[torch.Tensor]]],
+    grouped: dict[tuple[str, str], dict[int, list[torch.Tensor]]],
+    model: TransformerConfig,
+    shardings: dict[str, TensorSharding],
+) -> dict[str, torch.Tensor]:
+    """Our expert weights from Megatron's: per layer and Linear, each expert's TP shards (per_expert) or each EP
+    rank's grouped TP shards (grouped, in our per-rank layout already), merged and stacked."""
+    tensors = {}
+    for (prefix, linear), experts in per_expert.items():
+        sharding = expert_linear_sharding(linear, model)
+        linears = [merge_tp_shards(experts[e], sharding) for e in sorted(experts)]
+        tensors[prefix + EXPERT_WEIGHTS[linear]] = experts_from_linears(linears)
+    for (prefix, weight), ranks in grouped.items():
+        name = prefix + weight
+        tensors[name] = merge_expert_shards(
+            [merge_tp_shards(ranks[r], shardings.get(name, TensorSharding())) for r in sorted(ranks)]
+        )
+    return tensors
+
+
+def _grouped_to_ours(tensor: torch.Tensor, weight: str, local_experts: int) -> torch.Tensor:
+    """A GroupedMLP weight of one rank as our [local experts, in, out]: weight1 [h, experts x fc1] -> [experts,
+    h, fc1]; weight2 [experts x ffn, h] -> [experts, ffn, h]."""
+    if weight == "weight1":
+        return tensor.view(tensor.shape[0], local_experts, -1).transpose(0, 1).contiguous()
+    return tensor.view(local_experts, -1, tensor.shape[1])
+
+
 def checked_args(args: Any, where: str) -> argparse.Namespace:
     """Megatron's pickled args, refused unless they give the model's shape and the saved layout."""
     missing = [name for name in REQUIRED_ARGS if getattr(args, name, None) is None]
@@ -254,6 +311,8 @@ def check_model_args(args: Any, where: str) -> tuple[dict[str, Any], dict[str, A
     given = vars(args)
     if "layernorm_epsilon" in given and "norm_epsilon" not in given:
         given = {**given, "norm_epsilon": given["layernorm_epsilon"]}
+    if given.get("moe_token_dispatcher_type") not in (None, "allgather", "alltoall"):
+        given = {**given, "moe_token_dispatcher_type": "alltoall"}
 
     def section(cls: type) -> dict[str, Any]:
         values = {f.name: given[f.name] for f in dataclasses.fields(cls) if given.get(f.name) is not None}
@@ -272,6 +331,13 @@ def check_model_args(args: Any, where: str) -> tuple[dict[str, Any], dict[str, A
         if model[field] % given[parallel]:
             raise CheckpointError(
                 f"{where} (args): {field} {model[field]} is not divisible by {parallel} {given[parallel]}"
+            )
+    if given.get("expert_model_parallel_size") is not None:
+        check_positive_ints(given, ("expert_model_parallel_size",), f"{where} (args)")
+        if model.get("num_experts", 1) % given["expert_model_parallel_size"]:
+            raise CheckpointError(
+                f"{where} (args): num_experts {model['num_experts']} is not divisible by "
+                f"expert_model_parallel_size {given['expert_model_parallel_size']}"
             )
     padded, multiple = given["padded_vocab_size"], tokenizer.get("make_vocab_size_divisible_by", 128) * tp
     recorded = given.get("true_vocab_size")
@@ -311,22 +377,27 @@ def config_from_args(args: Any, true_vocab_size: int | None, where: str) -> Mega
 
 @dataclass
 class LegacyCheckpoint:
-    """One iteration of a Megatron-LM `torch` checkpoint with every (TP, PP) rank's file read."""
+    """One iteration of a Megatron-LM `torch` checkpoint with every (TP, PP, EP) rank's file read (an MoE model's
+    EP ranks each hold their experts and a copy of the dense weights)."""
 
     iteration_dir: str
     iteration: int
     args: argparse.Namespace
     version: float  # Megatron's checkpoint_version: 3 for Megatron-Core models
-    files: dict[tuple[int, int], dict[str, Any]]  # (tp_rank, pp_rank) -> what that rank saved
+    files: dict[tuple[int, int, int], dict[str, Any]]  # (tp_rank, pp_rank, ep_rank) -> what that rank saved
 
-    def path(self, tp_rank: int, pp_rank: int, name: str = CHECKPOINT_FILE) -> str:
+    @property
+    def ep_size(self) -> int:
+        return expert_parallel_size(self.args)
+
+    def path(self, tp_rank: int, pp_rank: int, name: str = CHECKPOINT_FILE, ep_rank: int = 0) -> str:
         """A file of a rank's folder (`distrib_optim.pt` beside `model_optim_rng.pt`)."""
         pp = self.args.pipeline_model_parallel_size
-        return os.path.join(model_shard_dir(self.iteration_dir, tp_rank, pp_rank, pp), name)
+        return os.path.join(rank_dir(self.iteration_dir, tp_rank, pp_rank, pp, ep_rank, self.ep_size), name)
 
-    def model_chunks(self, tp_rank: int, pp_rank: int) -> list[dict[str, Any]]:
+    def model_chunks(self, tp_rank: int, pp_rank: int, ep_rank: int = 0) -> list[dict[str, Any]]:
         """A rank's model state dicts: one, or one per virtual stage (an interleaved pipeline's model0, ...)."""
-        saved = self.files[(tp_rank, pp_rank)]
+        saved = self.files[(tp_rank, pp_rank, ep_rank)]
         if "model" in saved:
             chunks = [saved["model"]]
         else:
@@ -335,21 +406,23 @@ class LegacyCheckpoint:
             ]
         if not chunks or not all(isinstance(chunk, dict) for chunk in chunks):
             raise CheckpointError(
-                f"{self.path(tp_rank, pp_rank)} holds no model state dict ('model' or 'model0', ...)"
+                f"{self.path(tp_rank, pp_rank, ep_rank=ep_rank)} holds no model state dict ('model' or 'model0', ...)"
             )
         return chunks
 
-    def rank_tensors(self, tp_rank: int, pp_rank: int, family: ModelFamily) -> list[tuple[str, torch.Tensor]]:
+    def rank_tensors(
+        self, tp_rank: int, pp_rank: int, family: ModelFamily, ep_rank: int = 0
+    ) -> list[tuple[str, torch.Tensor]]:
         """A rank's model tensors in the order its file holds them (its parameters' order), under our global
         names (Megatron-LM's files split the layers evenly over the stages); the last stage's copy of a tied
         output layer keeps the name `output_layer.weight`; the stages hold the layers the family's split gives
         them (Megatron-LM's even split, a hybrid pattern's cuts)."""
         names = megatron_names(family, "--loader megatron")
         args = self.args
-        chunks = self.model_chunks(tp_rank, pp_rank)
+        chunks = self.model_chunks(tp_rank, pp_rank, ep_rank)
         virtual_size = len(chunks) if len(chunks) > 1 else None
         heads = args.num_attention_heads // args.tensor_model_parallel_size
-        where = self.path(tp_rank, pp_rank)
+        where = self.path(tp_rank, pp_rank, ep_rank=ep_rank)
         model = config_from_args(args, args.padded_vocab_size, where).model  # what the family's split reads
         tensors = []
         for virtual_rank, chunk in enumerate(chunks):
@@ -370,24 +443,47 @@ class LegacyCheckpoint:
         or the shards merged."""
         args, where = self.args, self.path(0, 0)
         config = config_from_args(args, true_vocab_size, where)
-        model, tp = config.model, args.tensor_model_parallel_size
+        model, tp, ep = config.model, args.tensor_model_parallel_size, self.ep_size
+        local_experts = (model.num_experts or ep) // ep
         shards: dict[str, list[torch.Tensor]] = {}
         files: dict[str, str] = {}  # tensor name -> the file of its first shard, for messages
-        for pp_rank in range(args.pipeline_model_parallel_size):
-            for tp_rank in range(tp):
-                for name, tensor in self.rank_tensors(tp_rank, pp_rank, family):
-                    if name == OUTPUT_WEIGHT and not model.untie_embeddings_and_output_weights:
-                        name = TIED_COPY  # the last stage's copy of the tied embedding, checked against it
-                    shards.setdefault(name, []).append(tensor)
-                    files.setdefault(name, self.path(tp_rank, pp_rank))
+        per_expert: dict[tuple[str, str], dict[int, list[torch.Tensor]]] = {}
+        grouped: dict[tuple[str, str], dict[int, list[torch.Tensor]]] = {}
+        ranks = itertools.product(range(args.pipeline_model_parallel_size), range(ep), range(tp))
+        for pp_rank, ep_rank, tp_rank in ranks:
+            for name, tensor in self.rank_tensors(tp_rank, pp_rank, family, ep_rank):
+                expert, group = _SEQUENTIAL_EXPERT.match(name), _GROUPED_EXPERTS.match(name)
+                if expert:  # an EP rank's expert j is expert ep_rank * local experts + j of the layer
+                    index = ep_rank * local_experts + int(expert[2] if expert[2] is not None else expert[5])
+                    part = per_expert.setdefault((expert[1], expert[3] or expert[4]), {})
+                    part.setdefault(index, []).append(tensor)
+                    continue
+                if group:
+                    ranks_of = grouped.setdefault((group[1], group[2]), {})
+                    ranks_of.setdefault(ep_rank, []).append(_grouped_to_ours(tensor, group[2], local_experts))
+                    continue
+                if ep_rank:  # every EP rank's file holds the same dense weights
+                    continue
+                if name == OUTPUT_WEIGHT and not model.untie_embeddings_and_output_weights:
+                    name = TIED_COPY  # the last stage's copy of the tied embedding, checked against it
+                shards.setdefault(name, []).append(tensor)
+                files.setdefault(name, self.path(tp_rank, pp_rank))
         stack = f"{megatron_names(family, '--loader megatron').layer_stack}.layers."
         check_layers(model.num_layers, shards, stack, "args.num_layers", where, self.iteration_dir)
         shardings = model_shardings(config, args.padded_vocab_size, family, where)
         tied_copy = shards.pop(TIED_COPY, None)
-        check_tensor_names(shards, list(shardings), self.iteration_dir)
+        experts = _merge_experts(per_expert, grouped, model, shardings)
+        check_tensor_names({**shards, **experts}, list(shardings), self.iteration_dir)
         expected = model_shapes(config, args.padded_vocab_size, family)
         _check_shard_shapes(shards, files, expected, shardings, tp)
-        tensors = {name: merge_tp_shards(parts, shardings[name]) for name, parts in shards.items()}
+        for name, tensor in experts.items():
+            if tuple(tensor.shape) != expected[name]:
+                raise CheckpointError(
+                    f"{self.iteration_dir}: the experts of {name} make a tensor of shape {list(tensor.shape)}, but "
+                    f"the args (num_experts, moe_ffn_hidden_size, expert_model_parallel_size, ...) make it "
+                    f"{list(expected[name])}; the args and the weights come from different models"
+                )
+        tensors = {name: merge_tp_shards(parts, shardings[name]) for name, parts in shards.items()} | experts
         if tied_copy is not None and not _same(merge_tp_shards(tied_copy, shardings[WORD_EMBEDDING]),
                                                tensors[WORD_EMBEDDING]):  # fmt: skip
             raise CheckpointError(
@@ -404,13 +500,18 @@ class LegacyCheckpoint:
         )
 
 
-def _check_rank_folders(iteration_dir: str, tp: int, pp: int, where: str) -> None:
-    """The args' (TP, PP) against the rank folders there, before a file is opened."""
+def expert_parallel_size(args: argparse.Namespace) -> int:
+    """Megatron's args' expert_model_parallel_size (older args: none, 1)."""
+    return getattr(args, "expert_model_parallel_size", None) or 1
+
+
+def _check_rank_folders(iteration_dir: str, tp: int, pp: int, ep: int, where: str) -> None:
+    """The args' (TP, PP, EP) against the rank folders there, before a file is opened."""
     folders = sorted(name for name in os.listdir(iteration_dir) if name.startswith("mp_rank_"))
-    if len(folders) != tp * pp:
+    if len(folders) != tp * pp * ep:
         raise CheckpointError(
-            f"{where} (args): tensor_model_parallel_size {tp} x pipeline_model_parallel_size {pp} = {tp * pp} "
-            f"ranks, but {iteration_dir} holds {len(folders)} rank folders ({', '.join(folders[:4])}"
+            f"{where} (args): tensor_model_parallel_size {tp} x pipeline_model_parallel_size {pp} x "
+            f"expert_model_parallel_size {ep} = {tp * pp * ep} ranks, but {iteration_dir} holds {len(folders)} rank folders ({', '.join(folders[:4])}"
             f"{', ...' if len(folders) > 4 else ''})"
         )
 
@@ -433,21 +534,22 @@ def open_checkpoint(load_dir: str, iteration: int | None = None) -> LegacyCheckp
         )
     args = checked_args(first["args"], first_path)
     check_model_args(args, first_path)
-    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    _check_rank_folders(iteration_dir, tp, pp, first_path)
+    tp, pp, ep = (
+        args.tensor_model_parallel_size,
+        args.pipeline_model_parallel_size,
+        expert_parallel_size(args),
+    )
+    _check_rank_folders(iteration_dir, tp, pp, ep, first_path)
     version = first.get("checkpoint_version", 0)
     if not isinstance(version, int | float) or isinstance(version, bool):
         raise CheckpointError(f"{first_path}: checkpoint_version is {version!r}, not a number")
     files = {}
-    for pp_rank in range(pp):
-        for tp_rank in range(tp):
-            path = os.path.join(model_shard_dir(iteration_dir, tp_rank, pp_rank, pp), CHECKPOINT_FILE)
-            saved = first if (tp_rank, pp_rank) == (0, 0) else read_checkpoint_file(path)
-            if not isinstance(saved, dict):
-                raise CheckpointError(
-                    f"{path} holds a {type(saved).__name__}, not a Megatron checkpoint's dict"
-                )
-            files[(tp_rank, pp_rank)] = saved
+    for pp_rank, ep_rank, tp_rank in itertools.product(range(pp), range(ep), range(tp)):
+        path = os.path.join(rank_dir(iteration_dir, tp_rank, pp_rank, pp, ep_rank, ep), CHECKPOINT_FILE)
+        saved = first if (tp_rank, pp_rank, ep_rank) == (0, 0, 0) else read_checkpoint_file(path)
+        if not isinstance(saved, dict):
+            raise CheckpointError(f"{path} holds a {type(saved).__name__}, not a Megatron checkpoint's dict")
+        files[(tp_rank, pp_rank, ep_rank)] = saved
     return LegacyCheckpoint(iteration_dir, number, args, float(version), files)
 
 
@@ -492,6 +594,12 @@ def _check_shard_shapes(
                     f"num_attention_heads, ffn_hidden_size, padded_vocab_size, ...) make each of its "
                     f"{len(parts)} shard(s) {shape}; the args and the weights come from different models"
                 )
+
+
+def rank_dir(iteration_dir: str, tp_rank: int, pp_rank: int, pp_size: int, ep_rank: int, ep_size: int) -> str:
+    """Megatron's folder of one rank's file: mp_rank_<tp>[_<pp>][_<ep>] (EP only when above 1)."""
+    folder = model_shard_dir(iteration_dir, tp_rank, pp_rank, pp_size)
+    return folder + f"_{ep_rank:03d}" if ep_size > 1 else folder
 
 
 def megatron_args(weights: ModelWeights, tp: int, pp: int, padded_vocab_size: int) -> argparse.Namespace:
@@ -545,6 +653,13 @@ def _write(weights: ModelWeights, root: str, target_tp: int, target_pp: int, pad
                     if local
                     else name
                 )
+                if key.endswith((".mlp.experts.weight1", ".mlp.experts.weight2")):  # one Linear per expert
+                    linear = "linear_fc1" if key.endswith("weight1") else "linear_fc2"
+                    sharding = expert_linear_sharding(linear, config.model)
+                    for index, weight in enumerate(experts_to_linears(tensors[name])):
+                        expert_key = key.rsplit(".", 1)[0] + f".local_experts.{index}.{linear}.weight"
+                        state[expert_key] = split_tp_shard(weight, sharding, target_tp, tp_rank, name)
+                    continue
                 state[key] = split_tp_shard(tensors[name], shardings[name], target_tp, tp_rank, name)
             if tied and last and target_pp > 1:  # Megatron-Core's last stage holds a copy of the embedding
                 state[OUTPUT_WEIGHT] = split_tp_shard(

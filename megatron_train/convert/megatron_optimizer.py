@@ -168,7 +168,7 @@ def _rank_states(
 ) -> tuple[list[tuple[str, ParamState]], list[dict[str, Any]]]:
     """One rank's params (global names, in its order) with their state, and its param groups."""
     path = checkpoint.path(tp_rank, pp_rank)
-    saved = checkpoint.files[(tp_rank, pp_rank)]
+    saved = checkpoint.files[(tp_rank, pp_rank, 0)]
     if "optimizer" not in saved:
         raise UnmappedOptimizerState(f"{path} holds no optimizer state (saved with --no-save-optim)")
     if checkpoint.version < 3 or len(checkpoint.model_chunks(tp_rank, pp_rank)) > 1:

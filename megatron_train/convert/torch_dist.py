@@ -154,6 +154,12 @@ class DistCheckpoint:
         checked against DCP's index (`_check_index`) before a tensor is allocated."""
         layer_stack = torch_dist_names(family, "--loader torch_dist").layer_stack
         config = config_from_args(self.args, true_vocab_size, self.iteration_dir)
+        if config.model.is_moe:
+            raise CheckpointError(
+                f"{self.iteration_dir}: a mixture-of-experts model (num_experts {config.model.num_experts}); "
+                "torch_dist MoE checkpoints are not read here: save it from Megatron-LM with --ckpt-format torch "
+                "and convert that (--loader megatron)"
+            )
         keys = {key: key for key in self._tensor_keys() if key.startswith(MODEL_PREFIXES)}
         items = self.metadata.state_dict_metadata
         _check_index({key: items[key] for key in keys}, config, self.args.padded_vocab_size, family,
@@ -336,6 +342,11 @@ def save(
     `save_dir` and moved into place whole (`convert.target`); returns the iteration folder."""
     config = weights.config
     torch_dist_names(weights.family, "--saver torch_dist")
+    if config.model.is_moe:
+        raise ValueError(
+            "--saver torch_dist: mixture-of-experts models are not written in torch_dist here; use --saver megatron "
+            "(Megatron-LM's torch format, which Megatron-LM loads with --ckpt-format torch) or flow"
+        )
     padded = padded_vocab_for_layout(weights, target_tp, target_pp)
     with output_folder(save_dir, overwrite, padded_size_of(weights, padded)) as out:
         config.tokenizer = copy_tokenizer(config.tokenizer, weights.tokenizer_files, out, save_dir)

@@ -70,9 +70,10 @@ def _meta_params(
             raise ValueError(
                 f"{where}: its settings describe no model that can be built ({error})"
             ) from error
+        # every tensor a checkpoint holds: the params, and saved buffers (an MoE router's expert bias), replicated
         _META_PARAMS[key] = {
             name: (param_sharding(param), tuple(param.shape), is_expert_parameter(param))
-            for name, param in model.named_parameters()
+            for name, param in model.state_dict(keep_vars=True).items()
         }
     return _META_PARAMS[key]
 

@@ -22,12 +22,20 @@ def ids(seq: int = 12) -> torch.Tensor:
     return torch.randint(0, VOCAB, (2, seq), generator=torch.Generator().manual_seed(1))
 
 
-def our_llama(untied: bool, qkv_bias: bool = False) -> tuple[MegatronConfig, GPTModel]:
-    """The tiny GQA Llama; with `qkv_bias` Qwen2's q/k/v biases (--add-qkv-bias), given random values."""
+# The tiny Llama's MoE layers: 4 experts of top 2 in every layer, a gated shared expert (Qwen2-MoE's).
+MOE = dict(
+    num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=16, moe_shared_expert_intermediate_size=16,
+    moe_shared_expert_gate=True,
+)  # fmt: skip
+
+
+def our_llama(untied: bool, qkv_bias: bool = False, moe: bool = False) -> tuple[MegatronConfig, GPTModel]:
+    """The tiny GQA Llama; with `qkv_bias` Qwen2's q/k/v biases (--add-qkv-bias), given random values; with `moe`
+    its MLPs are MoE layers (`MOE`)."""
     model_config = TransformerConfig.llama(
         num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=32, ffn_hidden_size=64,
         group_query_attention=True, num_query_groups=2, untie_embeddings_and_output_weights=untied,
-        add_qkv_bias=qkv_bias, true_vocab_size=VOCAB,
+        add_qkv_bias=qkv_bias, true_vocab_size=VOCAB, **(MOE if moe else {}),
     )  # fmt: skip
     torch.manual_seed(7)
     model = GPTModel(model_config, 128).eval()

@@ -4,6 +4,7 @@ installed).
 
     python -m tests.helpers.megatron_core_interop tied|untied            # torch_dist
     python -m tests.helpers.megatron_core_interop tied|untied legacy     # Megatron-LM's legacy `torch` files
+    python -m tests.helpers.megatron_core_interop moe                    # legacy files of an MoE model
 
 torch_dist: Megatron-Core's GPTModel (local spec, GQA Llama shape) at TP1 loads what our saver wrote for
 TP2 x PP2 with no missing key and the same tensors; its own save has exactly our saver's keys, and our loader
@@ -30,8 +31,14 @@ from megatron_train.models import GPTModel
 from tests.helpers.convert_models import VOCAB, ids, our_llama
 from tests.helpers.distributed import free_port
 
+# The MoE model both sides build: every layer MoE, 4 experts of top 2, a gated shared expert (Qwen2-MoE's).
+MEGATRON_MOE = dict(
+    num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=16, moe_shared_expert_intermediate_size=16,
+    moe_shared_expert_gate=True, moe_token_dispatcher_type="allgather",
+)  # fmt: skip
 
-def _megatron_core_model(untied: bool) -> torch.nn.Module:
+
+def _megatron_core_model(untied: bool, moe: bool = False) -> torch.nn.Module:
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer import TransformerConfig
@@ -40,20 +47,26 @@ def _megatron_core_model(untied: bool) -> torch.nn.Module:
         num_layers=4, hidden_size=32, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=64,
         gated_linear_unit=True, activation_func=F.silu, normalization="RMSNorm", add_bias_linear=False,
         use_cpu_initialization=True, layernorm_epsilon=1e-5, hidden_dropout=0.0, attention_dropout=0.0,
+        **(MEGATRON_MOE if moe else {}),
     )  # fmt: skip
+    spec = get_gpt_layer_local_spec(num_experts=4 if moe else None, normalization="RMSNorm")
     return GPTModel(
-        config, get_gpt_layer_local_spec(normalization="RMSNorm"), vocab_size=128, max_sequence_length=32,
-        position_embedding_type="rope", share_embeddings_and_output_weights=not untied,
+        config, spec, vocab_size=128, max_sequence_length=32, position_embedding_type="rope",
+        share_embeddings_and_output_weights=not untied,
     )  # fmt: skip
 
 
-def megatron_lm_args(untied: bool) -> argparse.Namespace:
+def megatron_lm_args(untied: bool, moe: bool = False) -> argparse.Namespace:
     """The model's flags as Megatron-LM's `args` names them (what its checkpoints carry)."""
+    moe_args = dict(num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=16, moe_layer_freq=1,
+                    moe_shared_expert_intermediate_size=16, moe_shared_expert_gate=True,
+                    moe_token_dispatcher_type="allgather", expert_model_parallel_size=1)  # fmt: skip
     return argparse.Namespace(
         num_layers=4, hidden_size=32, num_attention_heads=4, group_query_attention=True, num_query_groups=2,
         ffn_hidden_size=64, swiglu=True, normalization="RMSNorm", add_bias_linear=False, position_embedding_type="rope",
         seq_length=32, max_position_embeddings=32, norm_epsilon=1e-5, untie_embeddings_and_output_weights=untied,
         padded_vocab_size=128, tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
+        **(moe_args if moe else {}),
     )  # fmt: skip
 
 
@@ -74,24 +87,26 @@ def our_logits(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     return model.eval()(tokens)[..., :VOCAB]
 
 
-def legacy(untied: bool, root: str) -> None:
+def legacy(untied: bool, root: str, moe: bool = False) -> None:
     from megatron_train.convert import megatron
 
-    config, ours = our_llama(untied)
+    config, ours = our_llama(untied, moe=moe)
     tokens = ids()
     expected = our_logits(ours, tokens)
     megatron.save(ModelWeights(config, trim_vocab(ours.state_dict(), VOCAB)), f"{root}/ours", 1, 1)
     (iteration,) = [name for name in os.listdir(f"{root}/ours") if name.startswith("iter_")]
     saved = torch.load(f"{root}/ours/{iteration}/mp_rank_00/model_optim_rng.pt", weights_only=False)
-    model = _megatron_core_model(untied)
+    model = _megatron_core_model(untied, moe)
     result = model.load_state_dict(saved["model"], strict=False)  # Megatron-LM: strict, but TE's extra state
     assert not result.unexpected_keys, result.unexpected_keys
     assert [key for key in result.missing_keys if "_extra_state" not in key] == [], result.missing_keys
     torch.testing.assert_close(megatron_core_logits(model, tokens), expected, rtol=1e-5, atol=1e-5)
 
-    model = _megatron_core_model(untied)  # new random weights, saved as Megatron-LM's save_checkpoint does
+    model = _megatron_core_model(
+        untied, moe
+    )  # new random weights, saved as Megatron-LM's save_checkpoint does
     os.makedirs(f"{root}/megatron/iter_0000007/mp_rank_00")
-    state = {"args": megatron_lm_args(untied), "checkpoint_version": 3.0, "iteration": 7,
+    state = {"args": megatron_lm_args(untied, moe), "checkpoint_version": 3.0, "iteration": 7,
              "model": model.state_dict_for_save_checkpoint()}  # fmt: skip
     torch.save(state, f"{root}/megatron/iter_0000007/mp_rank_00/model_optim_rng.pt")
     with open(f"{root}/megatron/latest_checkpointed_iteration.txt", "w") as handle:
@@ -105,35 +120,33 @@ def legacy(untied: bool, root: str) -> None:
     print(f"megatron-core interop ok: legacy, {len(weights.tensors)} tensors, equal logits both ways")
 
 
-def main(untied: bool, layout: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1")
-    # Megatron-Core synchronises CUDA around its writes; this torch is CPU-only
-    torch.cuda.synchronize = lambda *args, **kwargs: None
-    torch.cuda.current_device = lambda: "cpu"
-    torch.distributed.init_process_group("gloo")
-    from megatron.core import dist_checkpointing, parallel_state
+def torch_dist_interop(untied: bool, root: str, moe: bool = False) -> None:
+    from megatron.core import dist_checkpointing
     from torch.distributed.checkpoint import FileSystemReader
 
-    parallel_state.initialize_model_parallel(1, 1)
-    if layout == "legacy":
-        return legacy(untied, tempfile.mkdtemp())
-    config, ours = our_llama(untied)
-    root = tempfile.mkdtemp()
+    config, ours = our_llama(untied, moe=moe)
+    tokens = ids()
     # saved as TP2 x PP2 ranks write it (fc1 in strided chunks), loaded by Megatron-Core at TP1
     torch_dist.save(ModelWeights(config, trim_vocab(ours.state_dict(), VOCAB)), f"{root}/ours", 2, 2)
-    model = _megatron_core_model(untied)
+    model = _megatron_core_model(untied, moe)
     loaded = dist_checkpointing.load(model.sharded_state_dict(), f"{root}/ours/iter_0000001")
     result = model.load_state_dict(
         {k: v for k, v in loaded.items() if isinstance(v, torch.Tensor)}, strict=False
     )
     assert [key for key in result.missing_keys if "_extra_state" not in key] == [], result.missing_keys
     theirs = model.state_dict()
-    for name, tensor in ours.state_dict().items():  # rows past the true vocabulary are padding
-        assert torch.equal(tensor[:VOCAB], theirs[name][:VOCAB]), name
+    for (
+        name,
+        tensor,
+    ) in ours.state_dict().items():  # rows past the true vocabulary are padding; experts: logits
+        assert name not in theirs or torch.equal(tensor[:VOCAB], theirs[name][:VOCAB]), name
+    torch.testing.assert_close(
+        megatron_core_logits(model, tokens), our_logits(ours, tokens), rtol=1e-5, atol=1e-5
+    )
 
-    model = _megatron_core_model(untied)
+    model = _megatron_core_model(untied, moe)
     os.makedirs(f"{root}/megatron/iter_0000007")
-    state = {"model": model.sharded_state_dict(), "args": megatron_lm_args(untied), "iteration": 7,
+    state = {"model": model.sharded_state_dict(), "args": megatron_lm_args(untied, moe), "iteration": 7,
              "checkpoint_version": 3.0}  # fmt: skip
     dist_checkpointing.save(state, f"{root}/megatron/iter_0000007")
     with open(f"{root}/megatron/latest_checkpointed_iteration.txt", "w") as handle:
@@ -143,9 +156,33 @@ def main(untied: bool, layout: str) -> None:
     assert sorted(keys[0]) == sorted(keys[1]), set(keys[0]) ^ set(keys[1])
     weights = torch_dist.load(f"{root}/megatron", None, 128, GPT)
     saved = model.state_dict()
-    assert all(torch.equal(tensor, saved[name]) for name, tensor in weights.tensors.items())
-    print(f"megatron-core interop ok: {len(weights.tensors)} tensors")
+    assert all(torch.equal(tensor, saved[name]) for name, tensor in weights.tensors.items() if name in saved)
+    loaded = GPTModel(weights.config.model, 128).eval()
+    loaded.load_state_dict(weights.tensors, strict=True)
+    torch.testing.assert_close(
+        our_logits(loaded, tokens), megatron_core_logits(model, tokens), rtol=1e-5, atol=1e-5
+    )
+    print(f"megatron-core interop ok: {len(weights.tensors)} tensors{', MoE' if moe else ''}")
+
+
+def main(embeddings: str, layout: str) -> None:
+    """`embeddings`: tied, untied, or moe (untied, MoE layers: the legacy layout; torch_dist refuses MoE models)."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1")
+    # Megatron-Core synchronises CUDA around its writes; this torch is CPU-only
+    torch.cuda.synchronize = lambda *args, **kwargs: None
+    torch.cuda.current_device = lambda: "cpu"
+    torch.distributed.init_process_group("gloo")
+    from megatron.core import parallel_state
+    from megatron.core.transformer.moe import moe_utils
+
+    moe_utils.te_general_gemm = None  # megatron-core 0.16's router reads it whether or not TE is installed
+    parallel_state.initialize_model_parallel(1, 1)
+    untied, moe = embeddings != "tied", embeddings == "moe"
+    if layout == "torch_dist" and not moe:
+        torch_dist_interop(untied, tempfile.mkdtemp())
+    if moe or layout == "legacy":
+        legacy(untied, tempfile.mkdtemp(), moe)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] == "untied", sys.argv[2] if len(sys.argv) > 2 else "torch_dist")
+    main(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "torch_dist")
