@@ -165,6 +165,44 @@ def torch_dist_interop(untied: bool, root: str, moe: bool = False) -> None:
     print(f"megatron-core interop ok: {len(weights.tensors)} tensors{', MoE' if moe else ''}")
 
 
+def routing_interop() -> None:
+    """Our routing functions against Megatron-Core's moe_utils on the same logits: top k of softmax scores (and
+    pre-softmax, scaled, group-limited), sigmoid with an expert bias, Sinkhorn, token dropping at capacity, the
+    aux and z losses."""
+    from megatron.core.transformer.moe import moe_utils
+
+    from megatron_train.models.moe.aux_losses import switch_load_balancing_loss, z_loss
+    from megatron_train.models.moe.routing import drop_tokens, sinkhorn, topk_routing
+
+    torch.manual_seed(5)
+    logits, bias = torch.randn(32, 8), torch.randn(8) * 0.1
+    for options in (
+        {}, {"use_pre_softmax": True}, {"scaling_factor": 2.5}, {"num_groups": 4, "group_topk": 2},
+        {"score_function": "sigmoid", "expert_bias": bias},
+    ):  # fmt: skip
+        theirs = moe_utils.topk_routing_with_score_function(logits, 4, **options)
+        ours = topk_routing(
+            logits, 4, options.get("score_function", "softmax"), options.get("use_pre_softmax", False),
+            options.get("num_groups"), options.get("group_topk"), options.get("scaling_factor"),
+            options.get("expert_bias"),
+        )  # fmt: skip
+        torch.testing.assert_close(ours, theirs, msg=str(options))
+    torch.testing.assert_close(sinkhorn(logits), moe_utils.sinkhorn(logits))
+    probs, routing_map = topk_routing(logits, 2)
+    torch.testing.assert_close(
+        drop_tokens(probs, routing_map, 2, 1.0),
+        moe_utils.apply_router_token_dropping(probs, routing_map, 2, 1.0),
+    )
+    scores = torch.softmax(logits, -1)
+    counts = routing_map.sum(0).float()
+    torch.testing.assert_close(
+        switch_load_balancing_loss(scores, counts, 32, 2, 8, 0.01),
+        moe_utils.switch_load_balancing_loss_func(scores, counts, 32, 2, 8, 0.01),
+    )
+    torch.testing.assert_close(z_loss(logits, 0.001), moe_utils.z_loss_func(logits, 0.001))
+    print("megatron-core interop ok: routing")
+
+
 def main(embeddings: str, layout: str) -> None:
     """`embeddings`: tied, untied, or moe (untied, MoE layers: the legacy layout; torch_dist refuses MoE models)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1")
@@ -182,6 +220,8 @@ def main(embeddings: str, layout: str) -> None:
         torch_dist_interop(untied, tempfile.mkdtemp())
     if moe or layout == "legacy":
         legacy(untied, tempfile.mkdtemp(), moe)
+    if moe:
+        routing_interop()
 
 
 if __name__ == "__main__":
