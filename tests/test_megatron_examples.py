@@ -159,15 +159,20 @@ def _tiny_gpt2_files(directory: Path) -> tuple[str, str, str]:
     """A byte-level BPE vocab/merges and a .bin/.idx of counting documents in its ids."""
     texts = [" ".join(str(i + j) for j in range(40)) for i in range(200)]
     files = train_byte_level_bpe(texts, str(directory), vocab_size=300, min_frequency=1)
+    return files["vocab_file"], files["merge_file"], _counting_documents(directory, 256)
+
+
+def _counting_documents(directory: Path, vocab_size: int) -> str:
+    """A .bin/.idx of 4000 documents counting up (mod `vocab_size`) from random ids; returns its prefix."""
     prefix = str(directory / "data_text_document")
     builder = IndexedDatasetBuilder(prefix + ".bin", dtype=np.uint16)
     rng = np.random.default_rng(0)
     for _ in range(4000):  # --split 949,50,1 must leave the test split a few documents
         start = rng.integers(0, 200)
-        builder.add_item((start + np.arange(rng.integers(8, 40))) % 256)
+        builder.add_item((start + np.arange(rng.integers(8, 40))) % vocab_size)
         builder.end_document()
     builder.finalize(prefix + ".idx")
-    return files["vocab_file"], files["merge_file"], prefix
+    return prefix
 
 
 @pytest.mark.processes
@@ -460,3 +465,60 @@ def test_readme_finetuning_commands_take_recompute_from_activations_checkpoint_m
         "uniform",
         1,
     )
+
+
+MIXTRAL = "train_mixtral_8x7b_distributed.sh"
+
+
+def test_mixtral_example_parses_completely(tmp_path) -> None:
+    """Megatron's Mixtral 8x7B script: 32 ranks (PP 4 x EP 8, DP 8 for the dense layers, expert DP 1)."""
+    argv = example_argv(MIXTRAL, tmp_path, str(tmp_path / "ckpt"), "tokenizer.model", "data_text_document")
+    parser = build_parser()
+    assert [
+        word for word in argv if word.startswith("--") and word not in parser._option_string_actions
+    ] == []
+    config = parse_args(argv, world_size=32)
+    model, parallel = config.model, config.parallel
+    assert (model.num_experts, model.moe_router_topk, model.moe_token_dispatcher_type) == (8, 2, "alltoall")
+    assert (model.moe_grouped_gemm, model.moe_aux_loss_coeff, model.moe_ffn_hidden_size) == (
+        True,
+        [0.01],
+        14336,
+    )
+    assert (parallel.expert_model_parallel_size, parallel.pipeline_model_parallel_size) == (8, 4)
+    assert parallel.expert_data_parallel_size(32) == 1 and parallel.data_parallel_size(32) == 8
+    assert config.training.overlap_param_gather and parallel.use_distributed_optimizer
+
+
+def _tiny_sentencepiece(directory: Path) -> str:
+    sentencepiece = pytest.importorskip("sentencepiece")
+    lines = [" ".join(str(i + j) for j in range(30)) for i in range(300)]
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=iter(lines), model_prefix=str(directory / "tiny"), vocab_size=200, model_type="unigram",
+        character_coverage=1.0, minloglevel=2, num_threads=1,
+    )  # fmt: skip
+    return str(directory / "tiny.model")
+
+
+@pytest.mark.processes
+def test_tiny_mixtral_example_trains_its_experts_over_pipeline_and_expert_parallel_ranks(tmp_path) -> None:
+    """Every flag of the script kept (bf16, grouped GEMM, alltoall, distributed optimizer with overlapped
+    reduce and gather, Llama2Tokenizer), sizes shrunk: PP 2 x EP 2 on 4 ranks."""
+    data = _counting_documents(tmp_path, 200)  # the ids of the SentencePiece model's 200 pieces
+    save = tmp_path / "ckpt"
+    argv = example_argv(MIXTRAL, tmp_path, str(save), _tiny_sentencepiece(tmp_path), data)
+    argv = override(
+        argv,
+        {
+            "--num-layers": "2", "--hidden-size": "32", "--ffn-hidden-size": "64", "--num-attention-heads": "4",
+            "--num-query-groups": "2", "--seq-length": "16", "--max-position-embeddings": "16",
+            "--num-experts": "4", "--global-batch-size": "4", "--train-iters": "3", "--lr-decay-iters": "3",
+            "--lr-warmup-iters": "1", "--pipeline-model-parallel-size": "2", "--expert-model-parallel-size": "2",
+            "--split": "90,8,2", "--eval-iters": "1", "--eval-interval": "2",
+        },
+    )  # fmt: skip
+    (records,) = run_distributed(pretrain_worker, 4, [[*argv, "--num-workers", "0"]])[-1]
+    steps = [r for r in records if "split" not in r]
+    assert [r["iteration"] for r in steps] == [1, 2, 3]
+    assert all(np.isfinite(r["lm loss"]) and 0.9 < r["load_balancing_loss"] < 4 for r in steps)
+    assert read_latest_iteration(str(save)) == 3
