@@ -135,24 +135,32 @@ class AlltoAllDispatcher(TokenDispatcher):
         chunk_sizes = [
             n for t in range(self.etp_size) for r in range(self.ep_size) for n in local(counts[r][t])
         ]
-        chunks = gathered.split(chunk_sizes)
-        order = [c for e in range(per_rank) for c in range(e, len(chunks), per_rank)]
         self._saved = _Dispatched(
             token_ids, permuted_probs, hidden.shape[0], chunk_sizes, sizes, input_splits, output_splits
         )
         tokens_per_expert = [sum(chunk_sizes[e::per_rank]) for e in range(per_rank)]
-        return torch.cat([chunks[c] for c in order]), tokens_per_expert
+        if len(chunk_sizes) == per_rank:  # one source rank: already expert after expert
+            return gathered, tokens_per_expert
+        chunks = gathered.split(chunk_sizes)
+        return torch.cat([chunks[c] for c in self._expert_major(len(chunks))]), tokens_per_expert
+
+    def _expert_major(self, num_chunks: int) -> list[int]:
+        """The chunks (source rank major, local expert minor) in expert-major order."""
+        per_rank = self.num_local_experts
+        return [c for e in range(per_rank) for c in range(e, num_chunks, per_rank)]
 
     def combine(self, expert_output: torch.Tensor) -> torch.Tensor:
         saved, self._saved = self._saved, None
-        per_rank = self.num_local_experts
         num_chunks = len(saved.chunk_sizes)
-        order = [c for e in range(per_rank) for c in range(e, num_chunks, per_rank)]
-        pieces = expert_output.split([saved.chunk_sizes[c] for c in order])
-        by_chunk = [None] * num_chunks
-        for piece, c in zip(pieces, order, strict=True):
-            by_chunk[c] = piece
-        unsorted = torch.cat(by_chunk)
+        if num_chunks == self.num_local_experts:
+            unsorted = expert_output
+        else:
+            order = self._expert_major(num_chunks)
+            pieces = expert_output.split([saved.chunk_sizes[c] for c in order])
+            by_chunk = [None] * num_chunks
+            for piece, c in zip(pieces, order, strict=True):
+                by_chunk[c] = piece
+            unsorted = torch.cat(by_chunk)
         reduced = reduce_scatter_along_first_dim(self.etp_group, unsorted, saved.received)
         returned = all_to_all(self.ep_group, reduced, saved.input_splits, saved.output_splits)
         return unpermute(returned, saved.token_ids, saved.probs, saved.num_tokens)
