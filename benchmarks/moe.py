@@ -80,12 +80,14 @@ def mixtral_block(layer: MoELayer, args: argparse.Namespace) -> torch.nn.Module:
     return block
 
 
-def step_time(run: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, grad: torch.Tensor) -> float:
-    """Seconds of one forward + backward."""
+def step_time(
+    run: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, grad: torch.Tensor
+) -> tuple[float, float]:
+    """(wall seconds, this process's CPU seconds) of one forward + backward."""
     x = x.detach().requires_grad_(True)
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     run(x).backward(grad)
-    return time.perf_counter() - start
+    return time.perf_counter() - start, time.process_time() - cpu
 
 
 def throughput(args: argparse.Namespace) -> float:
@@ -117,23 +119,32 @@ def throughput(args: argparse.Namespace) -> float:
     variants = {"ours grouped_mm": ours_with(True), "ours loop": ours_with(False)}
     variants |= {f"transformers {name}": peer(name) for name in args.peer}
     times: dict[str, list[float]] = {name: [] for name in variants}
+    cpu_times: dict[str, list[float]] = {name: [] for name in variants}
     for repeat in range(args.repeats + 1):  # the first round warms up
         for name, run in variants.items():
-            seconds = step_time(run, x, grad)
+            seconds, cpu_seconds = step_time(run, x, grad)
             if repeat:
                 times[name].append(seconds)
+                cpu_times[name].append(cpu_seconds)
     speeds = {name: args.tokens / statistics.median(seconds) for name, seconds in times.items()}
     for name, speed in speeds.items():
-        print(f"{name:26s} {speed:10.1f} tokens/s (fwd+bwd)")
+        cpu_speed = args.tokens / statistics.median(cpu_times[name])
+        print(f"{name:26s} {speed:10.1f} tokens/s (fwd+bwd), {cpu_speed:10.1f} tokens per CPU second")
     fastest = max((n for n in speeds if n.startswith("transformers")), key=speeds.get)
-    grouped_vs_loop = statistics.median(
-        [loop / grouped for grouped, loop in zip(times["ours grouped_mm"], times["ours loop"], strict=True)]
+
+    def paired(slow: str, fast: str, measured: dict[str, list[float]]) -> float:
+        """Median over repeats of time(slow) / time(fast): how many times faster `fast` ran."""
+        return statistics.median(a / b for a, b in zip(measured[slow], measured[fast], strict=True))
+
+    print(
+        f"ours grouped_mm / ours loop over experts: {paired('ours loop', 'ours grouped_mm', times):.3f} "
+        f"(CPU time {paired('ours loop', 'ours grouped_mm', cpu_times):.3f})"
     )
-    print(f"ours grouped_mm / ours loop over experts: {grouped_vs_loop:.3f}")
-    ratio = statistics.median(
-        [peer / ours for ours, peer in zip(times["ours grouped_mm"], times[fastest], strict=True)]
+    ratio = paired(fastest, "ours grouped_mm", times)
+    print(
+        f"ours grouped_mm / {fastest} (the peer's fastest on this machine): {ratio:.3f} "
+        f"(CPU time {paired(fastest, 'ours grouped_mm', cpu_times):.3f})"
     )
-    print(f"ours grouped_mm / {fastest} (the peer's fastest on this machine): {ratio:.3f}")
     return ratio
 
 

@@ -208,6 +208,8 @@ def test_moe_layer_freq_patterns_parse_without_evaluating_them():
         ("__import__('os').system('true')", "a pattern is made of lists of 0 and 1"),
         ("[1, 2]", "a pattern is made of lists"),
         ("[1]*3", "gives 3 layers but --num-layers is 4"),
+        ("([1]*100000)*100000", "gives more than --num-layers 4 layers"),  # refused before it is built
+        ("+".join(["[1]"] * 5000), "nested too deeply"),
         ("([0]+", "neither an integer nor a pattern"),
     ):
         with pytest.raises(ValueError, match=message):
@@ -230,6 +232,7 @@ BASE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4"
         (["--num-experts", "4", "--moe-router-topk", "1"], 1, "needs --moe-router-pre-softmax"),
         (["--num-experts", "4", "--moe-router-enable-expert-bias"], 1, "needs --moe-router-score-function sigmoid"),
         (["--num-experts", "4", "--moe-pad-expert-input-to-capacity"], 1, "needs --moe-expert-capacity-factor"),
+        (["--num-experts", "4", "--moe-z-loss-coeff=-1e-3"], 1, "a loss coefficient must be >= 0"),
         (["--num-experts", "4", "--expert-tensor-parallel-size", "2", "--expert-model-parallel-size", "1"], 2,
          "biases only with --expert-tensor-parallel-size 1"),
         (["--num-experts", "4", "--moe-router-num-groups", "3", "--moe-router-group-topk", "1"], 1,

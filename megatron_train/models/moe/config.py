@@ -37,12 +37,13 @@ def parse_moe_layer_freq(text: str, num_layers: int) -> list[int]:
             raise ValueError(f"--moe-layer-freq {text}: the frequency must be >= 1 (1: every layer is MoE)")
         return [int(layer % every == 0) for layer in range(num_layers)]
     try:
-        tree = ast.parse(text, mode="eval").body
+        pattern = _pattern(ast.parse(text, mode="eval").body, text, num_layers)
     except SyntaxError as error:
         raise ValueError(
             f"--moe-layer-freq {text!r}: neither an integer nor a pattern such as '([0]+[1]*3)*2' ({error.msg})"
         ) from None
-    pattern = _pattern(tree, text)
+    except RecursionError:
+        raise ValueError(f"--moe-layer-freq: a pattern nested too deeply ({len(text)} characters)") from None
     if len(pattern) != num_layers:
         raise ValueError(
             f"--moe-layer-freq {text!r} gives {len(pattern)} layers but --num-layers is {num_layers}; give one "
@@ -56,22 +57,33 @@ def pattern_text(pattern: list[int]) -> str:
     return "[" + ",".join(str(int(entry)) for entry in pattern) + "]"
 
 
-def _pattern(node: ast.expr, text: str) -> list[int]:
-
+def _pattern(node: ast.expr, text: str, num_layers: int) -> list[int]:
+    """The layers `node` describes; a part longer than the model is refused before it is built."""
     if isinstance(node, ast.List):
         values = [element.value for element in node.elts if isinstance(element, ast.Constant)]
         if len(values) == len(node.elts) and all(value in (0, 1) and type(value) is int for value in values):
             return values
     elif isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
-        return _pattern(node.left, text) + _pattern(node.right, text)
+        return _at_most(
+            _pattern(node.left, text, num_layers) + _pattern(node.right, text, num_layers), text, num_layers
+        )
     elif isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult):
         for items, times in ((node.left, node.right), (node.right, node.left)):
             if isinstance(times, ast.Constant) and type(times.value) is int and times.value >= 0:
-                return _pattern(items, text) * times.value
+                part = _pattern(items, text, num_layers)
+                return _at_most(part * min(times.value, num_layers + 1), text, num_layers)
     raise ValueError(
         f"--moe-layer-freq {text!r}: a pattern is made of lists of 0 and 1 joined by + and repeated by * <integer> "
         f"(Megatron's form, e.g. '([0]+[1]*3)*2'); {ast.unparse(node)!r} is not"
     )
+
+
+def _at_most(pattern: list[int], text: str, num_layers: int) -> list[int]:
+    if len(pattern) > num_layers:
+        raise ValueError(
+            f"--moe-layer-freq {text!r} gives more than --num-layers {num_layers} layers; give one 0/1 entry per layer"
+        )
+    return pattern
 
 
 @dataclass(kw_only=True)
@@ -243,6 +255,11 @@ class MoEConfig:
                 len(self.moe_aux_loss_coeff) == len(types),
                 f"--moe-aux-loss-coeff gives {len(self.moe_aux_loss_coeff)} coefficients for {len(types)} "
                 "--moe-router-load-balancing-type entries; give one, or one per type",
+            ),
+            (
+                min(self.moe_aux_loss_coeff, default=0) >= 0 and (self.moe_z_loss_coeff or 0) >= 0,
+                f"--moe-aux-loss-coeff {' '.join(map(str, self.moe_aux_loss_coeff))} / --moe-z-loss-coeff "
+                f"{self.moe_z_loss_coeff}: a loss coefficient must be >= 0 (0 turns the loss off)",
             ),
             (
                 "sinkhorn" not in types or (types == ["sinkhorn"] and not any(self.moe_aux_loss_coeff)),

@@ -149,11 +149,16 @@ class Experts(nn.Module):
         return out
 
     def _sequential(self, tokens: torch.Tensor, tokens_per_expert: list[int]) -> torch.Tensor:
+        # unbind: one gradient per weight stacked in the backward (indexing weight1[e] would add a zero-filled
+        # gradient of the whole weight per expert)
+        weights1, weights2 = self.weight1.unbind(0), self.weight2.unbind(0)
+        biases1 = self.bias1.unbind(0) if self.bias1 is not None else None
+        biases2 = self.bias2.unbind(0) if self.bias2 is not None else None
         outputs = []
         for e, rows in enumerate(tokens.split(tokens_per_expert)):
-            hidden = rows @ self.weight1[e]
-            if self.bias1 is not None:
-                hidden = hidden + self.bias1[e]
-            out = self.activation(hidden) @ self.weight2[e]
-            outputs.append(out if self.bias2 is None else out + self.bias2[e])
+            hidden = rows @ weights1[e]
+            if biases1 is not None:
+                hidden = hidden + biases1[e]
+            out = self.activation(hidden) @ weights2[e]
+            outputs.append(out if biases2 is None else out + biases2[e])
         return torch.cat(outputs)
