@@ -163,6 +163,7 @@ def _megatron_moe_files(root: str, layout: str) -> None:
             if isinstance(value, list):
                 file[key] = torch.cat(value, dim=1 if key.endswith("weight1") else 0)
     os.remove(path)
+    os.rmdir(os.path.dirname(path))
     for rank, file in enumerate(files):
         folder = megatron.rank_dir(f"{root}/iter_0000001", 0, 0, 1, rank, ep)
         os.makedirs(folder, exist_ok=True)

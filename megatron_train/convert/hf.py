@@ -277,6 +277,7 @@ def _llama_config(hf: dict[str, Any], where: str, **moe: Any) -> TransformerConf
         add_qkv_bias=qkv_bias,
         true_vocab_size=hf["vocab_size"],
         **rope,
+        **moe,
     )
 
 

@@ -313,6 +313,8 @@ def check_model_args(args: Any, where: str) -> tuple[dict[str, Any], dict[str, A
         given = {**given, "norm_epsilon": given["layernorm_epsilon"]}
     if given.get("moe_token_dispatcher_type") not in (None, "allgather", "alltoall"):
         given = {**given, "moe_token_dispatcher_type": "alltoall"}
+    if isinstance(given.get("moe_layer_freq"), int | list):  # Megatron's args hold the pattern evaluated
+        given = {**given, "moe_layer_freq": str(given["moe_layer_freq"])}
 
     def section(cls: type) -> dict[str, Any]:
         values = {f.name: given[f.name] for f in dataclasses.fields(cls) if given.get(f.name) is not None}
