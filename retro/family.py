@@ -47,7 +47,7 @@ from megatron_train.data.retro_dataset import RetroDataset
 from megatron_train.data.sft_dataset import build_sft_datasets
 from megatron_train.device import get_device
 from megatron_train.families.family import (
-    ALL_DIMENSIONS,
+    DENSE_DIMENSIONS,
     InferenceHooks,
     Layouts,
     ModelFamily,
@@ -369,7 +369,7 @@ RETRO = ModelFamily(
     model_options=retro_model_options,
     terms=retro_terms,
     layouts=Layouts(
-        ALL_DIMENSIONS - {"context"},
+        DENSE_DIMENSIONS - {"context"},
         {
             "context": "Retro's chunked cross-attention needs every chunk of the sequence on one rank (Megatron's "
             "Retro has no context parallelism); use tensor and sequence parallelism"

@@ -130,6 +130,11 @@ def test_a_checkpoint_of_a_family_from_outside_the_project_loads_only_when_named
         ("bert_classifier", ["--pipeline-model-parallel-size", "2"], "finetuning runs without pipeline"),
         ("t5", ["--decoder-seq-length", "8", "--num-experts", "4"], "--num-experts 4: the t5 model has no MoE"),
         ("bert", ["--num-experts", "4"], "--num-experts 4: the bert model has no MoE"),
+        (
+            "retro",
+            ["--num-experts", "4", "--expert-model-parallel-size", "2"],
+            "--expert-model-parallel-size 2: the retro model is not split along expert parallelism",
+        ),
     ],
 
 )

@@ -15,7 +15,7 @@ from megatron_train.data.bert_dataset import BERTDatasetConfig
 from megatron_train.data.builder import build_masked_train_valid_test_datasets
 from megatron_train.device import get_device
 from megatron_train.families.family import (
-    ALL_DIMENSIONS,
+    DENSE_DIMENSIONS,
     HFConversion,
     Layouts,
     MegatronNames,
@@ -136,7 +136,7 @@ BERT = ModelFamily(
     model_options=bert_model_options,
     terms=bert_terms,
     layouts=Layouts(
-        ALL_DIMENSIONS - {"context"},
+        DENSE_DIMENSIONS - {"context"},
         {
             "context": "BERT's attention is bidirectional over padding, and context parallelism splits causal "
             "attention only (Megatron's pretrain_bert has none either); use tensor and sequence parallelism"

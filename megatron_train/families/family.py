@@ -77,8 +77,14 @@ PARALLEL_DIMENSIONS = (
         lambda c: 2 if c.parallel.num_layers_per_virtual_pipeline_stage is not None else 1,
         sized=False,
     ),
+    # MoE layers' experts split over ranks (`models.moe`); a family whose model has MoE layers declares it
+    ParallelDimension(
+        "expert", "--expert-model-parallel-size", lambda c: c.parallel.expert_model_parallel_size
+    ),
 )
 ALL_DIMENSIONS = frozenset(dimension.name for dimension in PARALLEL_DIMENSIONS)
+# Every dimension a model without MoE layers can be split along.
+DENSE_DIMENSIONS = ALL_DIMENSIONS - {"expert"}
 
 
 @dataclass(frozen=True)
