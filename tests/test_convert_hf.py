@@ -210,8 +210,9 @@ def test_refusals_name_the_setting(tmp_path, capsys):
         json.dump({"model_type": "t5"}, handle)
     with pytest.raises(SystemExit):
         _convert("--loader", "hf", "--load-dir", str(tmp_path / "bert"), "--save-dir", str(tmp_path / "b"))
-    assert "model_type 't5' is not one the hf loader maps (it maps bert, gpt2, llama, mamba2, mistral, mixtral, qwen2, qwen2_moe)" in (
-        capsys.readouterr().err
+    assert (
+        "model_type 't5' is not one the hf loader maps (it maps bert, gpt2, llama, mamba2, mistral, mixtral, qwen2, qwen2_moe)"
+        in (capsys.readouterr().err)
     )
     with open(tmp_path / "bert" / "config.json", "w") as handle:  # Llama-2-style linear rope scaling
         json.dump({"model_type": "llama", "num_attention_heads": 4, "rope_scaling": {"type": "linear",

@@ -128,7 +128,11 @@ def test_a_checkpoint_of_a_family_from_outside_the_project_loads_only_when_named
         ("bert", ["--calculate-per-token-loss"], "Megatron's BERT loss is per micro-batch"),
         ("retro", ["--pipeline-model-parallel-size", "2", "--retro-add-retriever"], "Retro does not support"),
         ("bert_classifier", ["--pipeline-model-parallel-size", "2"], "finetuning runs without pipeline"),
-        ("t5", ["--decoder-seq-length", "8", "--num-experts", "4"], "--num-experts 4: the t5 model has no MoE"),
+        (
+            "t5",
+            ["--decoder-seq-length", "8", "--num-experts", "4"],
+            "--num-experts 4: the t5 model has no MoE",
+        ),
         ("bert", ["--num-experts", "4"], "--num-experts 4: the bert model has no MoE"),
         (
             "retro",
@@ -136,7 +140,6 @@ def test_a_checkpoint_of_a_family_from_outside_the_project_loads_only_when_named
             "--expert-model-parallel-size 2: the retro model is not split along expert parallelism",
         ),
     ],
-
 )
 def test_each_family_refuses_what_it_cannot_do_naming_the_flag(tmp_path, name, flags, message):
     argv = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16"]

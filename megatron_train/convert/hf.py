@@ -10,6 +10,7 @@ mapping itself is `megatron_train.models.hf_import`'s table of each family.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -542,8 +543,9 @@ def _check_against_weights(
     names = {hf_bert_name(name) if model_type == "bert" else name: name for name in weights}
     shapes = {ours: weights.shape(name) for ours, name in names.items()}
     source = f"the weights of {load_dir}"
-    # the whole model's table (one layer's would cut an MoE layer pattern to a model it does not fit)
-    one_layer = {rule.ours: rule.hf for rule in rules(model)}
+    # one layer's table (an MoE model's: of an MoE layer, its --moe-layer-freq pattern fits no one-layer model)
+    one_layer_model = dataclasses.replace(model, num_layers=1, moe_layer_freq="1")
+    one_layer = {rule.ours: rule.hf for rule in rules(one_layer_model)}
     layer_name = next(name for hf_names in one_layer.values() for name in hf_names if ".0." in name)
     check_layers(model.num_layers, shapes, layer_name[: layer_name.index(".0.") + 1], fields["num_layers"],
                  where, source)  # fmt: skip

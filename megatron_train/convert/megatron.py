@@ -511,9 +511,10 @@ def _check_rank_folders(iteration_dir: str, tp: int, pp: int, ep: int, where: st
     """The args' (TP, PP, EP) against the rank folders there, before a file is opened."""
     folders = sorted(name for name in os.listdir(iteration_dir) if name.startswith("mp_rank_"))
     if len(folders) != tp * pp * ep:
+        experts = f" x expert_model_parallel_size {ep}" if ep > 1 else ""
         raise CheckpointError(
-            f"{where} (args): tensor_model_parallel_size {tp} x pipeline_model_parallel_size {pp} x "
-            f"expert_model_parallel_size {ep} = {tp * pp * ep} ranks, but {iteration_dir} holds {len(folders)} rank folders ({', '.join(folders[:4])}"
+            f"{where} (args): tensor_model_parallel_size {tp} x pipeline_model_parallel_size {pp}{experts} = "
+            f"{tp * pp * ep} ranks, but {iteration_dir} holds {len(folders)} rank folders ({', '.join(folders[:4])}"
             f"{', ...' if len(folders) > 4 else ''})"
         )
 

@@ -375,7 +375,8 @@ class TransformerConfig(MoEConfig):
         for ok, message in checks + self.moe_checks():
             if not ok:
                 raise ValueError(message)
-        self.moe_layer_pattern  # noqa: B018 - parsing --moe-layer-freq raises on a bad pattern
+        if self.is_moe:
+            self.moe_layer_pattern  # noqa: B018 - parsing --moe-layer-freq raises on a bad pattern
 
     @property
     def num_decoder_layers(self) -> int:
