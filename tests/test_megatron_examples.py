@@ -470,6 +470,7 @@ def test_readme_finetuning_commands_take_recompute_from_activations_checkpoint_m
 MIXTRAL = "train_mixtral_8x7b_distributed.sh"
 
 
+@pytest.mark.processes
 def test_mixtral_example_parses_completely(tmp_path) -> None:
     """Megatron's Mixtral 8x7B script: 32 ranks (PP 4 x EP 8, DP 8 for the dense layers, expert DP 1)."""
     argv = example_argv(MIXTRAL, tmp_path, str(tmp_path / "ckpt"), "tokenizer.model", "data_text_document")
