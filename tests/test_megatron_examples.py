@@ -513,13 +513,13 @@ def test_tiny_mixtral_example_trains_its_experts_over_pipeline_and_expert_parall
         {
             "--num-layers": "2", "--hidden-size": "32", "--ffn-hidden-size": "64", "--num-attention-heads": "4",
             "--num-query-groups": "2", "--seq-length": "16", "--max-position-embeddings": "16",
-            "--num-experts": "4", "--global-batch-size": "4", "--train-iters": "3", "--lr-decay-iters": "3",
+            "--num-experts": "4", "--global-batch-size": "4", "--train-iters": "2", "--lr-decay-iters": "2",
             "--lr-warmup-iters": "1", "--pipeline-model-parallel-size": "2", "--expert-model-parallel-size": "2",
-            "--split": "90,8,2", "--eval-iters": "1", "--eval-interval": "2",
+            "--split": "90,8,2", "--eval-iters": "1", "--eval-interval": "1000",
         },
     )  # fmt: skip
     (records,) = run_distributed(pretrain_worker, 4, [[*argv, "--num-workers", "0"]])[-1]
     steps = [r for r in records if "split" not in r]
-    assert [r["iteration"] for r in steps] == [1, 2, 3]
+    assert [r["iteration"] for r in steps] == [1, 2]
     assert all(np.isfinite(r["lm loss"]) and 0.9 < r["load_balancing_loss"] < 4 for r in steps)
-    assert read_latest_iteration(str(save)) == 3
+    assert read_latest_iteration(str(save)) == 2
