@@ -94,13 +94,14 @@ def _upcycling_argv(tmp, data: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def moe_runs(tmp_path_factory):
-    """Every run of RUNS and the upcycling, one process group per world size; the runs' parent folder."""
+    """Every run of RUNS, the upcycling and the uninterrupted run of the SIGKILL test, one process group per world
+    size; the runs' parent folder."""
     tmp = tmp_path_factory.mktemp("moe")
     data = write_corpus(str(tmp))
     one = ["reference", "half", "dense"]
-    run_distributed(
-        pretrain_worker, 1, [*(_argv(tmp, data, n) for n in one), _upcycling_argv(tmp, data)], timeout=300
-    )
+    sigkill_reference = tiny_args(str(tmp / "sigkill-reference"), *SIGKILL_MOE)
+    one_process = [*(_argv(tmp, data, n) for n in one), _upcycling_argv(tmp, data), sigkill_reference]
+    run_distributed(pretrain_worker, 1, one_process, timeout=300)
     four = ["ep2-tp2-sp-distopt", "pp2-ep2"]
     for name in four:  # continue the source's checkpoint in this run's own folder
         shutil.copytree(tmp / RUNS[name][2], tmp / name, ignore=shutil.ignore_patterns("metrics.jsonl", "tb"))
@@ -175,22 +176,23 @@ def test_dense_checkpoint_upcycles_into_experts_that_compute_the_dense_model(moe
     assert upcycled["lm loss"] == pytest.approx(dense["lm loss"], rel=1e-6)
 
 
-def test_moe_run_killed_with_sigkill_resumes_bitwise(tmp_path) -> None:
+def test_moe_run_killed_with_sigkill_resumes_bitwise(moe_runs, tmp_path) -> None:
     """`python -m megatron_train.pretrain_gpt` killed at iteration 3 (checkpoint 2 on disk) and rerun logs the
     uninterrupted run's losses bit for bit."""
-    runs = {name: str(tmp_path / name) for name in ("reference", "killed")}
-    reference = run_entry_point("megatron_train.pretrain_gpt", tiny_args(runs["reference"], *SIGKILL_MOE))
-    killed = run_entry_point("megatron_train.pretrain_gpt", tiny_args(runs["killed"], *SIGKILL_MOE))
-    sigkill_at_iteration(killed, 3)
-    assert read_marker(runs["killed"]) == 2
-    resumed = run_entry_point("megatron_train.pretrain_gpt", tiny_args(runs["killed"], *SIGKILL_MOE))
-    for proc in (reference, resumed):
-        output, _ = proc.communicate(timeout=300)
-        assert proc.returncode == 0, output
-    steps = {name: [r for r in read_metrics(run) if "split" not in r] for name, run in runs.items()}
-    assert [r["iteration"] for r in steps["killed"][-2:]] == [3, 4]
+    killed = str(tmp_path / "killed")
+    sigkill_at_iteration(run_entry_point("megatron_train.pretrain_gpt", tiny_args(killed, *SIGKILL_MOE)), 3)
+    assert read_marker(killed) == 2
+    output, _ = run_entry_point("megatron_train.pretrain_gpt", tiny_args(killed, *SIGKILL_MOE)).communicate(
+        timeout=300
+    )
+    assert read_marker(killed) == 4, output
+    resumed, reference = (
+        [r for r in read_metrics(run) if "split" not in r]
+        for run in (killed, str(moe_runs / "sigkill-reference"))
+    )
+    assert [r["iteration"] for r in resumed[-2:]] == [3, 4]
     for key in ("lm loss", "global_load_balancing_loss", "seq_load_balancing_loss"):
-        assert [r[key] for r in steps["killed"][-2:]] == [r[key] for r in steps["reference"][2:]], key
+        assert [r[key] for r in resumed[-2:]] == [r[key] for r in reference[2:]], key
 
 
 def test_checkpoint_util_reshards_experts_to_another_ep_and_expert_tp(moe_runs, tmp_path) -> None:
