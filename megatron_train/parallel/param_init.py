@@ -27,39 +27,57 @@ from typing import Any
 import torch
 from torch import nn
 
-from megatron_train.parallel.random import get_rng_tracker
+from megatron_train.parallel.random import MODEL_PARALLEL_RNG, get_rng_tracker
 
 Init = Callable[[torch.Tensor], Any]
 
 
 @dataclass(frozen=True)
 class Initializer:
-    """`init` applied in place to a parameter's data; `tensor_parallel`: on the TP rank's tracked stream."""
+    """`init` applied in place to a parameter's data; `tensor_parallel`: on the rank's tracked stream `stream`
+    (the TP rank's, or the expert stream of an MoE expert's shard)."""
 
     init: Init
     tensor_parallel: bool = False
+    stream: str = MODEL_PARALLEL_RNG
 
     @torch.no_grad()
     def __call__(self, tensor: torch.Tensor) -> None:
-        with get_rng_tracker().fork() if self.tensor_parallel else contextlib.nullcontext():
+        with get_rng_tracker().fork(self.stream) if self.tensor_parallel else contextlib.nullcontext():
             self.init(tensor)
 
 
-def initialized(param: nn.Parameter, init: Init, tensor_parallel: bool = False) -> nn.Parameter:
+def initialized(
+    param: nn.Parameter, init: Init, tensor_parallel: bool = False, stream: str = MODEL_PARALLEL_RNG
+) -> nn.Parameter:
     """Record how `param` starts and start it so now, unless it lives on the meta device (then `materialize`
     does, on the device the model goes to). Calling it again replaces the rule (a tied copy that starts at 0)."""
-    param.initializer = Initializer(init, tensor_parallel)
+    param.initializer = Initializer(init, tensor_parallel, stream)
     if not param.is_meta:
         param.initializer(param.data)
     return param
 
 
 def new_parameter(
-    shape: tuple[int, ...] | list[int], dtype: torch.dtype, init: Init, tensor_parallel: bool = False
+    shape: tuple[int, ...] | list[int],
+    dtype: torch.dtype,
+    init: Init,
+    tensor_parallel: bool = False,
+    stream: str = MODEL_PARALLEL_RNG,
 ) -> nn.Parameter:
     """A parameter of `shape` on the current default device (the meta device while a model is built for
     `materialize`), initialised by `init` (see `initialized`)."""
-    return initialized(nn.Parameter(torch.empty(tuple(shape), dtype=dtype)), init, tensor_parallel)
+    return initialized(nn.Parameter(torch.empty(tuple(shape), dtype=dtype)), init, tensor_parallel, stream)
+
+
+def new_buffer(shape: tuple[int, ...], dtype: torch.dtype, init: Init) -> torch.Tensor:
+    """A buffer (model state that is not trained, as an MoE router's expert bias) made as `new_parameter` makes a
+    parameter: on the meta device while a model is built for `materialize`, which allocates and starts it."""
+    buffer = torch.empty(shape, dtype=dtype)
+    buffer.initializer = Initializer(init)
+    if not buffer.is_meta:
+        buffer.initializer(buffer)
+    return buffer
 
 
 def materialize(module: nn.Module, device: torch.device) -> nn.Module:
@@ -93,10 +111,15 @@ def materialize(module: nn.Module, device: torch.device) -> nn.Module:
                     "or train with --use-cpu-initialization"
                 )
             to_reset.append(submodule)
+        for key, buffer in submodule._buffers.items():
+            if buffer is not None and buffer.is_meta and hasattr(buffer, "initializer"):
+                submodule._buffers[key] = torch.empty(buffer.shape, dtype=buffer.dtype, device=device)
+                buffer.initializer(submodule._buffers[key])
         meta_buffers = [key for key, b in submodule._buffers.items() if b is not None and b.is_meta]
         if meta_buffers:
             raise ValueError(
-                f"{name}: buffers {meta_buffers} were built on the meta device; create them in forward"
+                f"{name}: buffers {meta_buffers} were built on the meta device; create them in forward or with "
+                "new_buffer"
             )
     with torch.no_grad():
         for submodule in to_reset:

@@ -1,8 +1,9 @@
 """Random number streams for dropout under tensor parallelism, and activation checkpointing that replays them.
 
-Two streams, as in Megatron: the default generator (seeded identically on every TP rank) for work that is
-replicated across TP, and a tracked 'model-parallel-rng' stream seeded differently on each TP rank for work
-on sharded activations (attention heads, sequence-parallel shards), entered with `get_rng_tracker().fork()`.
+Three streams, as in Megatron: the default generator (seeded identically on every TP rank) for work that is
+replicated across TP, a tracked 'model-parallel-rng' stream seeded differently on each TP rank for work
+on sharded activations (attention heads, sequence-parallel shards), entered with `get_rng_tracker().fork()`, and
+a tracked 'expert-parallel-rng' stream seeded per (EP, expert TP) rank for the MoE experts' shards.
 On CUDA the tracked states are CUDA generator states; on CPU they are the CPU generator's.
 """
 
@@ -18,7 +19,9 @@ import torch.utils.checkpoint
 from megatron_train.parallel import state
 
 MODEL_PARALLEL_RNG = "model-parallel-rng"
-_TENSOR_PARALLEL_SEED_OFFSET = 2718  # Megatron's constant, so seeds match Megatron runs
+EXPERT_PARALLEL_RNG = "expert-parallel-rng"
+_TENSOR_PARALLEL_SEED_OFFSET = 2718  # Megatron's constants, so seeds match Megatron runs
+_EXPERT_PARALLEL_SEED_OFFSET = 1024
 
 
 def _get_state() -> torch.Tensor:
@@ -68,14 +71,14 @@ class RNGStatesTracker:
         """Run the block on stream `name`, then restore the outer stream. The default stream, when never
         seeded, is seeded from `torch.initial_seed()` as `model_parallel_seed` would. A fork inside a fork of
         the same stream (a sequence-parallel block inside another: Retro's encoder) continues that stream
-        instead of replaying it from the outer fork's start."""
+        instead of replaying it from the outer fork's start. The expert stream likewise."""
         if name in self._running:
             yield
             return
         if name not in self.states:
-            if name != MODEL_PARALLEL_RNG:
+            if name not in _STREAM_SEEDS:
                 raise KeyError(f"RNG state {name!r} was never added to the tracker")
-            self.add(name, _tensor_parallel_seed(torch.initial_seed()))
+            self.add(name, _STREAM_SEEDS[name](torch.initial_seed()))
         outer = _get_state()
         _set_state(self.states[name])
         self._running.add(name)
@@ -98,6 +101,15 @@ def _tensor_parallel_seed(seed: int) -> int:
     return seed + _TENSOR_PARALLEL_SEED_OFFSET + state.get_tensor_model_parallel_rank()
 
 
+def _expert_parallel_seed(seed: int) -> int:
+    """Megatron's model_parallel_cuda_manual_seed: each (EP, expert TP) rank draws different experts' shards."""
+    ep_rank, etp_rank = state.get_expert_model_parallel_rank(), state.get_expert_tensor_parallel_rank()
+    return seed + _EXPERT_PARALLEL_SEED_OFFSET + 100 * ep_rank + etp_rank
+
+
+_STREAM_SEEDS = {MODEL_PARALLEL_RNG: _tensor_parallel_seed, EXPERT_PARALLEL_RNG: _expert_parallel_seed}
+
+
 def model_parallel_seed(seed: int) -> None:
     """Seed the default stream with `seed` (same on all TP ranks) and the tracked stream per TP rank.
 
@@ -106,7 +118,8 @@ def model_parallel_seed(seed: int) -> None:
     torch.manual_seed(seed)
     _manual_seed(seed)
     _TRACKER.reset()
-    _TRACKER.add(MODEL_PARALLEL_RNG, _tensor_parallel_seed(seed))
+    for name, stream_seed in _STREAM_SEEDS.items():
+        _TRACKER.add(name, stream_seed(seed))
 
 
 @contextlib.contextmanager

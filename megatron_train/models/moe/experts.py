@@ -7,9 +7,11 @@ One weight per linear layer, whatever runs them: `--moe-grouped-gemm` multiplies
 a loop runs the experts one after another on the same weights. The checkpoint holds the weights of all the
 layer's experts stacked on the first axis, so any expert-parallel layout loads them (docs/architecture.md).
 
-Initialisation draws each expert's full weight in turn from the CPU generator (or the layer's
---use-cpu-initialization stream) and keeps this rank's experts and ETP slice: every (EP, ETP) layout starts from
-the same experts, holding one expert's master weight at a time.
+Initialisation follows `parallel.param_init`: by default each rank draws only its experts' shards, on the tracked
+expert stream of its (EP, ETP) rank when the experts are split (Megatron's expert-parallel-rng; the default
+generator on one rank), so a model built on the meta device never holds another rank's experts. Under
+--use-cpu-initialization each expert's full weight is drawn in turn from the layer's stream and this rank keeps its
+experts and ETP slice: every (EP, ETP) layout starts from the same experts, holding one master weight at a time.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ from megatron_train.models.init import init_method_normal, scaled_init_method_no
 from megatron_train.models.mlp import activation
 from megatron_train.parallel import state
 from megatron_train.parallel.layers import divide
+from megatron_train.parallel.param_init import new_parameter
+from megatron_train.parallel.random import EXPERT_PARALLEL_RNG, full_weight_initialization
 
 logger = logging.getLogger(__name__)
 
@@ -73,21 +77,31 @@ def expert_weight(
     stride: int = 1,
 ) -> nn.Parameter:
     """[local experts, *shape] with dim `partition_dim` of `shape` cut over the ETP ranks of `etp_group` (None: not
-    cut), in `stride` interleaved chunks (SwiGLU's [gate; up]), as a tensor-parallel weight is: each of the layer's
-    `num_experts` experts is drawn in full in turn (the same draws on every rank) and this rank keeps its `local`
-    experts' slices."""
+    cut), in `stride` interleaved chunks (SwiGLU's [gate; up]), as a tensor-parallel weight is. Drawn as this rank's
+    shard (on the expert stream when EP x ETP splits it), or under --use-cpu-initialization by drawing each of the
+    layer's `num_experts` experts in full in turn (the same draws on every rank) and keeping this rank's `local`
+    experts' slices (module docstring)."""
     etp, etp_rank = state.group_size(etp_group), state.group_rank(etp_group)
-    kept = []
-    for expert in range(num_experts):
-        master = init(torch.empty(shape, dtype=torch.float32))
-        if expert in local and partition_dim is not None:
-            chunk = divide(
-                shape[partition_dim], etp * stride, "the expert hidden size (--moe-ffn-hidden-size)"
-            )
-            kept.append(torch.cat(master.split(chunk, dim=partition_dim)[etp_rank::etp], dim=partition_dim))
-        elif expert in local:
-            kept.append(master)
-    weight = nn.Parameter(torch.stack(kept).to(dtype).contiguous())
+    local_shape = list(shape)
+    if partition_dim is not None:
+        chunk = divide(shape[partition_dim], etp * stride, "the expert hidden size (--moe-ffn-hidden-size)")
+        local_shape[partition_dim] = chunk * stride
+    if not full_weight_initialization():
+        split = num_experts // len(local) * (etp if partition_dim is not None else 1) > 1
+        weight = new_parameter(
+            (len(local), *local_shape), dtype, init, tensor_parallel=split, stream=EXPERT_PARALLEL_RNG
+        )
+    else:
+        kept = []
+        for expert in range(num_experts):
+            master = init(torch.empty(shape, dtype=torch.float32, device="cpu"))
+            if expert in local and partition_dim is not None:
+                kept.append(
+                    torch.cat(master.split(chunk, dim=partition_dim)[etp_rank::etp], dim=partition_dim)
+                )
+            elif expert in local:
+                kept.append(master)
+        weight = nn.Parameter(torch.stack(kept).to(dtype).contiguous())
     weight.allreduce = False  # Megatron's mark of an expert parameter: reduced over expert data parallel
     weight.tensor_model_parallel = partition_dim is not None  # over the ETP ranks
     weight.partition_dim = -1 if partition_dim is None else partition_dim + 1

@@ -8,11 +8,13 @@ import torch.distributed as dist
 from torch import nn
 
 from megatron_train.models.config import TransformerConfig
+from megatron_train.models.init import init_method_normal
 from megatron_train.models.mlp import MLP
 from megatron_train.models.moe.dispatcher import DISPATCHERS
 from megatron_train.models.moe.experts import Experts
 from megatron_train.models.moe.router import TopKRouter
 from megatron_train.parallel import state
+from megatron_train.parallel.param_init import new_parameter
 from megatron_train.parallel.random import checkpoint
 
 
@@ -28,8 +30,9 @@ class SharedExpertMLP(MLP):
 
         self.gate_weight = None
         if config.moe_shared_expert_gate:
-            self.gate_weight = nn.Parameter(torch.zeros(1, config.hidden_size, dtype=config.params_dtype))
-            nn.init.normal_(self.gate_weight, std=config.init_method_std)
+            self.gate_weight = new_parameter(
+                (1, config.hidden_size), config.params_dtype, init_method_normal(config.init_method_std)
+            )
             self.gate_weight.sequence_parallel = sequence_parallel
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -21,6 +21,7 @@ from megatron_train.models.moe.aux_losses import (
 from megatron_train.models.moe.config import AUX_LOSS_NAMES
 from megatron_train.models.moe.routing import drop_tokens, sinkhorn_routing, topk_routing
 from megatron_train.parallel import state
+from megatron_train.parallel.param_init import new_buffer, new_parameter
 from megatron_train.parallel.random import is_recomputing
 
 ROUTER_DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
@@ -47,19 +48,23 @@ class TopKRouter(nn.Module):
         self.layer_number = layer_number
         self.topk = config.moe_router_topk
         self.num_experts = config.num_experts
-        self.weight = nn.Parameter(torch.empty(config.num_experts, config.hidden_size, dtype=torch.float32))
-        init_method_normal(config.init_method_std)(self.weight.data)
-        self.weight.data = self.weight.data.to(config.params_dtype)
+        # replicated over every rank: drawn from the default generator (parallel.param_init)
+        dtype = config.params_dtype
+        self.weight = new_parameter(
+            (config.num_experts, config.hidden_size), dtype, init_method_normal(config.init_method_std)
+        )
         self.bias = None
         if config.add_bias_linear:
-            self.bias = nn.Parameter(torch.zeros(config.num_experts, dtype=config.params_dtype))
+            self.bias = new_parameter((config.num_experts,), dtype, nn.init.zeros_)
         for param in self.parameters():
             param.sequence_parallel = sequence_parallel
         if config.moe_router_enable_expert_bias:
-            self.register_buffer("expert_bias", torch.zeros(config.num_experts, dtype=torch.float32))
+            self.register_buffer(
+                "expert_bias", new_buffer((config.num_experts,), torch.float32, nn.init.zeros_)
+            )
             self.register_buffer(
                 "local_tokens_per_expert",
-                torch.zeros(config.num_experts, dtype=torch.float32),
+                new_buffer((config.num_experts,), torch.float32, nn.init.zeros_),
                 persistent=False,
             )
         else:
