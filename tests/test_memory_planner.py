@@ -1,7 +1,7 @@
 """The planner (`tools.report_theoretical_memory`): its Megatron line equals what Megatron-LM's own function
 (tests/fixtures/megatron_lm, commit d98e8a64) computes for GPT-3 175B, Llama-3 8B and Mixtral 8x7B layouts, and its
 exact per-rank bytes of parameters, gradients and optimizer state equal those the tensors of --bf16 runs hold
-under TP, PP, DP with and without the distributed optimizer, and CP; hybrid Mamba models are refused."""
+under TP, PP, DP with and without the distributed optimizer, CP, and EP (MoE); hybrid Mamba models are refused."""
 
 from __future__ import annotations
 
@@ -115,6 +115,16 @@ MEASURED_LAYOUTS = {  # name: flags on two ranks
     "dp2": [],
     "dp2-distributed-optimizer": ["--use-distributed-optimizer"],
     "cp2": ["--context-parallel-size", "2", "--attention-dropout", "0"],
+    # each rank holds 2 of the 4 experts; their state sharded over expert DP 1, the dense state over DP 2
+    "ep2-distributed-optimizer": [
+        "--num-experts",
+        "4",
+        "--moe-ffn-hidden-size",
+        "16",
+        "--expert-model-parallel-size",
+        "2",
+        "--use-distributed-optimizer",
+    ],  # fmt: skip
 }
 
 
@@ -194,3 +204,10 @@ def test_exact_per_rank_bytes_equal_the_tensors_of_a_run(measured, name) -> None
 def test_the_distributed_optimizer_halves_each_ranks_optimizer_state_on_two_ranks(measured) -> None:
     whole, sharded = measured[0]["dp2"][4], measured[0]["dp2-distributed-optimizer"][4]
     assert 0.45 * whole < sharded < 0.55 * whole
+
+
+def test_the_report_names_the_expert_layout_and_what_its_estimates_leave_out(capsys) -> None:
+    planner_main([*_measured_argv(MEASURED_LAYOUTS["ep2-distributed-optimizer"]), "--world-size", "2"])
+    lines = capsys.readouterr().out.splitlines()
+    assert "4 experts over EP 2 x expert TP 1 x expert DP 1" in lines[1]
+    assert any(line.startswith("MoE: each rank's experts") and "no MoE terms" in line for line in lines)

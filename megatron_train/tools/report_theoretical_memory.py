@@ -88,6 +88,12 @@ def report(argv: list[str]) -> list[str]:
         f" x CP {parallel.context_parallel_size} x PP {parallel.pipeline_model_parallel_size} x DP {dp}, {precision}"
         f" params, {config.optimizer.optimizer}"
         + (" (distributed optimizer over DP x CP)" if parallel.use_distributed_optimizer else "")
+        + (
+            f", {config.model.num_experts} experts over EP {parallel.expert_model_parallel_size} x expert TP "
+            f"{parallel.expert_tensor_size} x expert DP {parallel.expert_data_parallel_size(world)}"
+            if config.model.is_moe
+            else ""
+        )
         + f", {micro} micro-batches of {training.micro_batch_size} x {config.model.seq_length} tokens a step"
     )
     lines.append(
@@ -114,6 +120,12 @@ def report(argv: list[str]) -> list[str]:
         f"{', full recompute' if config.model.recompute_granularity == 'full' else ''}, 1F1B micro-batches in "
         "flight); parameters, gradients and optimizer state are exact."
     )
+    if config.model.is_moe:
+        lines.append(
+            "MoE: each rank's experts, router and their gradients and optimizer state are exact (sharded over expert "
+            "DP); the activation estimate and the traffic count no MoE terms (routed tokens, expert activations, "
+            "the dispatchers' exchanges)."
+        )
     lines.append(f"FLOPs per step: {flops:.4e} ({flops / world:.4e} per rank, forward and backward)")
     sent_text = (
         ", ".join(f"{kind} {megabytes(nbytes):,.1f} MB" for kind, nbytes in slowest.items()) or "nothing"

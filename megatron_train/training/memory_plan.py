@@ -51,6 +51,8 @@ def planned_rank(config: MegatronConfig, world_size: int, rank: int) -> Iterator
             parallel.pipeline_model_parallel_size,
             parallel.virtual_pipeline_model_parallel_size(config.model.num_layers),
             parallel.context_parallel_size,
+            parallel.expert_model_parallel_size,
+            parallel.expert_tensor_size,
         )
         yield
     finally:
@@ -91,7 +93,7 @@ def model_state_bytes(
     moments the optimizer creates at its first step, one per element of each main param."""
     params = grads = 0
     for chunk in model:
-        grads += sum(buffer.numel() * buffer.element_size() for buffer in chunk.buffers_by_dtype.values())
+        grads += sum(buffer.numel() * buffer.element_size() for buffer in chunk.buffers)
         buffered = {id(p) for bucket in chunk.buckets for p in bucket.params}
         if any(bucket.param_data is not None for bucket in chunk.buckets):
             params += sum(b.param_data.numel() * b.param_data.element_size() for b in chunk.buckets)
