@@ -72,6 +72,8 @@ RUNS = {
     ),  # fmt: skip
     # PP 2 (an MoE layer on each stage) x DP 2; experts EP 2, allgather
     "pp2-ep2": (4, [*EP2, "--pipeline-model-parallel-size", "2", "--tensorboard-dir", "{dir}/tb"], "half"),
+    # CP 2 (ring attention) x DP 2; experts EP 2 x expert DP 2 (the CP ranks folded into expert DP), alltoall
+    "cp2-ep2": (4, [*EP2, "--context-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall"], "half"),
 }
 
 
@@ -102,7 +104,7 @@ def moe_runs(tmp_path_factory):
     sigkill_reference = tiny_args(str(tmp / "sigkill-reference"), *SIGKILL_MOE)
     one_process = [*(_argv(tmp, data, n) for n in one), _upcycling_argv(tmp, data), sigkill_reference]
     run_distributed(pretrain_worker, 1, one_process, timeout=300)
-    four = ["ep2-tp2-sp-distopt", "pp2-ep2"]
+    four = ["ep2-tp2-sp-distopt", "pp2-ep2", "cp2-ep2"]
     for name in four:  # continue the source's checkpoint in this run's own folder
         shutil.copytree(tmp / RUNS[name][2], tmp / name, ignore=shutil.ignore_patterns("metrics.jsonl", "tb"))
     run_distributed(pretrain_worker, 4, [_argv(tmp, data, name) for name in four], timeout=300)
@@ -117,7 +119,7 @@ def _losses(tmp, name: str, key: str = "lm loss") -> list[float]:
     return [r[key] for r in _steps(tmp, name)]
 
 
-@pytest.mark.parametrize("name", ["half", "ep2-tp2-sp-distopt", "pp2-ep2"])
+@pytest.mark.parametrize("name", ["half", "ep2-tp2-sp-distopt", "pp2-ep2", "cp2-ep2"])
 def test_every_layout_continues_the_one_process_checkpoint_with_its_losses(moe_runs, name) -> None:
     """The losses, and the grad and params norms and zeros in the grad, whose expert part is reduced over the
     expert ranks (--log-params-norm, --log-num-zeros-in-grad)."""

@@ -331,6 +331,23 @@ def test_rank_groups_follow_megatron_order():
     assert groups.model == [[0, 1, 4, 5, 8, 9, 12, 13], [2, 3, 6, 7, 10, 11, 14, 15]]
 
 
+def test_expert_groups_fold_the_context_ranks_into_expert_data_parallel():
+    """Megatron-Core's two generators on 8 ranks, TP 2 x CP 2 x DP 2 and ETP 2 x EP 2 x EDP 2: the dense layers'
+    CP ranks are EP ranks for the experts, and the expert grads are reduced over EDP, not DP x CP."""
+    groups = state.build_rank_groups(8, tensor_size=2, pipeline_size=1, context_size=2, expert_size=2)
+    assert groups.context == [[0, 2], [1, 3], [4, 6], [5, 7]] and groups.data == [
+        [0, 4],
+        [1, 5],
+        [2, 6],
+        [3, 7],
+    ]
+    assert groups.data_with_context == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert groups.tensor_and_context == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert groups.expert_tensor == groups.tensor and groups.expert_model == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert groups.expert_data == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert groups.expert_tensor_and_model == [[0, 1, 2, 3], [4, 5, 6, 7]]
+
+
 def test_sizes_that_do_not_divide_the_world_raise():
     with pytest.raises(ValueError, match="world size 6 is not divisible"):
         state.build_rank_groups(6, tensor_size=4, pipeline_size=1)

@@ -103,8 +103,10 @@ def train_step(
     optimizer.zero_grad()
     loss_scale = optimizer.get_loss_scale()
     num_micro_batches = setup.calculator.num_micro_batches
-    if config.model.is_moe:  # the routers' losses get the gradient scale of the LM loss
-        set_backward_scale(loss_scale / num_micro_batches, config.training.calculate_per_token_loss)
+    if config.model.is_moe:  # the routers' losses get the gradient scale of the LM loss, which each CP rank
+        # multiplies by the CP size (training/per_token_loss.py; Megatron's schedules scale the aux losses so too)
+        cp_size = state.get_context_parallel_world_size()
+        set_backward_scale(loss_scale * cp_size / num_micro_batches, config.training.calculate_per_token_loss)
     reduced = get_forward_backward_func()(
         forward_step_func,
         data_iterators,
