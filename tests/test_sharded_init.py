@@ -1,6 +1,7 @@
 """Sharded initialization, measured: building rank 0 of a TP=4 layout raises the process's peak memory by about a
 quarter of what one process's build does, for a GPT whose weights dominate it (each rank draws only its shards on
-the meta device's materialisation); a hybrid Mamba model builds on the meta device too, every parameter drawn."""
+the meta device's materialisation); a hybrid Mamba model builds on the meta device too, every parameter drawn; an
+MoE model's EP ranks each draw only their own experts, from streams of their own."""
 
 from __future__ import annotations
 
@@ -75,3 +76,36 @@ def test_a_hybrid_model_built_on_the_meta_device_draws_every_parameter() -> None
     assert math.log(1.0) <= a_log.min() and a_log.max() <= math.log(16.0)
     assert torch.equal(params["decoder.layers.0.mixer.D"], torch.ones_like(a_log))
     assert params["decoder.layers.0.mixer.conv1d.weight"].std() > 0
+
+
+def _moe_rank(rank: int) -> dict[str, torch.Tensor]:
+    """Rank `rank` of an EP 2 job (torch's fake process group) built on the meta device and materialised."""
+    from megatron_train.arguments import parse_args
+    from megatron_train.families.gpt import GPT
+    from megatron_train.parallel import model_parallel_seed
+    from megatron_train.tools.report_theoretical_memory import padded_vocab
+    from megatron_train.training.memory_plan import planned_rank
+    from megatron_train.training.setup import build_model_chunks
+
+    flags = [*MODEL[MODEL.index("--seq-length") :], "--num-layers", "2", "--hidden-size", "32",
+             "--num-attention-heads", "4", "--vocab-size", "128", "--num-experts", "4", "--moe-ffn-hidden-size",
+             "16", "--expert-model-parallel-size", "2", "--moe-router-score-function", "sigmoid",
+             "--moe-router-enable-expert-bias", "--global-batch-size", "2"]  # fmt: skip
+    config = parse_args(flags, 2)
+    with planned_rank(config, 2, rank):
+        model_parallel_seed(7)
+        (chunk,) = build_model_chunks(config, GPT.model_provider, padded_vocab(config), torch.device("cpu"))
+    return {**dict(chunk.named_parameters()), **dict(chunk.named_buffers())}
+
+
+def test_each_ep_rank_draws_only_its_own_experts_on_the_meta_device() -> None:
+    first, second = _moe_rank(0), _moe_rank(1)
+    weight1 = "decoder.layers.0.mlp.experts.weight1"
+    assert first[weight1].shape == (2, 32, 16)  # 2 of the 4 experts
+    assert all(not t.is_meta and torch.isfinite(t).all() for t in first.values())
+    assert first[weight1].std() > 0 and not torch.equal(first[weight1], second[weight1])
+    # replicated parameters from the default generator: the same on both ranks
+    assert torch.equal(
+        first["decoder.layers.0.mlp.router.weight"], second["decoder.layers.0.mlp.router.weight"]
+    )
+    assert torch.equal(first["decoder.layers.0.mlp.router.expert_bias"], torch.zeros(4))
