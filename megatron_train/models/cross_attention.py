@@ -16,7 +16,8 @@ import torch.distributed as dist
 from torch import nn
 
 from megatron_train.models.config import TransformerConfig
-from megatron_train.models.transformer import CoreAttention, attention_output_projection, init_method_normal
+from megatron_train.models.init import init_method_normal
+from megatron_train.models.transformer import CoreAttention, attention_output_projection
 from megatron_train.parallel import state
 from megatron_train.parallel.layers import ColumnParallelLinear, divide
 

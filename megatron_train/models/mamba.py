@@ -24,16 +24,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_train.models.config import TransformerConfig
+from megatron_train.models.init import init_method_normal, scaled_init_method_normal
 from megatron_train.models.kv_cache import KVCache
 from megatron_train.models.norms import build_norm
 from megatron_train.models.ssd import discretize, mamba_chunk_scan, ssd_step
-from megatron_train.models.transformer import (
-    MLP,
-    Rotary,
-    SelfAttention,
-    init_method_normal,
-    scaled_init_method_normal,
-)
+from megatron_train.models.transformer import MLP, Rotary, SelfAttention
 from megatron_train.parallel import state
 from megatron_train.parallel.layers import (
     ColumnParallelLinear,

@@ -30,6 +30,22 @@ def activation(config: TransformerConfig) -> Callable[[torch.Tensor], torch.Tens
     return lambda x: F.gelu(x, approximate=approximate)
 
 
+def residual_projection(
+    input_size: int, config: TransformerConfig, sequence_parallel: bool, tp_group: dist.ProcessGroup | None
+) -> RowParallelLinear:
+    """A projection back into the residual stream (the MLP's fc2, the attention's output): row-parallel over
+    `tp_group`, its init scaled by the depth as Megatron's output layers are."""
+    return RowParallelLinear(
+        input_size,
+        config.hidden_size,
+        init_method=scaled_init_method_normal(config.init_method_std, config.num_layers),
+        bias=config.add_bias_linear,
+        sequence_parallel=sequence_parallel,
+        params_dtype=config.params_dtype,
+        tp_group=tp_group,
+    )
+
+
 class MLP(nn.Module):
     """h -> ffn (GELU, or ReLU as T5 v1.0) -> h, or SwiGLU: fc1 computes [gate; up] (TP stride 2: each rank has
     its slice of both). The ffn dimension is split over `tp_group`; `ffn_hidden_size` replaces --ffn-hidden-size
@@ -55,15 +71,7 @@ class MLP(nn.Module):
             params_dtype=config.params_dtype,
             tp_group=tp_group,
         )
-        self.linear_fc2 = RowParallelLinear(
-            ffn_hidden_size,
-            config.hidden_size,
-            init_method=scaled_init_method_normal(config.init_method_std, config.num_layers),
-            bias=config.add_bias_linear,
-            sequence_parallel=sequence_parallel,
-            params_dtype=config.params_dtype,
-            tp_group=tp_group,
-        )
+        self.linear_fc2 = residual_projection(ffn_hidden_size, config, sequence_parallel, tp_group)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.linear_fc2(self.activation(self.linear_fc1(hidden)))

@@ -21,9 +21,9 @@ from torch import nn
 
 from megatron_train.models.config import TransformerConfig
 from megatron_train.models.context_attention import ContextParallelDocuments, context_parallel_attention
-from megatron_train.models.init import init_method_normal, scaled_init_method_normal
+from megatron_train.models.init import init_method_normal
 from megatron_train.models.kv_cache import KVCache
-from megatron_train.models.mlp import MLP
+from megatron_train.models.mlp import MLP, residual_projection
 from megatron_train.models.moe.layer import MoELayer
 from megatron_train.models.norms import build_norm
 from megatron_train.models.rotary import apply_rotary_pos_emb
@@ -213,14 +213,8 @@ def attention_output_projection(
 ) -> RowParallelLinear:
     """The attention's output projection (all heads -> hidden, row-parallel over the heads of `tp_group`), its
     init scaled by the depth as Megatron's output layers are; self- and cross-attention share it."""
-    return RowParallelLinear(
-        config.num_attention_heads * config.kv_channels,
-        config.hidden_size,
-        init_method=scaled_init_method_normal(config.init_method_std, config.num_layers),
-        bias=config.add_bias_linear,
-        sequence_parallel=sequence_parallel,
-        params_dtype=config.params_dtype,
-        tp_group=tp_group,
+    return residual_projection(
+        config.num_attention_heads * config.kv_channels, config, sequence_parallel, tp_group
     )
 
 
@@ -315,7 +309,9 @@ class TransformerLayer(nn.Module):
         self.post_ln = config.post_ln
         if not self.post_ln:
             self.input_layernorm = build_norm(config, sequence_parallel)
-        self.self_attention = SelfAttention(config, layer_index, sequence_parallel, tp_group, pg_collection.cp)
+        self.self_attention = SelfAttention(
+            config, layer_index, sequence_parallel, tp_group, pg_collection.cp
+        )
         if self.post_ln:
             self.post_attention_layernorm = build_norm(config, sequence_parallel)
         self.cross_attention = cross_attention
