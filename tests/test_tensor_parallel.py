@@ -164,6 +164,7 @@ def _recompute_error_under_tp(sequence_parallel: bool, recompute: dict) -> float
     for extra in ({}, recompute):
         config = tiny_llama_config(hidden_dropout=0.1, attention_dropout=0.1, **extra)
         torch.manual_seed(1234)
+        model_parallel_seed(9)  # before the build: TP-split weights draw from the tracker's stream (sharded init)
         model = GPTModel(config, VOCAB, sequence_parallel=sequence_parallel).train()
         model_parallel_seed(9)
         ids, labels = _batch()
