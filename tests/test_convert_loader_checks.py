@@ -224,7 +224,9 @@ def test_headers_and_metadata_are_bounded_before_they_are_read(sources, tmp_path
         f"{folder}/config.json: {size} bytes, over the 100 bytes a file of this kind may have; it is not the file it "
         "is named after"
     )
-    monkeypatch.setattr(torch_dist, "MAX_DCP_METADATA_BYTES", 100)
+    from megatron_train.checkpointing import dcp
+
+    monkeypatch.setattr(dcp, "MAX_DCP_METADATA_BYTES", 100)
     folder = _copy(sources, "torch_dist", tmp_path)
     size = os.path.getsize(f"{folder}/iter_0000001/.metadata")
     assert _refusal("torch_dist", folder) == (

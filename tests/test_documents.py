@@ -60,7 +60,7 @@ def test_reads_fsspec_memory_url():
 
 
 def test_expand_inputs_file_dir_glob_and_error(tmp_path):
-    for name in ["b.jsonl", "a.jsonl.gz", "sub/c.parquet", "notes.txt"]:
+    for name in ["b.jsonl", "a.jsonl.gz", "sub/c.parquet", "notes.pdf"]:
         (tmp_path / name).parent.mkdir(exist_ok=True)
         (tmp_path / name).write_bytes(b"")
     assert expand_inputs(str(tmp_path / "b.jsonl")) == [str(tmp_path / "b.jsonl")]
@@ -138,7 +138,7 @@ def test_write_empty_shard(tmp_path):
     assert list(iter_records(str(path))) == []
 
 
-@pytest.mark.parametrize("name", ["notes.txt", "table.parquet.gz", "data.csv"])
+@pytest.mark.parametrize("name", ["notes.pdf", "table.parquet.gz", "data.csv"])
 def test_unknown_format_is_a_clear_error(tmp_path, name):
     (tmp_path / name).write_bytes(b"x")
     with pytest.raises(ValueError, match=rf"{name}: unknown document format; expected JSON Lines"):
