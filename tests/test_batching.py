@@ -198,6 +198,8 @@ def test_an_idle_batcher_keeps_followers_alive_and_stops_them_at_shutdown(model,
     app.state.service.batcher.close()  # replace the app's batcher by one with the recording runner
     app.state.service.batcher = Batcher(runner, BatchLimits(16, 10_000, 0.0))
     with TestClient(app) as client:  # leaving the block shuts the app down (its lifespan)
-        time.sleep(0.3)
+        deadline = time.monotonic() + 30  # a busy machine may starve the batcher's thread for a while
+        while runner.signals.count("keep-alive") < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert client.put("/api", json={"prompts": ["ab"], "tokens_to_generate": 2}).status_code == 200
     assert runner.signals.count("keep-alive") >= 2 and runner.signals[-1] == "stop"

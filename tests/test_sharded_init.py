@@ -18,9 +18,9 @@ from megatron_train.parallel.param_init import materialize
 from tests.helpers.training import ROOT
 
 # rank 0 of a TP-way job (torch's fake process group, as the planner builds ranks): its build's growth of the peak
-# resident memory and the bytes its parameters hold, in KiB
+# resident memory (Linux's VmHWM, reset before the build) and the bytes its parameters hold, in KiB
 BUILD = """
-import resource, sys, torch
+import sys, torch
 from megatron_train.arguments import parse_args
 from megatron_train.families.gpt import GPT
 from megatron_train.tools.report_theoretical_memory import padded_vocab
@@ -28,11 +28,16 @@ from megatron_train.training.memory_plan import planned_rank
 from megatron_train.training.setup import build_model_chunks
 tp = int(sys.argv[1])
 config = parse_args(sys.argv[2:] + ["--tensor-model-parallel-size", str(tp)], tp)
-before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+def status_kib(field):
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith(field + ":"))
+with open("/proc/self/clear_refs", "w") as clear:  # the peak so far (imports) forgotten: VmHWM = VmRSS
+    clear.write("5")
+before = status_kib("VmRSS")
 with planned_rank(config, tp, 0):
     chunks = build_model_chunks(config, GPT.model_provider, padded_vocab(config), torch.device("cpu"))
     held = sum(p.numel() * p.element_size() for chunk in chunks for p in chunk.parameters())
-print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before, held // 1024)
+print(status_kib("VmHWM") - before, held // 1024)
 """
 # about 115 M parameters (460 MB in fp32), nearly all of them split over TP
 MODEL = [
