@@ -12,6 +12,7 @@ import os
 import re
 import signal
 import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -225,6 +226,24 @@ def test_signal_handler_records_sigterm_and_restores_the_old_handler() -> None:
         os.kill(os.getpid(), signal.SIGTERM)
         assert handler.signals_received()
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+@pytest.mark.processes
+def test_a_group_of_one_leaves_the_environment_to_the_processes_it_starts() -> None:
+    """A plain `python -m` run (or a tool called in-process) joins a one-rank group on a free port without
+    setting RANK / MASTER_PORT: set, they sent every process started afterwards to that port (EADDRINUSE)."""
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    }
+    code = (
+        "import os, torch.distributed as dist\n"
+        "from megatron_train.training.setup import initialize_distributed\n"
+        "assert initialize_distributed(1) and dist.get_world_size() == 1\n"
+        "print(sorted(k for k in ('RANK', 'WORLD_SIZE', 'MASTER_ADDR', 'MASTER_PORT') if k in os.environ))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "[]"
 
 
 @pytest.mark.processes

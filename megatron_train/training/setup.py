@@ -37,15 +37,19 @@ def initialize_distributed(timeout_minutes: int) -> bool:
     """Join the process group torchrun describes (or a one-rank group); True when this call created it."""
     if dist.is_initialized():
         return False
-    if "RANK" not in os.environ:  # a plain `python -m ...`: a group of one
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        os.environ.update(
-            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0"
-        )
     set_device_for_local_rank()
-    dist.init_process_group(get_backend(), timeout=datetime.timedelta(minutes=timeout_minutes))
+    timeout = datetime.timedelta(minutes=timeout_minutes)
+    if "RANK" in os.environ:
+        dist.init_process_group(get_backend(), timeout=timeout)
+        return True
+    # A plain `python -m ...` (or a tool called in-process): a group of one on a free port, passed to this
+    # call only; setting RANK / MASTER_PORT in the environment would hand that port to every process it starts.
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    dist.init_process_group(
+        get_backend(), init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1, timeout=timeout
+    )
     return True
 
 
