@@ -173,8 +173,9 @@ def test_gpt_pretraining_dp2_and_tp2_equal_one_process(tmp_path) -> None:
     from tests.helpers.training import pretrain_worker, tiny_args, write_corpus
 
     prefix = write_corpus(str(tmp_path))
+    # --use-cpu-initialization: TP=2 starts from TP=1's weights (sharded initialization draws per TP rank)
     common = ["--data-path", prefix, "--split", "90,10,0", "--train-iters", "4", "--hidden-dropout", "0.0",
-              "--attention-dropout", "0.0"]  # fmt: skip
+              "--attention-dropout", "0.0", "--use-cpu-initialization"]  # fmt: skip
     (reference,) = run_distributed(pretrain_worker, 1, [tiny_args(str(tmp_path / "dp1"), *common)])[0]
     variants = [
         ["--ddp-impl", "local"],

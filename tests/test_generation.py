@@ -278,8 +278,8 @@ def _tensor_parallel_worker(rank: int, world_size: int) -> dict[str, list[list[i
         if tp > 1:
             state.initialize_model_parallel(tensor_model_parallel_size=tp)
         for name, config in configs.items():
-            torch.manual_seed(7)
-            model = GPTModel(config, 128).eval()
+            # init_seed (--use-cpu-initialization): the same full weights at every TP size
+            model = GPTModel(config, 128, init_seed=7).eval()
             out = generate(model, CharTokenizer(), ["hello", "a b"], GREEDY)
             results[f"{name} tp{tp}"] = out.tokens
     return results
