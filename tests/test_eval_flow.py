@@ -69,7 +69,8 @@ def test_eval_flow_end_to_end_then_cached(prefect_api_url, tmp_path):
     evaluate = store.ref(refs["evaluate"])
     report = json.loads(Path(evaluate.local_path("report.json")).read_text())
     metrics = report["metrics"]
-    assert metrics["final training loss"] < metrics["first training loss"] - 1.0  # it learned
+    # it learned: 40 steps take 0.94 to 1.11 off the first 10 steps' mean over --seed 1..5 and 7 (0.995 at 7)
+    assert metrics["final training loss"] < metrics["first training loss"] - 0.75
     assert metrics["final validation loss (run)"] < metrics["first validation loss (run)"]
     assert 0 < metrics["held-out loss (whole validation split)"] < metrics["first training loss"]
     assert metrics["held-out tokens"] > 0 and metrics["WikiText-103 adjusted perplexity"] > 1.0
