@@ -144,7 +144,10 @@ def test_retro_learns_to_read_the_continuation_of_its_neighbours():
     document continues, so there the gap is small (README, Retro flow); this shows the model can use them."""
     vocab, chunk, chunks, batch = 32, 4, 4, 16
     retro = _retro_config(retro_chunk_length=chunk, retro_num_neighbors=1)
-    config = tiny_config(num_layers=6, seq_length=chunk * chunks)
+    # The exact GELU, as when this seed and step count were chosen: with the tanh GELU (--bias-gelu-fusion, the
+    # default since the Megatron flags) the same run stays at chance for 300 steps. Leaving chance on this copy
+    # task is seed-sensitive (tanh GELU, lr 3e-3: seeds 0 and 2 stay, seed 1 barely leaves).
+    config = tiny_config(num_layers=6, seq_length=chunk * chunks, bias_gelu_fusion=False)
     chance = math.log(vocab)
     torch.manual_seed(0)
     models = {"retro": RetroModel(config, vocab, retro=retro), "gpt": GPTModel(config, vocab)}
