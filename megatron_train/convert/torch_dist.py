@@ -276,7 +276,10 @@ def _check_index(
     the one the args give a layer (or the embedding, the output layer) of, and every stacked tensor has
     args.num_layers layers."""
     where = f"{iteration_dir}/.metadata"
-    one_layer = dataclasses.replace(config, model=dataclasses.replace(config.model, num_layers=1))
+    try:  # one layer of the args' model (a layer pattern of other length refuses it: the args disagree)
+        one_layer = dataclasses.replace(config, model=dataclasses.replace(config.model, num_layers=1))
+    except ValueError as error:
+        raise CheckpointError(f"{iteration_dir}/{COMMON_FILE} (args): {error}") from None
     expected = model_shapes(one_layer, padded_vocab_size, family, where)
     for key, item in items.items():
         size, stacked = tuple(item.size), _STACKED.match(key)
