@@ -549,9 +549,18 @@ def test_write_tensors_hash_taken_in_memory_equals_the_file_hash(
         raise AssertionError(f"{path} was read back to hash it")
 
     monkeypatch.setattr("megatron_train.checkpointing.files.hash_file", no_reread)
-    record = write_tensors(path, tensors, {"format_version": "2", "sharding": "{}"})
+    record = write_tensors(path, tensors, {"sharding": "{}"})
     monkeypatch.undo()
     assert record == {"size": os.path.getsize(path), "hash": hash_file(path)}
     loaded = load_file(path)
     assert all(torch.equal(loaded[name], tensor) for name, tensor in tensors.items())
     assert not [name for name in os.listdir(tmp_path) if name != "model.safetensors"]
+
+
+def test_checkpoint_files_keep_one_metadata_key_so_reruns_write_the_same_bytes(tmp_path):
+    """safetensors writes a header's metadata keys in a per-process random order: with two keys the same tensors
+    gave other bytes in another process (the pretrain flow's --rebuild byte check failed half the time)."""
+    from megatron_train.checkpointing.files import write_tensors
+
+    with pytest.raises(ValueError, match="one safetensors metadata key at most"):
+        write_tensors(str(tmp_path / "two.safetensors"), {"w": torch.ones(2)}, {"a": "1", "b": "2"})

@@ -80,7 +80,12 @@ def complete_iterations(root: str) -> list[int]:
 
 def save_safetensors(tensors: dict[str, torch.Tensor], path: str, metadata: dict[str, str]) -> None:
     """safetensors' save_file; a failed write (the library's SafetensorError, "os error 28") is the OSError it
-    stands for, naming `path`, so a saver reports a full disk or a read-only folder like any other write."""
+    stands for, naming `path`, so a saver reports a full disk or a read-only folder like any other write.
+
+    At most one metadata key: safetensors keeps them in a hash map written in a per-process random order, so two
+    keys made the same tensors' file differ from run to run (and a rerun's bytes from the first run's)."""
+    if len(metadata) > 1:
+        raise ValueError(f"{path}: one safetensors metadata key at most, not {sorted(metadata)}")
     try:
         save_file(tensors, path, metadata=metadata)
     except SafetensorError as error:

@@ -76,7 +76,7 @@ def write_shard(
 
     Returns each file's record keyed by its path in the iteration folder (`mp_rank_00/model.safetensors`)."""
     name = os.path.basename(shard_dir)
-    metadata = {"format_version": str(FORMAT_VERSION), "sharding": json.dumps(sharding)}
+    metadata = {"sharding": json.dumps(sharding)}  # one key (files.py); the version is in metadata.json
     records = {
         f"{name}/model.safetensors": write_tensors(f"{shard_dir}/model.safetensors", weights, metadata)
     }
