@@ -439,9 +439,12 @@ def validate_pipeline_parallel(config: MegatronConfig, data_parallel_size: int) 
     parallel, training = config.parallel, config.training
     pp = parallel.pipeline_model_parallel_size
     model = config.model
-    parallel.check_num_layers(
-        model.num_layers, model.num_layers_in_first_pipeline_stage, model.num_layers_in_last_pipeline_stage
-    )
+    if model.hybrid_layer_pattern is None:  # a hybrid model's stages are its pattern's segments, of any sizes
+        parallel.check_num_layers(
+            model.num_layers,
+            model.num_layers_in_first_pipeline_stage,
+            model.num_layers_in_last_pipeline_stage,
+        )
     if pp > 1 and training.ddp_impl != "local":
         raise ValueError(
             "--pipeline-model-parallel-size > 1 needs --ddp-impl local: torch's DDP decides at forward time "
