@@ -8,6 +8,7 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ from fastapi.testclient import TestClient
 from megatron_train.arguments import MegatronConfig
 from megatron_train.checkpointing import load_model_for_inference
 from megatron_train.checkpointing.layout import split_tp_shard
-from megatron_train.convert.megatron import CHECKPOINT_FILE
+from megatron_train.convert.megatron import CHECKPOINT_FILE, expert_linear_sharding, experts_to_linears
 from megatron_train.convert.weights import model_shardings
 from megatron_train.data.config import DataConfig
 from megatron_train.families.hybrid import HYBRID
@@ -131,6 +132,7 @@ def test_a_hybrid_with_attention_or_positions_is_refused_by_the_hf_saver():
                 normalization="RMSNorm", position_embedding_type="none")  # fmt: skip
     for settings, message in (
         ({"hybrid_layer_pattern": "M*M"}, "Mamba2ForCausalLM has Mamba layers only"),
+        ({"hybrid_layer_pattern": "MEM", "num_experts": 4}, "Mamba2ForCausalLM has Mamba layers only"),
         ({"hybrid_layer_pattern": "MM", "position_embedding_type": "rope"}, "has no position embeddings"),
     ):
         with pytest.raises(ValueError, match=message):
@@ -145,30 +147,43 @@ def _fused_names(name: str) -> str:
         ("input_layernorm.weight", "self_attention.linear_qkv.layer_norm_weight"),
         ("pre_mlp_layernorm.weight", "mlp.linear_fc1.layer_norm_weight"),
     ):
-        if name.endswith(ours) and ".mixer.norm." not in name and name.startswith("decoder.layers."):
+        if name.endswith(f".{ours}") and ".mixer.norm." not in name and name.startswith("decoder.layers."):
             return name.removesuffix(ours) + theirs
     return name.replace("layers.0.mixer.conv1d.weight", "layers.0.mixer.conv1d_weight")
 
 
 def test_a_megatron_legacy_hybrid_checkpoint_in_the_released_layout_loads(tmp_path):
     """Megatron's hybrid_conversion.py layout: mp_rank_TT/model_optim_rng.pt per TP rank, the in-projection's and
-    convolution's parts each split over TP, args naming the pattern by its old flag."""
+    convolution's parts each split over TP, args naming the pattern by its old flag; the MoE layer (E) as
+    Megatron-Core's hybrid MoE layer names it: an unfused pre_mlp_layernorm, mlp.router and one Linear per expert
+    (mlp.experts.local_experts.<j>), each split over TP."""
     model_config = TransformerConfig(
-        hidden_size=32, num_attention_heads=4, seq_length=16, hybrid_layer_pattern="M*M-", mamba_head_dim=8,
+        hidden_size=32, num_attention_heads=4, seq_length=16, hybrid_layer_pattern="M*E-", mamba_head_dim=8,
         mamba_num_groups=2, mamba_state_dim=8, normalization="RMSNorm", position_embedding_type="none",
-        add_bias_linear=False, untie_embeddings_and_output_weights=True, true_vocab_size=VOCAB,
+        add_bias_linear=False, untie_embeddings_and_output_weights=True, true_vocab_size=VOCAB, num_experts=4,
     )  # fmt: skip
     torch.manual_seed(2)
     reference = MambaModel(model_config, 128).eval()
     args = argparse.Namespace(
         **{k: v for k, v in dataclasses.asdict(model_config).items() if not k.startswith("hybrid_")},
-        hybrid_override_pattern="M*M-", tensor_model_parallel_size=2, pipeline_model_parallel_size=1,
+        hybrid_override_pattern="M*E-", tensor_model_parallel_size=2, pipeline_model_parallel_size=1,
         padded_vocab_size=128, tokenizer_type="NullTokenizer", vocab_size=VOCAB - 1, params_dtype=torch.float32,
     )  # fmt: skip
     shardings = model_shardings(MegatronConfig(model=model_config, data=DataConfig()), 128, HYBRID)
     state = reference.state_dict()
     for tp_rank in range(2):
-        shard = {_fused_names(n): split_tp_shard(t, shardings[n], 2, tp_rank) for n, t in state.items()}
+        shard = {}
+        for name, tensor in state.items():
+            expert = re.fullmatch(r"(.*\.mlp\.experts\.)weight([12])", name)
+            if expert is None:  # the E layer's norm is TransformerEngine's TENorm, not fused into its experts
+                saved = name if name.startswith("decoder.layers.2.") else _fused_names(name)
+                shard[saved] = split_tp_shard(tensor, shardings[name], 2, tp_rank)
+                continue
+            linear = f"linear_fc{expert[2]}"
+            sharding = expert_linear_sharding(linear, model_config)
+            for j, weight in enumerate(experts_to_linears(tensor)):
+                key = f"{expert[1]}local_experts.{j}.{linear}.weight"
+                shard[key] = split_tp_shard(weight, sharding, 2, tp_rank)
         path = tmp_path / "release" / f"mp_rank_{tp_rank:02d}" / CHECKPOINT_FILE
         os.makedirs(path.parent)
         torch.save({"args": args, "checkpoint_version": 3.0, "iteration": 0, "model": shard}, path)
@@ -180,7 +195,7 @@ def test_a_megatron_legacy_hybrid_checkpoint_in_the_released_layout_loads(tmp_pa
     with torch.no_grad():
         torch.testing.assert_close(model(tokens), reference(tokens), rtol=1e-5, atol=1e-5)
     # served where it lies: --load detects Megatron's format, Megatron's server name reads it as a hybrid model
-    argv = hybrid_argv(["--load", str(tmp_path), "--hybrid-layer-pattern", "M*M-", "--bf16", "--seed", "42"])
+    argv = hybrid_argv(["--load", str(tmp_path), "--hybrid-layer-pattern", "M*E-", "--bf16", "--seed", "42"])
     served, _, _ = load_for_inference(server_tool.build_parser(argv).parse_args(argv))
     with torch.no_grad():
         torch.testing.assert_close(served(tokens), reference(tokens), rtol=1e-5, atol=1e-5)

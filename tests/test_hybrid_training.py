@@ -5,6 +5,7 @@ run resumes bitwise; Megatron's examples/mamba scripts parse as written and trai
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -12,6 +13,7 @@ import torch
 
 from megatron_train.arguments import build_parser, parse_args
 from megatron_train.checkpointing import load_model_for_inference
+from megatron_train.checkpointing.files import checkpoint_dir, model_shard_dir
 from megatron_train.evaluation.wikitext import evaluate_wikitext
 from megatron_train.models.hybrid import MambaModel
 from megatron_train.pretrain_mamba import main as pretrain_mamba
@@ -30,17 +32,22 @@ from tests.helpers.training import (
     write_corpus,
 )
 
-# A hybrid of every layer kind, cut into two pipeline stages; Mamba heads 8 and groups 2 split over TP=2.
+# A hybrid of every layer kind, cut into two pipeline stages; Mamba heads 8 and groups 2 split over TP=2; the MoE
+# layer's 4 experts over EP=2 (dropless, so every layout routes the same tokens).
+PATTERN = "M*E|M-"
 HYBRID_FLAGS = [
-    "--model-family", "hybrid", "--hybrid-layer-pattern", "M*|M-", "--mamba-state-dim", "8", "--mamba-head-dim",
+    "--model-family", "hybrid", "--hybrid-layer-pattern", PATTERN, "--mamba-state-dim", "8", "--mamba-head-dim",
     "8", "--mamba-num-groups", "2", "--position-embedding-type", "none", "--normalization", "RMSNorm",
     "--split", "90,10,0", "--hidden-dropout", "0.0", "--attention-dropout", "0.0", "--reset-attention-mask",
+    "--num-experts", "4", "--moe-aux-loss-coeff", "1e-2", "--moe-z-loss-coeff", "1e-3",
+    "--moe-token-dispatcher-type", "alltoall", "--disable-bias-linear",
 ]  # fmt: skip
 LAYOUTS = {  # continued from the one-process checkpoint at iteration 2
     "tp1": (1, []),
     "tp2-sp": (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
     "dp2-distributed-optimizer": (2, ["--use-distributed-optimizer"]),
     "pp2": (2, ["--pipeline-model-parallel-size", "2"]),
+    "ep2": (2, ["--expert-model-parallel-size", "2"]),
 }
 
 
@@ -51,14 +58,15 @@ def hybrid_argv(run_dir: str, data: str, *extra: str) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def continued(tmp_path_factory) -> tuple[str, dict[str, list[float]]]:
-    """(the one-process run, 2 iterations saved; the losses of iterations 3..5 continuing it per layout)."""
+def continued(tmp_path_factory) -> tuple[str, dict[str, list[dict]]]:
+    """(the one-process run, 2 iterations saved; the logged records of iterations 3..5 continuing it per
+    layout)."""
     tmp = tmp_path_factory.mktemp("hybrid")
     data = write_corpus(str(tmp))
     base = str(tmp / "base")
     base_argv = hybrid_argv(base, data, "--train-iters", "5", "--exit-interval", "2")  # the same schedule
     run_distributed(pretrain_worker, 1, [base_argv], timeout=300)
-    losses = {}
+    records = {}
     for world_size in (1, 2):
         names = [name for name, (size, _) in LAYOUTS.items() if size == world_size]
         runs = [
@@ -75,33 +83,43 @@ def continued(tmp_path_factory) -> tuple[str, dict[str, list[float]]]:
             for name in names
         ]
         last_rank = run_distributed(pretrain_worker, world_size, runs, timeout=300)[-1]
-        for name, records in zip(names, last_rank, strict=True):
-            losses[name] = [r["lm loss"] for r in records if "split" not in r]
-    return str(tmp), losses
+        for name, logged in zip(names, last_rank, strict=True):
+            records[name] = [r for r in logged if "split" not in r]
+    return str(tmp), records
 
 
 @pytest.mark.processes
 @pytest.mark.parametrize("name", [name for name in LAYOUTS if name != "tp1"])
 def test_a_hybrid_model_continues_a_one_process_checkpoint_with_the_same_losses(continued, name) -> None:
-    _, losses = continued
-    reference = losses["tp1"]
-    assert len(reference) == 3 and len(set(reference)) == 3
-    np.testing.assert_allclose(losses[name], reference, rtol=1e-5, err_msg=name)
+    """The LM loss and the MoE layer's aux and z losses, which the iteration line logs after it."""
+    _, records = continued
+    reference = records["tp1"]
+    assert len({r["lm loss"] for r in reference}) == 3 and all(r["z_loss"] > 0 for r in reference)
+    assert list(reference[0]).index("lm loss") < list(reference[0]).index("load_balancing_loss")
+    for key in ("lm loss", "load_balancing_loss", "z_loss"):
+        np.testing.assert_allclose(
+            [r[key] for r in records[name]], [r[key] for r in reference], rtol=1e-5, err_msg=f"{name} {key}"
+        )
 
 
 @pytest.mark.processes
-def test_a_tp2_checkpoint_loads_at_tp1_with_the_tp1_runs_logits(continued, tmp_path) -> None:
+def test_tp2_and_ep2_checkpoints_load_at_tp1_ep1_with_the_tp1_runs_logits(continued, tmp_path) -> None:
     tmp, _ = continued
     split, config = load_model_for_inference(f"{tmp}/tp2-sp", device="cpu")
     whole, _ = load_model_for_inference(f"{tmp}/tp1", device="cpu")
-    assert isinstance(split, MambaModel) and config.model.hybrid_layer_pattern == "M*|M-"
+    experts, _ = load_model_for_inference(f"{tmp}/ep2", device="cpu")
+    assert isinstance(split, MambaModel) and config.model.hybrid_layer_pattern == PATTERN
     tokens = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(split(tokens), whole(tokens), rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(experts(tokens), whole(tokens), rtol=1e-4, atol=1e-4)
     assert read_marker(f"{tmp}/pp2") == 5
-    resharded = str(tmp_path / "tp1-pp2")  # offline: TP=2 -> TP=1 x PP=2, stages at the pattern's cut
+    resharded = str(tmp_path / "tp1-pp2-ep2")  # offline: TP=2 -> TP=1 x PP=2 (at the pattern's cut) x EP=2
     checkpoint_util.main(["--load-dir", f"{tmp}/tp2-sp", "--save-dir", resharded, "--target-tensor-parallel-size",
-                          "1", "--target-pipeline-parallel-size", "2"])  # fmt: skip
+                          "1", "--target-pipeline-parallel-size", "2", "--target-expert-model-parallel-size",
+                          "2"])  # fmt: skip
+    # the first stage's E layer holds the experts, half in each EP rank's folder (as GPT MoE saves them)
+    assert os.path.isdir(model_shard_dir(checkpoint_dir(resharded, 5), 0, 0, 2, ep_rank=1))
     offline, _ = load_model_for_inference(resharded, device="cpu")
     with torch.no_grad():
         torch.testing.assert_close(offline(tokens), split(tokens))

@@ -87,9 +87,9 @@ def test_documents_restart_the_convolution_and_the_state() -> None:
     torch.testing.assert_close(packed[:, :11], first, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("pattern", ["MMM", "M*M-", "*-M"])
+@pytest.mark.parametrize("pattern", ["MMM", "M*M-", "*-M", "ME*E"])
 def test_the_state_cache_gives_the_logits_and_tokens_of_full_recomputation(pattern) -> None:
-    model = tiny_hybrid(hybrid_layer_pattern=pattern)
+    model = tiny_hybrid(hybrid_layer_pattern=pattern, num_experts=4 if "E" in pattern else None)
     tokens = torch.randint(0, 60, (3, 40), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         full = model(tokens)
@@ -144,10 +144,12 @@ def test_pattern_flags_layer_count_and_refusals() -> None:
         [*base, "--num-layers", "10", "--hybrid-attention-ratio", "0.2", "--hybrid-mlp-ratio", "0.3"]
     )
     assert ratios.model.hybrid_layer_pattern == pattern_from_ratios(10, 0.2, 0.3) == "MM-*M-*MM-"
+    moe = parse_args([*base, "--hybrid-layer-pattern", "M*E|E-", "--num-experts", "4"]).model
+    assert (moe.num_layers, moe.moe_layer_pattern, moe.moe_layer_freq) == (5, [0, 0, 1, 1, 0], "1")
     refusals = {
         "--num-layers 5 disagrees with --hybrid-layer-pattern 'MM*M', which has 4 layers: drop --num-layers": {
             "num_layers": 5, "hybrid_layer_pattern": "MM*M"},
-        "symbol 'E' at 2: MoE layers (E) are not built": {"hybrid_layer_pattern": "MME"},
+        "--hybrid-layer-pattern 'MME' has MoE layers (E): they need --num-experts": {"hybrid_layer_pattern": "MME"},
         "symbol 'x' at 1": {"hybrid_layer_pattern": "MxM"},
         "a pipeline segment between | has no layers": {"hybrid_layer_pattern": "MM||M"},
         "--hybrid-override-pattern is the deprecated name of --hybrid-layer-pattern: give one of them": {
@@ -158,10 +160,9 @@ def test_pattern_flags_layer_count_and_refusals() -> None:
             TransformerConfig(hidden_size=32, num_attention_heads=4, **settings)
 
 
-def _hybrid_config(pattern: str, **parallel) -> MegatronConfig:
-    config = MegatronConfig(
-        model=TransformerConfig(**{**TINY_HYBRID, "hybrid_layer_pattern": pattern}), data=DataConfig()
-    )
+def _hybrid_config(pattern: str, num_experts: int | None = None, **parallel) -> MegatronConfig:
+    model = TransformerConfig(**{**TINY_HYBRID, "hybrid_layer_pattern": pattern, "num_experts": num_experts})
+    config = MegatronConfig(model=model, data=DataConfig())
     for name, value in parallel.items():
         setattr(config.parallel, name, value)
     return config
@@ -175,20 +176,29 @@ def test_the_family_refuses_layouts_it_cannot_split_naming_the_flag() -> None:
             "pipeline_model_parallel_size": 2, "num_layers_per_virtual_pipeline_stage": 1}),
         "--mamba-num-groups (2) is not divisible by the tensor model parallel size (4)": ("M*M-", {
             "tensor_model_parallel_size": 4}),
+        "--num-experts 4: a hybrid model's MoE layers are the E layers of --hybrid-layer-pattern, and 'M*M-' has "
+        "none": ("M*M-", {"num_experts": 4}),
     }  # fmt: skip
     for message, (pattern, parallel) in refusals.items():
         with pytest.raises(ValueError, match=re.escape(message)):
             check_family_config(HYBRID, _hybrid_config(pattern, **parallel))
     check_family_config(HYBRID, _hybrid_config("M*|M-", pipeline_model_parallel_size=2))
+    check_family_config(HYBRID, _hybrid_config("M*|ME", 4, pipeline_model_parallel_size=2,
+                                               expert_model_parallel_size=2))  # fmt: skip
 
 
 def test_terms_count_the_model_and_a_scan_per_mamba_layer() -> None:
-    config = _hybrid_config("M*M-")
-    model = MambaModel(config.model, 64)
+    config, moe = _hybrid_config("M*M-"), _hybrid_config("M*ME", num_experts=4)
+    for each in (config, moe):
+        terms = HYBRID.terms(each, 64)
+        assert terms.num_parameters() == sum(p.numel() for p in MambaModel(each.model, 64).parameters())
     terms = HYBRID.terms(config, 64)
-    assert terms.num_parameters() == sum(p.numel() for p in model.parameters())
     assert [(scan.layers, scan.width, scan.state_dim) for scan in terms.scans] == [(2, 64, 8)]
     assert terms.flops_per_sample() > HYBRID.terms(_hybrid_config("*M-"), 64).flops_per_sample()
+    # an E layer's FLOPs count its top-2 of 4 experts (the active parameters): two dense MLPs' worth and a router
+    dense_mlps = HYBRID.terms(_hybrid_config("M*M--"), 64).flops_per_sample() - terms.flops_per_sample()
+    router = 3 * 2 * 64 * 4 * 32  # fwd + bwd, 64 tokens, 4 experts x hidden 32
+    assert HYBRID.terms(moe, 64).flops_per_sample() - terms.flops_per_sample() == dense_mlps + router
 
 
 def test_a_log_d_and_dt_bias_get_no_weight_decay() -> None:

@@ -2,7 +2,8 @@
 pretrain_mamba), one `MambaModel` whose `--hybrid-layer-pattern` lists its layers.
 
 GPT's data, forward step and loss (the GPT datasets; `--reset-attention-mask` documents restart the Mamba layers'
-state too); its own model, terms (the Mamba layers' projections, convolution and scan), pipeline split (the
+state too; the MoE layers' aux and z losses as GPT's); its own model, terms (the Mamba layers' projections,
+convolution and scan, the MoE layers' active parameters), pipeline split (the
 pattern's `|` segments), its names in Megatron-LM checkpoints (TransformerEngine's fused norms of Mamba layers
 included) and Hugging Face's `Mamba2ForCausalLM` both ways.
 """
@@ -23,7 +24,7 @@ from megatron_train.families.family import (
 from megatron_train.families.gpt import datasets_provider, forward_step
 from megatron_train.models.hf_mamba import export_mamba2
 from megatron_train.models.hybrid import MambaModel, hybrid_layer_range
-from megatron_train.models.hybrid_pattern import ATTENTION, MAMBA, MLP, layer_symbols
+from megatron_train.models.hybrid_pattern import ATTENTION, MAMBA, MLP, MOE, layer_symbols
 from megatron_train.models.mamba import CONV_KERNEL, check_mamba_config, mamba_shapes
 from megatron_train.models.terms import (
     ModelTerms,
@@ -32,6 +33,7 @@ from megatron_train.models.terms import (
     embedding_terms,
     final_norm_terms,
     mlp_terms,
+    moe_terms,
     norm_parameters,
     output_layer_terms,
     self_attention_terms,
@@ -48,8 +50,13 @@ _NO_CONTEXT = "context parallelism is not built for Mamba layers (their state ru
 def check_hybrid_config(config: MegatronConfig) -> None:
     """Megatron's pretrain_hybrid rules, as ValueErrors naming the flag: the Mamba shape must split over TP, and
     the stages are the pattern's segments (without a pattern the model is --num-layers Mamba layers, Megatron's
-    pure Mamba)."""
+    pure Mamba), and --num-experts shapes the pattern's E layers, so it needs some."""
     model, parallel = config.model, config.parallel
+    if model.is_moe and MOE not in layer_symbols(model.hybrid_layer_pattern, model.num_layers):
+        raise ValueError(
+            f"--num-experts {model.num_experts}: a hybrid model's MoE layers are the E layers of "
+            f"--hybrid-layer-pattern, and {model.hybrid_layer_pattern!r} has none; add E layers or drop --num-experts"
+        )
     check_mamba_config(model, parallel.tensor_model_parallel_size)
     hybrid_layer_range(model, 0, parallel.pipeline_model_parallel_size)
 
@@ -72,11 +79,11 @@ def mamba_layer_terms(config: MegatronConfig, layers: int, tokens: int) -> Model
 
 
 def hybrid_terms(config: MegatronConfig, padded_vocab_size: int) -> ModelTerms:
-    """Embeddings, the pattern's Mamba, attention and MLP layers over --seq-length tokens, the final norm and the
-    output layer."""
+    """Embeddings, the pattern's Mamba, attention, MLP and MoE layers (their experts' active parameters in the
+    FLOPs, as GPT's) over --seq-length tokens, the final norm and the output layer."""
     model, seq = config.model, config.model.seq_length
     counts = Counter(layer_symbols(model.hybrid_layer_pattern, model.num_layers))
-    return (
+    terms = (
         embedding_terms(model, padded_vocab_size)
         + mamba_layer_terms(config, counts[MAMBA], seq)
         + self_attention_terms("decoder", model, counts[ATTENTION], seq)
@@ -84,6 +91,7 @@ def hybrid_terms(config: MegatronConfig, padded_vocab_size: int) -> ModelTerms:
         + final_norm_terms("decoder", model)
         + output_layer_terms(model, padded_vocab_size, seq)
     )
+    return terms + moe_terms("decoder", model, counts[MOE], seq) if counts[MOE] else terms
 
 
 HYBRID = ModelFamily(
@@ -91,13 +99,14 @@ HYBRID = ModelFamily(
     model_class=MambaModel,
     terms=hybrid_terms,
     layouts=Layouts(
-        frozenset({"tensor", "sequence", "pipeline"}),
+        frozenset({"tensor", "sequence", "pipeline", "expert"}),
         {"virtual pipeline": _NO_VIRTUAL, "context": _NO_CONTEXT},
     ),
     pipeline=HYBRID_PIPELINE,
     forward_step=forward_step,
     datasets_provider=datasets_provider,
     per_token_loss=True,
+    mixture_of_experts=True,
     check_config=check_hybrid_config,
     entry_module="megatron_train.pretrain_hybrid",
     corpus="document",

@@ -12,7 +12,7 @@ from typing import Literal, get_args
 
 import torch
 
-from megatron_train.models.hybrid_pattern import hybrid_layer_count, pattern_from_ratios
+from megatron_train.models.hybrid_pattern import MOE, hybrid_layer_count, moe_layer_flags, pattern_from_ratios
 from megatron_train.models.moe.config import MoEConfig
 
 PositionEmbeddingType = Literal["learned_absolute", "rope", "relative", "none"]
@@ -235,8 +235,9 @@ class TransformerConfig(MoEConfig):
     hybrid_layer_pattern: str | None = field(
         default=None,
         metadata={
-            "help": "A hybrid (Mamba) model's layers, one symbol each: M Mamba, * attention, - MLP, E MoE; | "
-            "cuts pipeline stages (Megatron's pretrain_hybrid). The layer count comes from it."
+            "help": "A hybrid (Mamba) model's layers, one symbol each: M Mamba, * attention, - MLP, E MoE (needs "
+            "--num-experts; the pattern, not --moe-layer-freq, places them); | cuts pipeline stages (Megatron's "
+            "pretrain_hybrid). The layer count comes from it."
         },
     )
     hybrid_override_pattern: str | None = field(
@@ -301,6 +302,11 @@ class TransformerConfig(MoEConfig):
 
     def _validate(self) -> None:
         checks = [
+            (
+                MOE not in (self.hybrid_layer_pattern or "") or self.is_moe,
+                f"--hybrid-layer-pattern {self.hybrid_layer_pattern!r} has MoE layers (E): they need --num-experts "
+                "(and the --moe-* flags that shape them)",
+            ),
             (
                 self.position_embedding_type in get_args(PositionEmbeddingType),
                 f"--position-embedding-type must be one of {get_args(PositionEmbeddingType)}, "
@@ -377,6 +383,13 @@ class TransformerConfig(MoEConfig):
                 raise ValueError(message)
         if self.is_moe:
             self.moe_layer_pattern  # noqa: B018 - parsing --moe-layer-freq raises on a bad pattern
+
+    @property
+    def moe_layer_pattern(self) -> list[int]:
+        """One 0/1 per layer, 1 for an MoE layer: a hybrid model's E layers, else --moe-layer-freq's."""
+        if self.hybrid_layer_pattern is None:
+            return super().moe_layer_pattern
+        return moe_layer_flags(self.hybrid_layer_pattern)
 
     @property
     def num_decoder_layers(self) -> int:

@@ -1,6 +1,7 @@
 """MambaModel: a pure Mamba or hybrid Mamba-Transformer language model (Megatron-Core's MambaModel / HybridModel).
 
-Embedding -> the layers `--hybrid-layer-pattern` lists (`models.mamba`: `M` Mamba, `*` attention, `-` MLP) ->
+Embedding -> the layers `--hybrid-layer-pattern` lists (`models.mamba`: `M` Mamba, `*` attention, `-` MLP, `E` an
+MLP layer whose MLP is the MoE layer of `models.moe`, its experts split over expert parallelism) ->
 final norm -> output layer, on the shared language-model pieces. Pipeline stages are the pattern's `|` segments
 (`hybrid_layer_range`). Generation keeps a `HybridCache` (conv and SSM state per Mamba layer, keys and values per
 attention layer) that the model allocates for its own stage (`allocate_inference_cache`).
@@ -18,6 +19,7 @@ from megatron_train.models.hybrid_pattern import (
     ATTENTION,
     MAMBA,
     MLP,
+    MOE,
     PIPE,
     layer_symbols,
     pipeline_segments,
@@ -25,6 +27,7 @@ from megatron_train.models.hybrid_pattern import (
 )
 from megatron_train.models.language_module import LanguageModelEmbedding, LanguageModule, build_output_layer
 from megatron_train.models.mamba import AttentionLayer, HybridCache, MambaLayer, MLPLayer
+from megatron_train.models.moe.layer import MoELayer
 from megatron_train.models.norms import build_norm
 from megatron_train.models.rotary import RotaryEmbedding
 from megatron_train.models.transformer import FIRST_LAYER_INIT_STREAM, Rotary, document_causal_mask
@@ -32,6 +35,21 @@ from megatron_train.parallel import state
 from megatron_train.parallel.random import checkpoint, get_rng_tracker, initialization_stream
 
 LAYER_CLASSES = {MAMBA: MambaLayer, ATTENTION: AttentionLayer, MLP: MLPLayer}
+
+
+def build_hybrid_layer(
+    symbol: str,
+    config: TransformerConfig,
+    sequence_parallel: bool,
+    pg_collection: state.ProcessGroupCollection,
+    layer_number: int,
+) -> nn.Module:
+    """The pattern's layer `symbol` at global layer `layer_number`: an `E` layer is Megatron-Core's hybrid MoE
+    layer, the pre-MLP norm and an MoE layer (`mlp.router`, `mlp.experts`) over the run's expert groups."""
+    if symbol == MOE:
+        moe = MoELayer(config, layer_number, sequence_parallel, pg_collection)
+        return MLPLayer(config, sequence_parallel, pg_collection.tp, moe)
+    return LAYER_CLASSES[symbol](config, sequence_parallel, pg_collection.tp)
 
 
 def hybrid_layer_range(
@@ -72,14 +90,14 @@ class HybridStack(nn.Module):
             config, state.group_rank(pg_collection.pp), state.group_size(pg_collection.pp)
         )
         symbols = layer_symbols(config.hybrid_layer_pattern, config.num_layers)
-        layers, slots = [], {MAMBA: 0, ATTENTION: 0, MLP: 0}
+        layers, slots = [], {MAMBA: 0, ATTENTION: 0}
         for global_index in self.layer_range:
             symbol = symbols[global_index]
             with initialization_stream(init_seed, FIRST_LAYER_INIT_STREAM + global_index):
-                layer = LAYER_CLASSES[symbol](config, sequence_parallel, pg_collection.tp)
-            if symbol != MLP:
+                layer = build_hybrid_layer(symbol, config, sequence_parallel, pg_collection, global_index)
+            if symbol in slots:  # a generation cache's slot among the stage's layers of its kind
                 layer.slot = slots[symbol]
-            slots[symbol] += 1
+                slots[symbol] += 1
             layers.append(layer)
         self.layers = nn.ModuleList(layers)
         self.num_mamba_layers, self.num_attention_layers = slots[MAMBA], slots[ATTENTION]

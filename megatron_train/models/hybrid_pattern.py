@@ -1,8 +1,9 @@
 """The layer pattern of a hybrid Mamba model (Megatron's `--hybrid-layer-pattern`, hybrid_layer_allocation.py).
 
-One symbol a layer: `M` a Mamba layer, `*` an attention layer, `-` an MLP layer, `E` an MoE layer; `|` cuts the
-pattern into pipeline segments, segment i on pipeline stage i. The layer count is the number of layer symbols.
-No torch here: the config validates a pattern when it is parsed.
+One symbol a layer: `M` a Mamba layer, `*` an attention layer, `-` an MLP layer, `E` an MoE layer (its experts
+set by --num-experts and the --moe-* flags); `|` cuts the pattern into pipeline segments, segment i on pipeline
+stage i. The layer count is the number of layer symbols. No torch here: the config validates a pattern when it is
+parsed.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ MAMBA, ATTENTION, MLP, MOE, PIPE = "M", "*", "-", "E", "|"
 LAYER_SYMBOLS = (MAMBA, ATTENTION, MLP, MOE)
 # Megatron's symbols this engine does not build, with what is missing (MTP's `/`, GDN, MLA and DSA layers).
 _NOT_BUILT = {
-    MOE: "MoE layers (E) are not built in this engine yet (no mixture-of-experts layers)",
     "/": "multi-token prediction (/) is not built in this engine",
     "G": "gated delta net layers (G) are not built in this engine",
     "+": "multi-latent attention layers (+) are not built in this engine",
@@ -23,9 +23,9 @@ def check_pattern(pattern: str) -> None:
     """Refuse a pattern with a symbol that is not a layer Megatron knows, or one this engine does not build,
     naming the flag, the symbol and its position."""
     if not pattern.replace(PIPE, ""):
-        raise ValueError("--hybrid-layer-pattern has no layers: give one symbol (M, *, -) per layer")
+        raise ValueError("--hybrid-layer-pattern has no layers: give one symbol (M, *, -, E) per layer")
     for position, symbol in enumerate(pattern):
-        if symbol in LAYER_SYMBOLS and symbol not in _NOT_BUILT or symbol == PIPE:
+        if symbol in (*LAYER_SYMBOLS, PIPE):
             continue
         reason = _NOT_BUILT.get(
             symbol, "it is none of M (Mamba), * (attention), - (MLP), E (MoE), | (stage cut)"
@@ -51,6 +51,12 @@ def hybrid_layer_count(pattern: str, num_layers: int | None) -> int:
             "layers: drop --num-layers (the pattern sets it)"
         )
     return count
+
+
+def moe_layer_flags(pattern: str) -> list[int]:
+    """One 0/1 per layer: 1 where the pattern has an MoE layer (E). A hybrid model's MoE layers are these, not
+    --moe-layer-freq's (Megatron's hybrid models take their layers from the pattern alone)."""
+    return [int(symbol == MOE) for symbol in pattern.replace(PIPE, "")]
 
 
 def pipeline_segments(pattern: str | None, num_layers: int) -> list[str]:

@@ -1,4 +1,4 @@
-"""The Mamba-2 mixer (Megatron-Core's MambaMixer) and the three layers of a hybrid model: Mamba, attention, MLP.
+"""The Mamba-2 mixer (Megatron-Core's MambaMixer) and the layers of a hybrid model: Mamba, attention, MLP (or MoE).
 
 The mixer: in-projection to [z, x, B, C, dt] -> causal depthwise convolution (kernel 4) and SiLU over [x, B, C] ->
 the selective scan (`models.ssd`) -> RMSNorm of y * SiLU(z) per group of heads (gated, norm after the gate) ->
@@ -357,14 +357,19 @@ class AttentionLayer(nn.Module):
 
 
 class MLPLayer(nn.Module):
-    """x + dropout(mlp(pre_mlp_layernorm(x))): a transformer layer's second half (Megatron's `-`)."""
+    """x + dropout(mlp(pre_mlp_layernorm(x))): a transformer layer's second half (Megatron's `-`); with `mlp` an
+    MoE layer (`models.moe.layer.MoELayer`), Megatron's `E` (default: a dense MLP of --ffn-hidden-size)."""
 
     def __init__(
-        self, config: TransformerConfig, sequence_parallel: bool, tp_group: dist.ProcessGroup | None
+        self,
+        config: TransformerConfig,
+        sequence_parallel: bool,
+        tp_group: dist.ProcessGroup | None,
+        mlp: nn.Module | None = None,
     ) -> None:
         super().__init__()
         self.pre_mlp_layernorm = build_norm(config, sequence_parallel)
-        self.mlp = MLP(config, sequence_parallel, tp_group)
+        self.mlp = MLP(config, sequence_parallel, tp_group) if mlp is None else mlp
         self.hidden_dropout = nn.Dropout(config.hidden_dropout)
 
     def forward(
