@@ -439,12 +439,26 @@ def validate_pipeline_parallel(config: MegatronConfig, data_parallel_size: int) 
     parallel, training = config.parallel, config.training
     pp = parallel.pipeline_model_parallel_size
     model = config.model
-    if model.hybrid_layer_pattern is None:  # a hybrid model's stages are its pattern's segments, of any sizes
+    if model.hybrid_layer_pattern is None:
         parallel.check_num_layers(
             model.num_layers,
             model.num_layers_in_first_pipeline_stage,
             model.num_layers_in_last_pipeline_stage,
         )
+    else:  # a hybrid model's stages are its pattern's segments, of any sizes
+        uneven = [
+            flag
+            for flag, value in (
+                ("--num-layers-in-first-pipeline-stage", model.num_layers_in_first_pipeline_stage),
+                ("--num-layers-in-last-pipeline-stage", model.num_layers_in_last_pipeline_stage),
+            )
+            if value is not None
+        ]
+        if uneven:
+            raise ValueError(
+                f"{uneven[0]}: a hybrid model's pipeline stages are the segments of --hybrid-layer-pattern "
+                f"between '|' ({model.hybrid_layer_pattern!r}); drop the flag and move the '|' instead"
+            )
     if pp > 1 and training.ddp_impl != "local":
         raise ValueError(
             "--pipeline-model-parallel-size > 1 needs --ddp-impl local: torch's DDP decides at forward time "

@@ -9,7 +9,7 @@ import re
 import pytest
 import torch
 
-from megatron_train.arguments import MegatronConfig, parse_args
+from megatron_train.arguments import MegatronConfig, parse_args, validate_pipeline_parallel
 from megatron_train.data.config import DataConfig
 from megatron_train.families.hybrid import HYBRID
 from megatron_train.inference.beam_search import BeamSearchParams, beam_search
@@ -183,6 +183,11 @@ def test_the_family_refuses_layouts_it_cannot_split_naming_the_flag() -> None:
         with pytest.raises(ValueError, match=re.escape(message)):
             check_family_config(HYBRID, _hybrid_config(pattern, **parallel))
     check_family_config(HYBRID, _hybrid_config("M*|M-", pipeline_model_parallel_size=2))
+    uneven = _hybrid_config("M*E|M-", 4, pipeline_model_parallel_size=2)
+    validate_pipeline_parallel(uneven, 1)  # segments of 3 and 2 layers: Megatron cuts at |, of any sizes
+    uneven.model.num_layers_in_first_pipeline_stage = 1
+    with pytest.raises(ValueError, match=re.escape("--num-layers-in-first-pipeline-stage: a hybrid model's")):
+        validate_pipeline_parallel(uneven, 1)
     check_family_config(HYBRID, _hybrid_config("M*|ME", 4, pipeline_model_parallel_size=2,
                                                expert_model_parallel_size=2))  # fmt: skip
 
