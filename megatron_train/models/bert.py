@@ -91,6 +91,7 @@ class BertModel(LanguageModule):
     """
 
     model_type = "bert"  # recorded in checkpoints (checkpointing.save)
+    input_stack = "encoder"
 
     def __init__(
         self,
@@ -148,12 +149,6 @@ class BertModel(LanguageModule):
         if post_process and add_binary_head:
             with initialization_stream(init_seed, BINARY_HEAD_INIT_STREAM):
                 self.binary_head = linear_layer(config, config.hidden_size, 2)
-
-    def set_input_tensor(self, input_tensor: torch.Tensor | list[torch.Tensor] | None) -> None:
-        """Hidden states [s, b, h] from the previous pipeline stage (Megatron's hook; lists are unwrapped)."""
-        if isinstance(input_tensor, list):
-            input_tensor = input_tensor[0]
-        self.encoder.input_tensor = input_tensor
 
     def encode(
         self,

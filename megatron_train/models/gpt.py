@@ -89,12 +89,6 @@ class GPTModel(LanguageModule):
             else None
         )
 
-    def set_input_tensor(self, input_tensor: torch.Tensor | list[torch.Tensor] | None) -> None:
-        """Hidden states [s, b, h] from the previous pipeline stage (Megatron's hook; lists are unwrapped)."""
-        if isinstance(input_tensor, list):
-            input_tensor = input_tensor[0]
-        self.decoder.input_tensor = input_tensor
-
     def forward(
         self,
         input_ids: torch.Tensor,

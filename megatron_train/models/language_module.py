@@ -180,6 +180,7 @@ class LanguageModule(nn.Module):
 
     embedding: LanguageModelEmbedding | None
     output_layer: ColumnParallelLinear | None
+    input_stack: str = "decoder"  # the attribute holding the layer stack a pipeline stage's input enters
 
     def __init__(
         self,
@@ -209,6 +210,12 @@ class LanguageModule(nn.Module):
         lives on another stage."""
         if self.share_embeddings_and_output_weights and self.pre_process and not self.post_process:
             self.embedding.word_embeddings.weight.shared_embedding = True
+
+    def set_input_tensor(self, input_tensor: torch.Tensor | list[torch.Tensor] | None) -> None:
+        """Hidden states [s, b, h] from the previous pipeline stage (Megatron's hook; lists are unwrapped)."""
+        if isinstance(input_tensor, list):
+            input_tensor = input_tensor[0]
+        getattr(self, self.input_stack).input_tensor = input_tensor
 
     def shared_embedding_or_output_weight(self) -> torch.Tensor | None:
         """The weight tied between the word embedding and the output layer on this stage, if any."""
