@@ -123,3 +123,34 @@ def test_pickled_objects_outside_the_allow_list_are_refused_and_run_nothing(tmp_
         )
     assert ".metadata names pathlib" in capsys.readouterr().err
     assert not marker.exists() and not (tmp_path / "out").exists()
+
+
+def test_moe_model_of_dense_and_moe_layers_round_trips_with_megatron_core_expert_keys(tmp_path):
+    """Layers 1 and 3 MoE (4 experts, a gated shared expert), saved from TP2 x PP2: every key per layer as
+    Megatron-Core saves a model of unlike layers, each expert's Linear [out, in] on an expert axis (fc1's [gate; up]
+    cut over TP per expert), an `_extra_state` per expert; read back bitwise at TP1 x PP1."""
+    config, model = our_llama(True, moe=True, moe_layer_freq="([0]+[1])*2")
+    flow.save(ModelWeights(config, trim_vocab(model.state_dict(), VOCAB)), str(tmp_path / "a"))
+    _convert("--saver", "torch_dist", "--load-dir", str(tmp_path / "a"), "--save-dir", str(tmp_path / "td"),
+             "--target-tensor-parallel-size", "2", "--target-pipeline-parallel-size", "2")  # fmt: skip
+    layout = FileSystemReader(str(tmp_path / "td" / "iter_0000001")).read_metadata().state_dict_metadata
+    fc1 = layout["decoder.layers.1.mlp.experts.experts.linear_fc1.weight"]
+    assert tuple(fc1.size) == (4, 32, 32) and len(fc1.chunks) == 2 * 2  # [gate; up] of 16 rows each, TP 2
+    assert tuple(layout["decoder.layers.3.mlp.experts.experts.linear_fc2.weight"].size) == (4, 32, 16)
+    assert tuple(layout["decoder.layers.3.mlp.router.weight"].size) == (4, 32)
+    assert tuple(layout["decoder.layers.1.mlp.shared_experts.gate_weight"].size) == (1, 32)
+    assert tuple(layout["decoder.layers.0.mlp.linear_fc1.weight"].size) == (128, 32)
+    assert "decoder.layers.3.mlp.experts.experts.linear_fc2._extra_state/shard_2_4" in layout
+    assert "decoder.layers.1.mlp.shared_experts.linear_fc1._extra_state/shard_0_1" in layout
+    assert not any(key.startswith("decoder.layers.mlp") for key in layout)  # no stacked key
+    saved = {"decoder.layers.1.mlp.experts.experts.linear_fc1.weight": torch.empty(4, 32, 32)}
+    dcp.load(saved, checkpoint_id=str(tmp_path / "td" / "iter_0000001"), no_dist=True)
+    weight1 = model.state_dict()["decoder.layers.1.mlp.experts.weight1"]  # [experts, h, gate | up]
+    assert torch.equal(
+        saved["decoder.layers.1.mlp.experts.experts.linear_fc1.weight"], weight1.transpose(1, 2)
+    )
+    _convert("--loader", "torch_dist", "--load-dir", str(tmp_path / "td"), "--save-dir", str(tmp_path / "b"))
+    original, back = shard_tensors(f"{tmp_path}/a/iter_0000001"), shard_tensors(f"{tmp_path}/b/iter_0000001")
+    assert original.keys() == back.keys()
+    for key, value in original.items():
+        assert value == back[key] if key[1] == "metadata" else torch.equal(value, back[key]), key

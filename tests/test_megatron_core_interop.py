@@ -26,14 +26,15 @@ def test_megatron_core_loads_our_save_and_we_load_its_save(layout, embeddings):
     )
 
 
-def test_megatron_core_and_we_read_each_others_legacy_moe_checkpoints():
-    """An MoE GPT (top-2 of 4 experts, gated shared expert): Megatron-Core loads our legacy save computing our
-    logits, and we load its legacy save (`local_experts.<j>`) to its logits; our routing (top k, pre-softmax,
+def test_megatron_core_and_we_read_each_others_moe_checkpoints():
+    """An MoE GPT (top-2 of 4 experts, gated shared expert): Megatron-Core loads our torch_dist save (stacked expert
+    keys, TP2 x PP2) and our legacy save computing our logits, its torch_dist save has exactly our keys, and we load
+    its torch_dist and legacy saves (`local_experts.<j>`) to its logits; our routing (top k, pre-softmax,
     scaled, group-limited, sigmoid with expert bias, Sinkhorn, token dropping) and aux / z losses equal its
     moe_utils' on the same logits."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([ROOT, *sys.path])}
     run = subprocess.run([sys.executable, "-m", "tests.helpers.megatron_core_interop", "moe"], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=300)  # fmt: skip
-    assert run.returncode == 0 and run.stdout.count("megatron-core interop ok") == 2, (
+    assert run.returncode == 0 and run.stdout.count("megatron-core interop ok") == 3, (
         run.stdout[-2000:] + run.stderr[-4000:]
     )

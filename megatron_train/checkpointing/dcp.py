@@ -17,6 +17,7 @@ import io
 import os
 import pickle
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -48,6 +49,7 @@ from megatron_train.parallel.layers import rank_pieces
 
 if TYPE_CHECKING:  # arguments imports the families, which import the checkpointing package
     from megatron_train.arguments import MegatronConfig
+    from megatron_train.models.config import TransformerConfig
 
 CHECKPOINT_VERSION = 3.0  # Megatron-LM's checkpoint_version of the files it reads
 # Megatron-Core with TransformerEngine fuses the pre-attention / pre-MLP norms into the next linear layer.
@@ -67,7 +69,21 @@ LINEAR_MODULES = (
     "self_attention.linear_proj",
     "mlp.linear_fc1",
     "mlp.linear_fc2",
+    "mlp.shared_experts.linear_fc1",
+    "mlp.shared_experts.linear_fc2",
 )
+# Megatron-Core's keys of our MoE expert tensors (`models.moe.experts`, under a layer): SequentialMLP and
+# TEGroupedMLP save every expert's Linear ([out, in]) on an expert axis of one key, the experts of every EP rank
+# in one global tensor; our weights hold a layer's experts as [experts, in, out] (grouped_mm's layout).
+EXPERT_KEYS = {
+    "mlp.experts.weight1": "mlp.experts.experts.linear_fc1.weight",
+    "mlp.experts.weight2": "mlp.experts.experts.linear_fc2.weight",
+    "mlp.experts.bias1": "mlp.experts.experts.linear_fc1.bias",
+    "mlp.experts.bias2": "mlp.experts.experts.linear_fc2.bias",
+}
+OUR_EXPERT_NAMES = {theirs: ours for ours, theirs in EXPERT_KEYS.items()}
+TRANSPOSED_EXPERT_KEYS = ("mlp.experts.weight1", "mlp.experts.weight2")
+EXPERT_LINEAR_MODULES = ("mlp.experts.experts.linear_fc1", "mlp.experts.experts.linear_fc2")
 _LAYER = re.compile(r"^(decoder|encoder)\.layers\.(\d+)\.(.*)$")
 
 MAX_DCP_METADATA_BYTES = 1 << 30  # DCP's index: about a kilobyte per tensor chunk
@@ -85,30 +101,86 @@ _METADATA_GLOBALS = {
 }
 
 
-def core_key(name: str, num_layers: int) -> tuple[str, tuple[int, ...], tuple[int, ...]]:
-    """Megatron-Core's key of our global tensor `name`, with the leading offsets and shape the key adds: a layer's
-    tensor is stacked (`decoder.layers.<name>` of shape [layers, ...], this layer at its index; norms under their
-    fused names), any other keeps its name."""
+def stacked_layers(model: TransformerConfig) -> bool:
+    """Megatron-Core stacks a layer stack's tensors on a first axis unless its layers differ: an MoE layer pattern
+    with dense layers (Megatron's `non_homogeneous_layers`) saves every key per layer, `<stack>.layers.<i>.`."""
+    return not model.is_moe or all(model.moe_layer_pattern)
+
+
+@dataclass(frozen=True)
+class CoreKey:
+    """Where one of our global tensors lies in Megatron-Core's checkpoint: under `key`, after the leading axes
+    `lead_shape` (the stacked layers) at `lead_offsets`; `transposed`: our expert weight [experts, in, out] is
+    Megatron's Linears [experts, out, in]."""
+
+    key: str
+    lead_offsets: tuple[int, ...] = ()
+    lead_shape: tuple[int, ...] = ()
+    transposed: bool = False
+
+    def place(
+        self, block: torch.Tensor, offsets: Sequence[int], shape: Sequence[int]
+    ) -> tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]]:
+        """A block of our tensor (at `offsets` in a tensor of `shape`) as Megatron-Core's: a view of `block`, its
+        offsets and the global shape under `key`."""
+        offsets, shape = tuple(offsets), tuple(shape)
+        if self.transposed:
+            block = block.transpose(-1, -2)
+            offsets = (*offsets[:-2], offsets[-1], offsets[-2])
+            shape = (*shape[:-2], shape[-1], shape[-2])
+        return (
+            block[(None,) * len(self.lead_shape)],
+            (*self.lead_offsets, *offsets),
+            (*self.lead_shape, *shape),
+        )
+
+
+def core_key(name: str, num_layers: int, stacked: bool = True) -> CoreKey:
+    """Megatron-Core's key of our global tensor `name`: a layer's tensor stacked (`decoder.layers.<name>` of shape
+    [layers, ...], this layer at its index) or, not `stacked`, per layer; norms under their fused names, MoE
+    experts under their Linears' key (`EXPERT_KEYS`); any other tensor keeps its name."""
     layer = _LAYER.match(name)
     if layer is None:
-        return name, (), ()
+        return CoreKey(name)
     stack, index, local = layer.groups()
-    return f"{stack}.layers.{FUSED_NORM_NAMES.get(local, local)}", (int(index),), (num_layers,)
+    theirs = EXPERT_KEYS.get(local) or FUSED_NORM_NAMES.get(local, local)
+    transposed = local in TRANSPOSED_EXPERT_KEYS
+    if stacked:
+        return CoreKey(f"{stack}.layers.{theirs}", (int(index),), (num_layers,), transposed)
+    return CoreKey(f"{stack}.layers.{index}.{theirs}", transposed=transposed)
 
 
-def extra_state_objects(name: str, num_layers: int) -> dict[str, io.BytesIO]:
-    """The empty `_extra_state` object Megatron-Core keeps beside a linear layer's weight `name` (none for other
-    tensors): {key: its serialised bytes}."""
-    layer = _LAYER.match(name)
-    if layer is None or not name.endswith(".weight"):
-        return {}
+def our_name(key: str) -> tuple[str, bool]:
+    """Our name of Megatron-Core's per-layer key `key` (`<stack>.layers.<i>.<name>`, or a tensor outside the
+    layers), and whether the tensor is transposed from ours (`CoreKey.transposed`)."""
+    layer = _LAYER.match(key)
+    if layer is None:
+        return key, False
     stack, index, local = layer.groups()
-    module = local.rsplit(".", 1)[0]
-    if module not in LINEAR_MODULES:
+    ours = OUR_EXPERT_NAMES.get(local) or TE_NAMES.get(local, local)
+    return f"{stack}.layers.{index}.{ours}", ours in TRANSPOSED_EXPERT_KEYS
+
+
+def extra_state_objects(
+    core: CoreKey, experts: range = range(0), num_experts: int = 0
+) -> dict[str, io.BytesIO]:
+    """The empty `_extra_state` objects Megatron-Core keeps beside a linear layer's weight (at `core`), one per
+    expert of `experts` (global indices of the layer's `num_experts`) for an MoE expert weight; none for other
+    tensors: {key: bytes}. A key names its place, `<module>._extra_state/shard_<offsets>_<shape>` (Megatron's
+    ShardedObject.unique_key; a per-layer key's offsets and shape are (0,) and (1,))."""
+    module, _, tail = core.key.rpartition(".")
+    if tail != "weight" or not module.endswith((*LINEAR_MODULES, *EXPERT_LINEAR_MODULES)):
         return {}
-    empty = io.BytesIO()
-    torch.save([None], empty)
-    return {f"{stack}.layers.{module}._extra_state/shard_{index}_{num_layers}": empty}
+    places = [(core.lead_offsets, core.lead_shape)]
+    if module.endswith(EXPERT_LINEAR_MODULES):
+        places = [((*core.lead_offsets, e), (*core.lead_shape, num_experts)) for e in experts]
+    objects = {}
+    for offsets, shape in places:
+        empty = io.BytesIO()
+        torch.save([None], empty)
+        at, size = ".".join(map(str, offsets or (0,))), ".".join(map(str, shape or (1,)))
+        objects[f"{module}._extra_state/shard_{at}_{size}"] = empty
+    return objects
 
 
 def tp_pieces(

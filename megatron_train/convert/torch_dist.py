@@ -42,13 +42,14 @@ from megatron_train.arguments import MegatronConfig
 from megatron_train.checkpointing import TRACKER_FILENAME, CheckpointError, checkpoint_dir
 from megatron_train.checkpointing.dcp import (
     CHECKPOINT_VERSION,
-    TE_NAMES,
     Chunk,
     ChunkSavePlanner,
     RawBytesLoadPlanner,
     SafeReader,
     core_key,
     extra_state_objects,
+    our_name,
+    stacked_layers,
     tp_pieces,
 )
 from megatron_train.checkpointing.layout import TensorSharding, split_tp_shard, stage_tensor_names
@@ -78,6 +79,7 @@ from megatron_train.convert.weights import (
     trim_vocab,
 )
 from megatron_train.families.family import MegatronNames, ModelFamily
+from megatron_train.models.config import TransformerConfig
 from storage.atomic import atomic_write_text
 
 CONFIG_FILE = "metadata.json"
@@ -129,12 +131,6 @@ def _common_state(iteration_dir: str, reader: SafeReader, metadata: Metadata) ->
     return read_allowed_pickle(raw, f"{iteration_dir} ({COMMON_STATE_KEY})")[0]
 
 
-def _our_name(key: str) -> str:
-    for te_name, ours in TE_NAMES.items():
-        key = key.replace(te_name, ours)
-    return key
-
-
 @dataclass
 class DistCheckpoint:
     """One iteration of a Megatron-Core torch_dist checkpoint: its DCP index and common state read, tensors not yet."""
@@ -154,12 +150,6 @@ class DistCheckpoint:
         checked against DCP's index (`_check_index`) before a tensor is allocated."""
         layer_stack = torch_dist_names(family, "--loader torch_dist").layer_stack
         config = config_from_args(self.args, true_vocab_size, self.iteration_dir)
-        if config.model.is_moe:
-            raise CheckpointError(
-                f"{self.iteration_dir}: a mixture-of-experts model (num_experts {config.model.num_experts}); "
-                "torch_dist MoE checkpoints are not read here: save it from Megatron-LM with --ckpt-format torch "
-                "and convert that (--loader megatron)"
-            )
         keys = {key: key for key in self._tensor_keys() if key.startswith(MODEL_PREFIXES)}
         items = self.metadata.state_dict_metadata
         _check_index({key: items[key] for key in keys}, config, self.args.padded_vocab_size, family,
@@ -208,7 +198,8 @@ class DistCheckpoint:
 
     def _read_tensors(self, keys: dict[str, str]) -> dict[str, torch.Tensor]:
         """The tensors of DCP `keys`, each under its name (`keys[key]`, a model key with anything after it) made
-        ours: stacked layers split into `<stack>.layers.<i>.`, TransformerEngine's fused norm names renamed."""
+        ours: stacked layers split into `<stack>.layers.<i>.`, TransformerEngine's fused norm names renamed, MoE
+        experts' Linears as our expert weights (`checkpointing.dcp.our_name`)."""
         items = self.metadata.state_dict_metadata
         loaded = {key: torch.empty(tuple(items[key].size), dtype=items[key].properties.dtype) for key in keys}
         _load_in_one_process(loaded, self.reader, DefaultLoadPlanner(flatten_state_dict=False))
@@ -217,10 +208,12 @@ class DistCheckpoint:
             stacked = _STACKED.match(keys[key])
             if stacked:
                 stack, name = stacked.groups()
-                for layer, layer_tensor in enumerate(tensor):
-                    tensors[_our_name(f"{stack}.layers.{layer}.{name}")] = layer_tensor.clone()
+                per_layer = {f"{stack}.layers.{layer}.{name}": part for layer, part in enumerate(tensor)}
             else:
-                tensors[_our_name(keys[key])] = tensor
+                per_layer = {keys[key]: tensor}
+            for name, part in per_layer.items():
+                name, transposed = our_name(name)
+                tensors[name] = part.transpose(-1, -2).contiguous() if transposed else part.clone()
         return tensors
 
 
@@ -276,30 +269,45 @@ def _check_index(
     the one the args give a layer (or the embedding, the output layer) of, and every stacked tensor has
     args.num_layers layers."""
     where = f"{iteration_dir}/.metadata"
-    try:  # one layer of the args' model (a layer pattern of other length refuses it: the args disagree)
-        one_layer = dataclasses.replace(config, model=dataclasses.replace(config.model, num_layers=1))
-    except ValueError as error:
-        raise CheckpointError(f"{iteration_dir}/{COMMON_FILE} (args): {error}") from None
-    expected = model_shapes(one_layer, padded_vocab_size, family, where)
+    expected = {
+        kind: _one_layer_shapes(config, kind, padded_vocab_size, family, iteration_dir) for kind in (0, 1)
+    }
     for key, item in items.items():
         size, stacked = tuple(item.size), _STACKED.match(key)
         if stacked:
-            name = _our_name(f"{stacked.group(1)}.layers.0.{stacked.group(2)}")
+            name, transposed = our_name(f"{stacked.group(1)}.layers.0.{stacked.group(2)}")
             if not size or size[0] != config.model.num_layers:
                 raise CheckpointError(
                     f"{where}: {key} stacks {size[0] if size else 0} layers, but args.num_layers is "
                     f"{config.model.num_layers}; the args and the weights come from different models"
                 )
-            size = size[1:]
+            size, kind = size[1:], int(config.model.is_moe)
         else:
             layer = _LAYER.match(key)
-            name = _our_name(f"{layer.group(1)}.layers.0.{layer.group(3)}" if layer else key)
-        if name in expected and size != expected[name]:
+            index = int(layer.group(2)) if layer else 0
+            name, transposed = our_name(f"{layer.group(1)}.layers.0.{layer.group(3)}" if layer else key)
+            kind = int(config.model.is_moe_layer(index)) if index < config.model.num_layers else 0
+        if transposed and len(size) >= 2:
+            size = (*size[:-2], size[-1], size[-2])
+        if name in expected[kind] and size != expected[kind][name]:
             raise CheckpointError(
                 f"{where}: {key} has shape {list(item.size)}, but the args (hidden_size, num_attention_heads, "
                 f"ffn_hidden_size, padded_vocab_size, ...) make it {list(expected[name])}; the args and the "
                 "weights come from different models"
             )
+
+
+def _one_layer_shapes(
+    config: MegatronConfig, moe: int, padded_vocab_size: int, family: ModelFamily, iteration_dir: str
+) -> dict[str, tuple[int, ...]]:
+    """Our tensors' shapes in a one-layer model of the args: its layer dense, or (`moe` 1, an MoE model) an MoE
+    layer."""
+    layer = {"num_layers": 1, **({"moe_layer_freq": str([moe])} if config.model.is_moe else {})}
+    try:  # a layer pattern that cannot hold one layer refuses it: the args disagree
+        one_layer = dataclasses.replace(config, model=dataclasses.replace(config.model, **layer))
+    except ValueError as error:
+        raise CheckpointError(f"{iteration_dir}/{COMMON_FILE} (args): {error}") from None
+    return model_shapes(one_layer, padded_vocab_size, family, f"{iteration_dir}/.metadata")
 
 
 def torch_dist_names(family: ModelFamily, flag: str) -> MegatronNames:
@@ -314,27 +322,26 @@ def _rank_state(
     tensors: dict[str, torch.Tensor],
     shardings: dict[str, TensorSharding],
     names: list[str],
-    num_layers: int,
+    model: TransformerConfig,
     tp: int,
     tp_rank: int,
 ) -> tuple[dict[str, list[Chunk]], dict[str, io.BytesIO]]:
-    """One (TP, PP) rank's chunks under Megatron-Core's stacked keys, and its empty `_extra_state` objects; TP
-    rank 0 writes the replicated tensors."""
+    """One (TP, PP) rank's chunks under Megatron-Core's keys (`checkpointing.dcp.core_key`; an MoE layer's experts
+    split over TP as expert TP, the Megatron default), and its empty `_extra_state` objects; TP rank 0 writes the
+    replicated tensors."""
     chunks: dict[str, list[Chunk]] = {}
     objects: dict[str, io.BytesIO] = {}
     for name in names:
         tensor, sharding = tensors[name], shardings[name]
         if not sharding.is_split and tp_rank:
             continue
-        key, lead_offsets, lead_shape = core_key(name, num_layers)
+        core = core_key(name, model.num_layers, stacked_layers(model))
         local = split_tp_shard(tensor, sharding, tp, tp_rank, name)
         for data, offsets in tp_pieces(local, sharding, tp, tp_rank):
-            data = data.contiguous().reshape(*[1] * len(lead_shape), *data.shape)
-            chunks.setdefault(key, []).append(
-                Chunk(data, (*lead_offsets, *offsets), (*lead_shape, *tensor.shape))
-            )
+            view, at, shape = core.place(data, offsets, tensor.shape)
+            chunks.setdefault(core.key, []).append(Chunk(view.contiguous(), at, shape))
         if tp_rank == 0:
-            objects.update(extra_state_objects(name, num_layers))
+            objects.update(extra_state_objects(core, range(model.num_experts or 0), model.num_experts or 0))
     return chunks, objects
 
 
@@ -345,11 +352,6 @@ def save(
     `save_dir` and moved into place whole (`convert.target`); returns the iteration folder."""
     config = weights.config
     torch_dist_names(weights.family, "--saver torch_dist")
-    if config.model.is_moe:
-        raise ValueError(
-            "--saver torch_dist: mixture-of-experts models are not written in torch_dist here; use --saver megatron "
-            "(Megatron-LM's torch format, which Megatron-LM loads with --ckpt-format torch) or flow"
-        )
     padded = padded_vocab_for_layout(weights, target_tp, target_pp)
     with output_folder(save_dir, overwrite, padded_size_of(weights, padded)) as out:
         config.tokenizer = copy_tokenizer(config.tokenizer, weights.tokenizer_files, out, save_dir)
@@ -373,9 +375,7 @@ def _write(weights: ModelWeights, root: str, target_tp: int, target_pp: int, pad
         names = stage_tensor_names(split, list(shardings), layers, pp_rank == 0, pp_rank == target_pp - 1)
         for tp_rank in range(target_tp):
             rank = pp_rank * target_tp + tp_rank
-            chunks, objects = _rank_state(
-                tensors, shardings, names, config.model.num_layers, target_tp, tp_rank
-            )
+            chunks, objects = _rank_state(tensors, shardings, names, config.model, target_tp, tp_rank)
             planner, writer = ChunkSavePlanner(chunks, objects), dcp.FileSystemWriter(iteration_dir)
             planner.set_up_planner({}, writer.storage_meta(), is_coordinator=rank == 0)
             writer.set_up_storage_writer(rank == 0, rank=rank)

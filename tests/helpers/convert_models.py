@@ -29,13 +29,15 @@ MOE = dict(
 )  # fmt: skip
 
 
-def our_llama(untied: bool, qkv_bias: bool = False, moe: bool = False) -> tuple[MegatronConfig, GPTModel]:
+def our_llama(
+    untied: bool, qkv_bias: bool = False, moe: bool = False, moe_layer_freq: str = "1"
+) -> tuple[MegatronConfig, GPTModel]:
     """The tiny GQA Llama; with `qkv_bias` Qwen2's q/k/v biases (--add-qkv-bias), given random values; with `moe`
-    its MLPs are MoE layers (`MOE`)."""
+    its MLPs are MoE layers (`MOE`) where `moe_layer_freq` puts them."""
     model_config = TransformerConfig.llama(
         num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=32, ffn_hidden_size=64,
         group_query_attention=True, num_query_groups=2, untie_embeddings_and_output_weights=untied,
-        add_qkv_bias=qkv_bias, true_vocab_size=VOCAB, **(MOE if moe else {}),
+        add_qkv_bias=qkv_bias, true_vocab_size=VOCAB, **({**MOE, "moe_layer_freq": moe_layer_freq} if moe else {}),
     )  # fmt: skip
     torch.manual_seed(7)
     model = GPTModel(model_config, 128).eval()

@@ -4,7 +4,7 @@ installed).
 
     python -m tests.helpers.megatron_core_interop tied|untied            # torch_dist
     python -m tests.helpers.megatron_core_interop tied|untied legacy     # Megatron-LM's legacy `torch` files
-    python -m tests.helpers.megatron_core_interop moe                    # legacy files of an MoE model
+    python -m tests.helpers.megatron_core_interop moe                    # an MoE model: both formats
 
 torch_dist: Megatron-Core's GPTModel (local spec, GQA Llama shape) at TP1 loads what our saver wrote for
 TP2 x PP2 with no missing key and the same tensors; its own save has exactly our saver's keys, and our loader
@@ -204,7 +204,7 @@ def routing_interop() -> None:
 
 
 def main(embeddings: str, layout: str) -> None:
-    """`embeddings`: tied, untied, or moe (untied, MoE layers: the legacy layout; torch_dist refuses MoE models)."""
+    """`embeddings`: tied, untied, or moe (untied, MoE layers: torch_dist, the legacy layout and the routing)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1")
     # Megatron-Core synchronises CUDA around its writes; this torch is CPU-only
     torch.cuda.synchronize = lambda *args, **kwargs: None
@@ -216,8 +216,8 @@ def main(embeddings: str, layout: str) -> None:
     moe_utils.te_general_gemm = None  # megatron-core 0.16's router reads it whether or not TE is installed
     parallel_state.initialize_model_parallel(1, 1)
     untied, moe = embeddings != "tied", embeddings == "moe"
-    if layout == "torch_dist" and not moe:
-        torch_dist_interop(untied, tempfile.mkdtemp())
+    if layout == "torch_dist" or moe:
+        torch_dist_interop(untied, tempfile.mkdtemp(), moe)
     if moe or layout == "legacy":
         legacy(untied, tempfile.mkdtemp(), moe)
     if moe:
