@@ -403,11 +403,6 @@ def validate_moe(config: MegatronConfig, world_size: int) -> None:
             not model.moe_use_upcycling or (config.checkpoint.load and config.checkpoint.save),
             "--moe-use-upcycling turns the dense checkpoint of --load into an MoE run saved to --save: give both",
         ),
-        (
-            config.checkpoint.ckpt_format != "torch_dist",
-            "--ckpt-format torch_dist does not save MoE models here (torch_dist's expert keys are not implemented): "
-            "use --ckpt-format torch, whose checkpoints reshard across EP and convert to Megatron's files",
-        ),
     ]
     for ok, message in checks:
         if not ok:

@@ -10,13 +10,23 @@ from __future__ import annotations
 import glob
 import os
 import shutil
+import warnings
 
 import numpy as np
 import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from torch.distributed.checkpoint import FileSystemReader
 
-from megatron_train.checkpointing import SavedCheckpoint, load_model_for_inference, require_iteration_dir
+from megatron_train.arguments import parse_args
+from megatron_train.checkpointing import (
+    CheckpointError,
+    SavedCheckpoint,
+    check_compatible,
+    load_model_for_inference,
+    read_metadata,
+    require_iteration_dir,
+)
 from megatron_train.tools.checkpoint_util import convert_checkpoint
 from tests.helpers.distributed import run_distributed
 from tests.helpers.training import (
@@ -41,6 +51,7 @@ MOE = [
     "--moe-shared-expert-gate", "--log-params-norm", "--log-num-zeros-in-grad",
 ]  # fmt: skip
 EP2 = ["--expert-model-parallel-size", "2"]
+DIST_SAVE = ["--use-distributed-optimizer", "--ckpt-format", "torch_dist", "--save-interval", "1"]
 # Aux-loss-free balancing (its expert bias is saved state), sequence and global aux losses, dropout on.
 SIGKILL_MOE = [
     "--mock-data", "--num-experts", "4", "--moe-ffn-hidden-size", "16", "--moe-router-score-function", "sigmoid",
@@ -72,8 +83,26 @@ RUNS = {
     ),  # fmt: skip
     # PP 2 (an MoE layer on each stage) x DP 2; experts EP 2, allgather
     "pp2-ep2": (4, [*EP2, "--pipeline-model-parallel-size", "2", "--tensorboard-dir", "{dir}/tb"], "half"),
-    # CP 2 (ring attention) x DP 2; experts EP 2 x expert DP 2 (the CP ranks folded into expert DP), alltoall
-    "cp2-ep2": (4, [*EP2, "--context-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall"], "half"),
+    # CP 2 (ring attention) x DP 2; experts EP 2 x expert DP 2 (the CP ranks folded into expert DP), alltoall;
+    # the distributed optimizer, saved in torch_dist at iterations 3 and 4 by every rank
+    "cp2-ep2": (
+        4,
+        [*EP2, "--context-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall", *DIST_SAVE],
+        "half",
+    ),
+    # its torch_dist iteration 3 at TP 2 + SP, expert TP 2, EP 1, DP 2 (distributed optimizer): the last step
+    "tp2-etp2-ep1": (
+        4,
+        [
+            "--tensor-model-parallel-size",
+            "2",
+            "--sequence-parallel",
+            "--use-distributed-optimizer",
+            "--ckpt-step",
+            "3",
+        ],
+        "cp2-ep2",
+    ),
 }
 
 
@@ -82,7 +111,10 @@ def _argv(tmp, data: str, name: str) -> list[str]:
     flags = [flag.replace("{dir}", str(tmp / name)) for flag in flags]
     # continuing another layout's checkpoint: no RNG states for a new world size (none matter: no dropout)
     resume = ["--no-load-rng"] if source else []
-    return tiny_args(str(tmp / name), "--data-path", data, *MOE, *flags, *resume)
+    argv = tiny_args(str(tmp / name), "--data-path", data, *MOE, *flags, *resume)
+    if source and RUNS[source][0] == RUNS[name][0]:  # a run of the same group before it: read in its folder
+        argv[argv.index("--load") + 1] = str(tmp / source)
+    return argv
 
 
 def _upcycling_argv(tmp, data: str) -> list[str]:
@@ -104,9 +136,12 @@ def moe_runs(tmp_path_factory):
     sigkill_reference = tiny_args(str(tmp / "sigkill-reference"), *SIGKILL_MOE)
     one_process = [*(_argv(tmp, data, n) for n in one), _upcycling_argv(tmp, data), sigkill_reference]
     run_distributed(pretrain_worker, 1, one_process, timeout=300)
-    four = ["ep2-tp2-sp-distopt", "pp2-ep2", "cp2-ep2"]
-    for name in four:  # continue the source's checkpoint in this run's own folder
-        shutil.copytree(tmp / RUNS[name][2], tmp / name, ignore=shutil.ignore_patterns("metrics.jsonl", "tb"))
+    four = ["ep2-tp2-sp-distopt", "pp2-ep2", "cp2-ep2", "tp2-etp2-ep1"]
+    for name in four:  # continue a one-process run's checkpoint in this run's own folder
+        if RUNS[RUNS[name][2]][0] == 1:
+            shutil.copytree(
+                tmp / RUNS[name][2], tmp / name, ignore=shutil.ignore_patterns("metrics.jsonl", "tb")
+            )
     run_distributed(pretrain_worker, 4, [_argv(tmp, data, name) for name in four], timeout=300)
     return tmp
 
@@ -119,14 +154,14 @@ def _losses(tmp, name: str, key: str = "lm loss") -> list[float]:
     return [r[key] for r in _steps(tmp, name)]
 
 
-@pytest.mark.parametrize("name", ["half", "ep2-tp2-sp-distopt", "pp2-ep2", "cp2-ep2"])
+@pytest.mark.parametrize("name", ["half", "ep2-tp2-sp-distopt", "pp2-ep2", "cp2-ep2", "tp2-etp2-ep1"])
 def test_every_layout_continues_the_one_process_checkpoint_with_its_losses(moe_runs, name) -> None:
     """The losses, and the grad and params norms and zeros in the grad, whose expert part is reduced over the
-    expert ranks (--log-params-norm, --log-num-zeros-in-grad)."""
+    expert ranks (--log-params-norm, --log-num-zeros-in-grad); tp2-etp2-ep1 continues cp2-ep2's torch_dist save."""
     reference = _steps(moe_runs, "reference")
     assert len(reference) == 4 and len({r["lm loss"] for r in reference}) == 4
     steps = _steps(moe_runs, name)
-    expected = reference[:2] if name == "half" else reference[2:]
+    expected = {"half": reference[:2], "tp2-etp2-ep1": reference[3:]}.get(name, reference[2:])
     assert [r["iteration"] for r in steps] == [r["iteration"] for r in expected]
     for key in ("lm loss", "load_balancing_loss", "z_loss", "params norm", "grad norm"):
         np.testing.assert_allclose(
@@ -215,3 +250,35 @@ def test_checkpoint_util_reshards_experts_to_another_ep_and_expert_tp(moe_runs, 
         torch.testing.assert_close(
             after.global_tensor(name, "optimizer"), before.global_tensor(name, "optimizer")
         )
+
+
+def test_torch_dist_save_of_every_rank_has_megatron_core_expert_keys_and_refuses_other_experts(
+    moe_runs,
+) -> None:
+    """cp2-ep2's torch_dist iteration 3: every rank wrote part of the experts' Adam moments (EP 2 x expert DP 2,
+    distributed optimizer); megatron-core reads each MoE layer's experts per layer (layers 1 and 3 MoE, 0 and 2
+    dense) on an expert axis; another --num-experts or --moe-ffn-hidden-size is refused naming the saved value."""
+    folder = str(moe_runs / "cp2-ep2" / "iter_0000003")
+    index = FileSystemReader(folder).read_metadata()
+    experts = {info.relative_path for at, info in index.storage_data.items() if ".experts.experts." in at.fqn
+               and at.fqn.startswith("optimizer.state.exp_avg.")}  # fmt: skip
+    assert experts == {f"__{rank}_0.distcp" for rank in range(4)}
+    with warnings.catch_warnings():  # megatron-core warns that TransformerEngine and Apex are not installed
+        warnings.simplefilter("ignore")
+        from megatron.core import dist_checkpointing
+
+        tensors = dist_checkpointing.load_tensors_metadata(folder)
+    assert tuple(tensors["decoder.layers.1.mlp.experts.experts.linear_fc1.weight"].global_shape) == (
+        4,
+        16,
+        32,
+    )
+    assert tuple(tensors["optimizer.state.exp_avg.decoder.layers.3.mlp.experts.experts.linear_fc2.weight"]
+                 .global_shape) == (4, 32, 16)  # fmt: skip
+    assert tuple(tensors["decoder.layers.0.mlp.linear_fc1.weight"].global_shape) == (128, 32)
+    metadata = read_metadata(folder)
+    for flag, value, saved in (("--num-experts", "8", 4), ("--moe-ffn-hidden-size", "32", 16)):
+        argv = _argv(moe_runs, "unused", "half")
+        config = parse_args([*argv, flag, value])
+        with pytest.raises(CheckpointError, match=f"pass {flag} {saved} or load a matching checkpoint$"):
+            check_compatible(metadata, config, metadata["padded_vocab_size"], folder)

@@ -28,6 +28,7 @@ latest marker, so a save a kill interrupts is a folder without metadata.json tha
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import io
 import json
@@ -35,7 +36,7 @@ import logging
 import math
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,11 +51,13 @@ from megatron_train.checkpointing.dcp import (
     Chunk,
     ChunkLoadPlanner,
     ChunkSavePlanner,
+    CoreKey,
     Destination,
     SafeReader,
     core_key,
     extra_state_objects,
     megatron_args,
+    stacked_layers,
     tp_pieces,
 )
 from megatron_train.checkpointing.files import (
@@ -66,8 +69,15 @@ from megatron_train.checkpointing.files import (
     checkpoint_dir,
     write_marker,
 )
-from megatron_train.checkpointing.layout import TensorSharding
-from megatron_train.checkpointing.names import StageModel, global_names, owned, stage_module
+from megatron_train.checkpointing.layout import ExpertLayout, TensorSharding
+from megatron_train.checkpointing.names import (
+    StageModel,
+    current_expert_layout,
+    expert_names,
+    global_names,
+    owned,
+    stage_module,
+)
 from megatron_train.checkpointing.rng import save_rng_state
 from megatron_train.parallel import state
 from storage.atomic import atomic_path, atomic_write_text
@@ -182,19 +192,54 @@ def shard_blocks(
 
 @dataclass(frozen=True)
 class HeldTensor:
-    """One checkpoint tensor of this rank: its global name, the rank's TP shard and how the shard was cut."""
+    """One checkpoint tensor of this rank: its global name, the rank's TP shard and how the shard was cut; an MoE
+    expert weight (`experts`: this rank's place among the expert ranks) is cut over expert TP and holds the EP
+    rank's experts, a block of the layer's on the first axis."""
 
     name: str
     local: torch.Tensor
     sharding: TensorSharding
     tp_size: int
+    tp_rank: int
+    experts: ExpertLayout | None = None
 
     @property
     def global_shape(self) -> tuple[int, ...]:
         shape = list(self.local.shape)
         if self.sharding.is_split:
             shape[self.sharding.partition_dim] *= self.tp_size
+        if self.experts is not None:
+            shape[0] *= self.experts.ep_size
         return tuple(shape)
+
+    @property
+    def expert_range(self) -> range:
+        """The layer's experts this rank holds (global indices); empty for a tensor that is not an expert's."""
+        if self.experts is None:
+            return range(0)
+        first = self.experts.ep_rank * self.local.shape[0]
+        return range(first, first + self.local.shape[0])
+
+    def global_offsets(self, offsets: Sequence[int]) -> tuple[int, ...]:
+        """Offsets in the rank's TP-merged tensor (its experts) as offsets in the layer's global tensor."""
+        offsets = tuple(offsets)
+        return offsets if self.experts is None else (offsets[0] + self.expert_range.start, *offsets[1:])
+
+    def pieces(self) -> list[tuple[torch.Tensor, tuple[int, ...]]]:
+        """The rank's shard as contiguous pieces at their global offsets (`checkpointing.dcp.tp_pieces`)."""
+        return [
+            (piece, self.global_offsets(offsets))
+            for piece, offsets in tp_pieces(self.local, self.sharding, self.tp_size, self.tp_rank)
+        ]
+
+    def blocks(self, start: int, end: int) -> list[Block]:
+        """The blocks of the global tensor that elements [start, end) of the rank's shard are (`shard_blocks`)."""
+        return [
+            dataclasses.replace(block, offsets=self.global_offsets(block.offsets))
+            for block in shard_blocks(
+                tuple(self.local.shape), start, end, self.sharding, self.tp_size, self.tp_rank
+            )
+        ]
 
 
 def _sharding(param: torch.Tensor | None) -> TensorSharding:
@@ -210,37 +255,32 @@ def held_tensors(model: StageModel, config: MegatronConfig, with_tied_copy: bool
     names = names if with_tied_copy else owned(names)
     module = stage_module(model)
     params = dict(module.named_parameters())
-    tp = state.get_tensor_model_parallel_world_size()
+    experts = expert_names(module, names)
+    layout = current_expert_layout()
+    tp, tp_rank = state.get_tensor_model_parallel_world_size(), state.get_tensor_model_parallel_rank()
     weights = module.state_dict(keep_vars=True)
-    return {
-        local: HeldTensor(name, weights[local].detach(), _sharding(params.get(local)), tp)
-        for local, name in names.items()
-    }
+    held = {}
+    for local, name in names.items():
+        sharding, weight = _sharding(params.get(local)), weights[local].detach()
+        if local in experts:
+            held[local] = HeldTensor(name, weight, sharding, layout.etp_size, layout.etp_rank, layout)
+        else:
+            held[local] = HeldTensor(name, weight, sharding, tp, tp_rank)
+    return held
 
 
-def _chunk(
-    prefix: str,
-    name: str,
-    num_layers: int,
-    data: torch.Tensor,
-    offsets: tuple[int, ...],
-    shape: tuple[int, ...],
-) -> tuple[str, Chunk]:
-    """(key, Chunk) of a block of global tensor `name`, its key Megatron-Core's after `prefix` (the optimizer
-    state's `optimizer.state.<state>.`); a layer's tensor gets its stacked axis."""
-    key, lead_offsets, lead_shape = core_key(name, num_layers)
-    data = data.reshape(*[1] * len(lead_shape), *data.shape)
-    return prefix + key, Chunk(data, (*lead_offsets, *offsets), (*lead_shape, *shape))
-
-
-def _writer_of(position: int, sharding: TensorSharding, fully_parallel: bool) -> bool:
-    """This rank writes the tensor at `position` (of a stage's sorted list) of its DP x CP replicas: TP rank 0 of
-    a replicated one, the replica `position` mod their number (fully parallel) or the first."""
-    if not sharding.is_split and state.get_tensor_model_parallel_rank() != 0:
+def _writer_of(position: int, tensor: HeldTensor, fully_parallel: bool) -> bool:
+    """This rank writes the tensor at `position` (of a stage's sorted list) of its replicas (DP x CP, an expert
+    weight's expert DP): (expert) TP rank 0 of a replicated one, the replica `position` mod their number (fully
+    parallel) or the first."""
+    if not tensor.sharding.is_split and tensor.tp_rank != 0:
         return False
-    replicas = state.get_data_parallel_world_size(with_context_parallel=True)
-    writer = position % replicas if fully_parallel else 0
-    return state.get_data_parallel_rank(with_context_parallel=True) == writer
+    if tensor.experts is not None:
+        replicas, rank = state.get_expert_data_parallel_world_size(), state.get_expert_data_parallel_rank()
+    else:
+        replicas = state.get_data_parallel_world_size(with_context_parallel=True)
+        rank = state.get_data_parallel_rank(with_context_parallel=True)
+    return rank == (position % replicas if fully_parallel else 0)
 
 
 # -- save --------------------------------------------------------------------------------------------------------
@@ -259,12 +299,11 @@ class SavePlan:
 def plan_save(model: StageModel, optimizer: Any | None, config: MegatronConfig, copy: bool) -> SavePlan:
     """This rank's chunks of the model and of the optimizer state it holds, `copy`ed to CPU memory for a write
     that runs while training moves on."""
-    num_layers = config.model.num_layers
+    num_layers, stacked = config.model.num_layers, stacked_layers(config.model)
     fully_parallel = config.checkpoint.ckpt_fully_parallel_save
-    tp, tp_rank = state.get_tensor_model_parallel_world_size(), state.get_tensor_model_parallel_rank()
 
     def stage(tensor: torch.Tensor) -> torch.Tensor:
-        return tensor.detach().to("cpu", copy=True) if copy else tensor.detach().contiguous()
+        return tensor.detach().to("cpu", copy=True).contiguous() if copy else tensor.detach().contiguous()
 
     held = held_tensors(model, config, with_tied_copy=False)
     order = {local: position for position, local in enumerate(sorted(held, key=lambda n: held[n].name))}
@@ -272,14 +311,17 @@ def plan_save(model: StageModel, optimizer: Any | None, config: MegatronConfig, 
     objects: dict[str, io.BytesIO] = {}
 
     def add(prefix: str, tensor: HeldTensor, data: torch.Tensor, offsets: tuple[int, ...]) -> None:
-        key, chunk = _chunk(prefix, tensor.name, num_layers, stage(data), offsets, tensor.global_shape)
-        chunks.setdefault(key, []).append(chunk)
+        """A block of `tensor` under Megatron-Core's key after `prefix` (the optimizer's `optimizer.state.<state>.`)."""
+        core = core_key(tensor.name, num_layers, stacked)
+        view, at, shape = core.place(data, offsets, tensor.global_shape)
+        chunks.setdefault(prefix + core.key, []).append(Chunk(stage(view), at, shape))
 
     for local, tensor in held.items():
-        if _writer_of(order[local], tensor.sharding, fully_parallel):
-            for piece, offsets in tp_pieces(tensor.local, tensor.sharding, tp, tp_rank):
-                add("", tensor, piece, tuple(offsets))
-            objects.update(extra_state_objects(tensor.name, num_layers))
+        if _writer_of(order[local], tensor, fully_parallel):
+            for piece, offsets in tensor.pieces():
+                add("", tensor, piece, offsets)
+            core = core_key(tensor.name, num_layers, stacked)
+            objects.update(extra_state_objects(core, tensor.expert_range, config.model.num_experts or 0))
     if optimizer is None or config.checkpoint.no_save_optim:
         return SavePlan(chunks, objects, None)
     scalars, tensor_states = {}, {}
@@ -290,13 +332,13 @@ def plan_save(model: StageModel, optimizer: Any | None, config: MegatronConfig, 
         tensor, views = held[local], optimizer.local_state(index)
         scalars[tensor.name] = optimizer.local_scalars(index)
         tensor_states[tensor.name] = [key for key in views if key != "fp32_param"]
-        if optimizer.shards_state_over_data_parallel:  # each DP rank writes the part it holds
-            writes = tensor.sharding.is_split or tp_rank == 0
+        if optimizer.shards_state_over_data_parallel:  # each (expert) DP rank writes the part it holds
+            writes = tensor.sharding.is_split or tensor.tp_rank == 0
         else:
-            writes = _writer_of(order[local], tensor.sharding, fully_parallel)
+            writes = _writer_of(order[local], tensor, fully_parallel)
         if not writes:
             continue
-        blocks = shard_blocks(tuple(tensor.local.shape), start, end, tensor.sharding, tp, tp_rank)
+        blocks = tensor.blocks(start, end)
         for state_name, flat in views.items():
             for block in blocks:
                 add(f"{OPTIMIZER_PREFIX}.{state_name}.", tensor, block.take(flat), block.offsets)
@@ -514,14 +556,13 @@ class LoadRequests:
     names: dict[int, str]  # optimizer param index -> global name
 
     def add(
-        self, shapes: dict[str, tuple[int, ...]], prefix: str, name: str, num_layers: int, view: torch.Tensor,
-        offsets: tuple[int, ...],
+        self, shapes: dict[str, tuple[int, ...]], prefix: str, core: CoreKey, tensor: HeldTensor,
+        view: torch.Tensor, offsets: tuple[int, ...],
     ) -> None:  # fmt: skip
-        """Ask for the block `view` of global tensor `name` (key after `prefix`) at `offsets`, cut to the saved
-        shape."""
-        key, lead_offsets, lead_shape = core_key(name, num_layers)
-        key, offsets = prefix + key, (*lead_offsets, *offsets)
-        view = view.reshape(*[1] * len(lead_shape), *view.shape)
+        """Ask for the block `view` of global tensor `tensor` (Megatron-Core's `core` after `prefix`) at
+        `offsets`, cut to the saved shape."""
+        key = prefix + core.key
+        view, offsets, _ = core.place(view, offsets, tensor.global_shape)
         if key in shapes and len(shapes[key]) == view.dim():
             view = _clip(view, offsets, shapes[key])
         if view is not None:
@@ -538,13 +579,13 @@ def plan_load(
     """What this rank reads: its TP shard of every model tensor into the params themselves, and with `optimizer`
     the blocks of its range of each param's state (`tensor_states`: the states saved per param) into new flat
     tensors (the tied output layer's copy reads the embedding's)."""
-    num_layers = config.model.num_layers
-    tp, tp_rank = state.get_tensor_model_parallel_world_size(), state.get_tensor_model_parallel_rank()
+    num_layers, stacked = config.model.num_layers, stacked_layers(config.model)
     held = held_tensors(model, config, with_tied_copy=True)
     requests = LoadRequests([], {}, {})
     for tensor in held.values():
-        for piece, offsets in tp_pieces(tensor.local, tensor.sharding, tp, tp_rank):
-            requests.add(shapes, "", tensor.name, num_layers, piece, tuple(offsets))
+        core = core_key(tensor.name, num_layers, stacked)
+        for piece, offsets in tensor.pieces():
+            requests.add(shapes, "", core, tensor, piece, offsets)
     if optimizer is None:
         return requests
     for index, start, end in optimizer.local_param_ranges():
@@ -554,10 +595,11 @@ def plan_load(
         device = tensor.local.device
         flats = {name: torch.zeros(end - start, dtype=torch.float32, device=device) for name in states}
         requests.optimizer_states[index], requests.names[index] = flats, tensor.name
-        for block in shard_blocks(tuple(tensor.local.shape), start, end, tensor.sharding, tp, tp_rank):
+        core = core_key(tensor.name, num_layers, stacked)
+        for block in tensor.blocks(start, end):
             for name, flat in flats.items():
                 prefix = f"{OPTIMIZER_PREFIX}.{name}."
-                requests.add(shapes, prefix, tensor.name, num_layers, block.take(flat), block.offsets)
+                requests.add(shapes, prefix, core, tensor, block.take(flat), block.offsets)
     return requests
 
 

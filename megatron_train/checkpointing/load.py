@@ -185,11 +185,6 @@ def load_checkpoint(
         saved = None if is_dist_checkpoint(metadata) else SavedCheckpoint(iteration_dir)
     else:
         metadata = saved.metadata
-    if saved is None and config.model.is_moe:
-        raise CheckpointError(
-            f"{iteration_dir} is a torch_dist checkpoint: MoE models are saved and loaded in --ckpt-format torch "
-            "here (torch_dist's expert keys are not implemented); convert it with checkpoint_util or --load another"
-        )
     if saved_family_name(metadata) != model_type(model):
         raise CheckpointError(
             f"checkpoint {iteration_dir} holds a {saved_family_name(metadata)} model but this run trains a "
