@@ -134,8 +134,9 @@ def test_lying_megatron_args_in_a_torch_dist_common_state_are_refused(sources, t
         ({"hidden_size": "128"}, f"{iteration} (args): hidden_size is '128', not an integer"),
         ({"num_attention_heads": 0}, f"{iteration} (args): num_attention_heads is 0; it must be at least 1"),
         ({"padded_vocab_size": 200}, f"{index}: embedding.word_embeddings.weight has shape [128, 32], but the args "
-                                     "(hidden_size, num_attention_heads, ffn_hidden_size, padded_vocab_size, ...) make "
-                                     "it [200, 32]; the args and the weights come from different models"),
+                                     "(hidden_size, num_attention_heads, ffn_hidden_size, num_experts, moe_ffn_hidden_size, "
+                                     "padded_vocab_size, ...) make it [200, 32]; the args and the weights come from "
+                                     "different models"),
     ]  # fmt: skip
     original = pathlib.Path(path).read_bytes()
     for changes, message in cases:

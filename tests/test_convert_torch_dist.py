@@ -12,9 +12,10 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
-from megatron_train.checkpointing import load_model_for_inference
-from megatron_train.convert import ModelWeights, flow
+from megatron_train.checkpointing import CheckpointError, load_model_for_inference
+from megatron_train.convert import ModelWeights, flow, torch_dist
 from megatron_train.convert.weights import trim_vocab
+from megatron_train.families.gpt import GPT
 from megatron_train.tools.checkpoint_util import main
 from tests.helpers.convert_models import VOCAB, WritesFile, ids, megatron_args, our_llama, shard_tensors
 
@@ -128,7 +129,8 @@ def test_pickled_objects_outside_the_allow_list_are_refused_and_run_nothing(tmp_
 def test_moe_model_of_dense_and_moe_layers_round_trips_with_megatron_core_expert_keys(tmp_path):
     """Layers 1 and 3 MoE (4 experts, a gated shared expert), saved from TP2 x PP2: every key per layer as
     Megatron-Core saves a model of unlike layers, each expert's Linear [out, in] on an expert axis (fc1's [gate; up]
-    cut over TP per expert), an `_extra_state` per expert; read back bitwise at TP1 x PP1."""
+    cut over TP per expert), an `_extra_state` per expert; read back bitwise at TP1 x PP1; args that lie about the
+    experts are refused."""
     config, model = our_llama(True, moe=True, moe_layer_freq="([0]+[1])*2")
     flow.save(ModelWeights(config, trim_vocab(model.state_dict(), VOCAB)), str(tmp_path / "a"))
     _convert("--saver", "torch_dist", "--load-dir", str(tmp_path / "a"), "--save-dir", str(tmp_path / "td"),
@@ -154,3 +156,10 @@ def test_moe_model_of_dense_and_moe_layers_round_trips_with_megatron_core_expert
     assert original.keys() == back.keys()
     for key, value in original.items():
         assert value == back[key] if key[1] == "metadata" else torch.equal(value, back[key]), key
+    common = torch.load(tmp_path / "td" / "iter_0000001" / "common.pt", weights_only=False)
+    common["args"].num_experts = 8  # args that lie about the experts: refused before a tensor is read
+    torch.save(common, tmp_path / "td" / "iter_0000001" / "common.pt")
+    with pytest.raises(
+        CheckpointError, match=r"router.weight has shape \[4, 32\], but the args .* make it \[8, 32\]"
+    ):
+        torch_dist.load(str(tmp_path / "td"), None, VOCAB, GPT)

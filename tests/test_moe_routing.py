@@ -233,7 +233,6 @@ BASE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4"
         (["--num-experts", "4", "--moe-router-enable-expert-bias"], 1, "needs --moe-router-score-function sigmoid"),
         (["--num-experts", "4", "--moe-pad-expert-input-to-capacity"], 1, "needs --moe-expert-capacity-factor"),
         (["--num-experts", "4", "--moe-z-loss-coeff=-1e-3"], 1, "a loss coefficient must be >= 0"),
-        (["--num-experts", "4", "--ckpt-format", "torch_dist"], 1, "--ckpt-format torch_dist does not save MoE"),
         (["--num-experts", "4", "--expert-tensor-parallel-size", "2", "--expert-model-parallel-size", "1"], 2,
          "biases only with --expert-tensor-parallel-size 1"),
         (["--num-experts", "4", "--moe-router-num-groups", "3", "--moe-router-group-topk", "1"], 1,

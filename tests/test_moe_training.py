@@ -3,7 +3,9 @@
 the one-process half run's checkpoint with the reference's losses (dropless routing: capacity is per rank, so
 dropping legitimately differs between layouts); an EP=2 checkpoint loads at EP=1 with the reference's logits; the
 aux and z losses are logged after `lm loss` and in TensorBoard under Megatron's names; a dense checkpoint upcycles
-into experts computing the same function; a run killed with SIGKILL resumes bitwise."""
+into experts computing the same function; a run killed with SIGKILL resumes bitwise; the CP2 x EP2 run saves
+--ckpt-format torch_dist from every rank with Megatron-Core's expert keys and a TP2 x expert TP 2 x EP1 run continues
+it with the reference's losses."""
 
 from __future__ import annotations
 

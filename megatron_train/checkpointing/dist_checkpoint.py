@@ -14,7 +14,8 @@ Keys are Megatron-Core's (`checkpointing.dcp.core_key`: layers stacked on a firs
 names, the padded vocabulary, a tied output layer saved once as the embedding, empty `_extra_state` objects), so
 megatron-core's `dist_checkpointing` and our converter read it. A model tensor is written by one rank of the
 data x context parallel replicas that hold it (spread over them round-robin with --ckpt-fully-parallel-save, the
-default; TP rank 0 for one replicated over TP). The optimizer's state goes under
+default; TP rank 0 for one replicated over TP); an MoE expert weight by one of its expert DP replicas, each EP
+rank's experts at their place on the expert axis of Megatron-Core's key, so any EP / expert TP reads them back. The optimizer's state goes under
 `optimizer.state.<exp_avg|exp_avg_sq|fp32_param>.<model key>` in model space, each rank writing the part it holds:
 under the distributed optimizer a DP rank's part of a param is a range of its flattened elements, written as the
 rectangular blocks that range covers (`flat_range_boxes`), so nothing is gathered to one rank and any layout

@@ -185,6 +185,12 @@ def load_checkpoint(
         saved = None if is_dist_checkpoint(metadata) else SavedCheckpoint(iteration_dir)
     else:
         metadata = saved.metadata
+    if saved is None and config.model.moe_use_upcycling:
+        raise CheckpointError(
+            f"{iteration_dir} is a torch_dist checkpoint: --moe-use-upcycling reads a dense checkpoint of ours; "
+            f"convert it first (python -m megatron_train.tools.checkpoint_util --model-type GPT --loader torch_dist "
+            f"--saver flow --load-dir {ckpt.load} --save-dir <dir>) and --load that"
+        )
     if saved_family_name(metadata) != model_type(model):
         raise CheckpointError(
             f"checkpoint {iteration_dir} holds a {saved_family_name(metadata)} model but this run trains a "

@@ -13,7 +13,9 @@ axis (`decoder.layers.<i>.<name>` per layer with `non_homogeneous_layers`); the 
 go by TransformerEngine's fused names (`self_attention.linear_qkv.layer_norm_weight`, as Megatron-Core's local
 spec maps them too); SwiGLU's fc1 is the whole model's
 [gate; up], so a rank writes two chunks of it; the vocabulary tensors keep their padded rows; a tied output
-layer is saved once, as the embedding. The common state (args, iteration) is torch.save'd bytes, read through
+layer is saved once, as the embedding. MoE experts are every expert's Linear on an expert axis
+(`mlp.experts.experts.linear_fc1.weight`, [layers, experts, out, in]); a model of dense and MoE layers has every
+key per layer. The common state (args, iteration) is torch.save'd bytes, read through
 the `megatron` format's allow-list; DCP's own `.metadata` pickle is read with an unpickler that knows only
 DCP's metadata classes, so a crafted checkpoint runs nothing (docs/architecture.md, checkpoints).
 """
@@ -287,13 +289,16 @@ def _check_index(
             index = int(layer.group(2)) if layer else 0
             name, transposed = our_name(f"{layer.group(1)}.layers.0.{layer.group(3)}" if layer else key)
             kind = int(config.model.is_moe_layer(index)) if index < config.model.num_layers else 0
-        if transposed and len(size) >= 2:
-            size = (*size[:-2], size[-1], size[-2])
-        if name in expected[kind] and size != expected[kind][name]:
+        want = expected[kind].get(name)
+        if (
+            want is not None and transposed
+        ):  # our expert weight [experts, in, out], Megatron's Linears' [.., out, in]
+            want = (*want[:-2], want[-1], want[-2])
+        if want is not None and size != want:
             raise CheckpointError(
                 f"{where}: {key} has shape {list(item.size)}, but the args (hidden_size, num_attention_heads, "
-                f"ffn_hidden_size, padded_vocab_size, ...) make it {list(expected[name])}; the args and the "
-                "weights come from different models"
+                f"ffn_hidden_size, num_experts, moe_ffn_hidden_size, padded_vocab_size, ...) make it {list(want)}; "
+                "the args and the weights come from different models"
             )
 
 
