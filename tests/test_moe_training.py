@@ -284,3 +284,15 @@ def test_torch_dist_save_of_every_rank_has_megatron_core_expert_keys_and_refuses
         config = parse_args([*argv, flag, value])
         with pytest.raises(CheckpointError, match=f"pass {flag} {saved} or load a matching checkpoint$"):
             check_compatible(metadata, config, metadata["padded_vocab_size"], folder)
+    # a dense checkpoint into this MoE run: the flag to drop, not "pass --num-experts None"; and an inverted flag
+    ours = parse_args(_argv(moe_runs, "unused", "half"))
+    for changed, expected in (
+        ({"num_experts": None}, "num_experts=4; drop --num-experts"),
+        (
+            {"add_bias_linear": not ours.model.add_bias_linear},
+            f"{'pass' if ours.model.add_bias_linear else 'drop'} --disable-bias-linear",
+        ),
+    ):
+        lying = {**metadata, "args": {**metadata["args"], "model": {**metadata["args"]["model"], **changed}}}
+        with pytest.raises(CheckpointError, match=f"{expected} or load a matching checkpoint$"):
+            check_compatible(lying, ours, metadata["padded_vocab_size"], folder)

@@ -82,6 +82,19 @@ MODEL_ARGS_TO_CHECK = (
     "moe_router_enable_expert_bias",
 )
 
+# Settings whose Megatron flag says the opposite of the field (the flag turns the default True off).
+INVERTED_FLAGS = {"add_bias_linear": "--disable-bias-linear", "bert_binary_head": "--bert-no-binary-head"}
+
+
+def flags_to_match(name: str, saved: object) -> str:
+    """What to put on the command line for a model field to take the checkpoint's value `saved`."""
+    if name in INVERTED_FLAGS:
+        return f"{'drop' if saved else 'pass'} {INVERTED_FLAGS[name]}"
+    flag = f"--{name.replace('_', '-')}"
+    if saved is None or saved is False:  # the flag's absence gives it (a dense model has num_experts None)
+        return f"drop {flag}"
+    return f"pass {flag}" if saved is True else f"pass {flag} {saved}"
+
 
 def check_compatible(metadata: dict, config: MegatronConfig, padded_vocab_size: int, where: str) -> None:
     """Refuse a checkpoint whose weights cannot fit this run's model, naming the first setting that differs.
@@ -109,7 +122,7 @@ def check_compatible(metadata: dict, config: MegatronConfig, padded_vocab_size: 
         if name in saved_model and saved_model[name] != ours:
             raise CheckpointError(
                 f"checkpoint {where} was saved with {name}={saved_model[name]} but this run has {name}={ours}; "
-                f"pass --{name.replace('_', '-')} {saved_model[name]} or load a matching checkpoint"
+                f"{flags_to_match(name, saved_model[name])} or load a matching checkpoint"
             )
     our_multiple = (
         config.tokenizer.make_vocab_size_divisible_by * state.get_tensor_model_parallel_world_size()
