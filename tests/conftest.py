@@ -19,6 +19,14 @@ pytest_plugins = ("pytester", "tests.helpers.ci_skips", "tests.helpers.process_g
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # `make test` runs two test processes on the cores: one thread each, and for the processes they start, or
+    # OpenMP threads spinning in one stall the other (a 17 s one-process training test ran past 600 s).
+    import torch
+
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+
 
 @pytest.fixture(scope="session")
 def prefect_api_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
