@@ -1,5 +1,5 @@
 """MoE GPTs trained with `pretrain_gpt` under expert parallelism, in two process groups: a one-process group
-(the reference, its half run, a dense run and its upcycling) and a four-rank group whose two layouts each continue
+(the reference, its half run, a dense run and its upcycling) and a four-rank group whose layouts each continue
 the one-process half run's checkpoint with the reference's losses (dropless routing: capacity is per rank, so
 dropping legitimately differs between layouts); an EP=2 checkpoint loads at EP=1 with the reference's logits; the
 aux and z losses are logged after `lm loss` and in TensorBoard under Megatron's names; a dense checkpoint upcycles
@@ -83,6 +83,8 @@ RUNS = {
         ],
         "half",
     ),  # fmt: skip
+    # dense DP 4 (distributed optimizer, no model parallelism); experts EP 2 x expert DP 2, allgather
+    "ep2-dp4-distopt": (4, [*EP2, "--use-distributed-optimizer"], "half"),
     # PP 2 (an MoE layer on each stage) x DP 2; experts EP 2, allgather
     "pp2-ep2": (4, [*EP2, "--pipeline-model-parallel-size", "2", "--tensorboard-dir", "{dir}/tb"], "half"),
     # CP 2 (ring attention) x DP 2; experts EP 2 x expert DP 2 (the CP ranks folded into expert DP), alltoall;
@@ -138,7 +140,7 @@ def moe_runs(tmp_path_factory):
     sigkill_reference = tiny_args(str(tmp / "sigkill-reference"), *SIGKILL_MOE)
     one_process = [*(_argv(tmp, data, n) for n in one), _upcycling_argv(tmp, data), sigkill_reference]
     run_distributed(pretrain_worker, 1, one_process, timeout=300)
-    four = ["ep2-tp2-sp-distopt", "pp2-ep2", "cp2-ep2", "tp2-etp2-ep1"]
+    four = ["ep2-tp2-sp-distopt", "ep2-dp4-distopt", "pp2-ep2", "cp2-ep2", "tp2-etp2-ep1"]
     for name in four:  # continue a one-process run's checkpoint in this run's own folder
         if RUNS[RUNS[name][2]][0] == 1:
             shutil.copytree(
@@ -156,7 +158,9 @@ def _losses(tmp, name: str, key: str = "lm loss") -> list[float]:
     return [r[key] for r in _steps(tmp, name)]
 
 
-@pytest.mark.parametrize("name", ["half", "ep2-tp2-sp-distopt", "pp2-ep2", "cp2-ep2", "tp2-etp2-ep1"])
+@pytest.mark.parametrize(
+    "name", ["half", "ep2-tp2-sp-distopt", "ep2-dp4-distopt", "pp2-ep2", "cp2-ep2", "tp2-etp2-ep1"]
+)
 def test_every_layout_continues_the_one_process_checkpoint_with_its_losses(moe_runs, name) -> None:
     """The losses, and the grad and params norms and zeros in the grad, whose expert part is reduced over the
     expert ranks (--log-params-norm, --log-num-zeros-in-grad); tp2-etp2-ep1 continues cp2-ep2's torch_dist save."""
