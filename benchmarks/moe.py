@@ -1,6 +1,6 @@
 """MoE layer throughput and traffic: our MoELayer against transformers' MixtralSparseMoeBlock with the same weights,
-our grouped-GEMM experts against our loop over experts, and the alltoall dispatcher's all-to-all bytes against its
-closed form.
+our grouped-GEMM experts against our loop over experts and a plain torch.mm of the same FLOPs, and the alltoall
+dispatcher's all-to-all bytes against its closed form.
 
     .venv/bin/python -m benchmarks.moe [--hidden 256 --ffn 512 --experts 8 --topk 2 --tokens 1024 --repeats 3]
 
@@ -17,6 +17,11 @@ n_out (token, expert) pairs routed to the other rank's experts, sent out in the 
 in the backward of the combine, and the n_in pairs the other rank routed here, returned in the combine and their
 gradients sent in the dispatch's backward: 2 (n_out + n_in) rows of `--hidden` fp32 values. For uniform routing
 n_out = n_in = tokens x top k x (EP - 1) / EP. The counted bytes must equal the closed form exactly.
+
+Ours runs with --moe-grouped-gemm (the kernel it picks is named: on CPU a padded bmm for balanced routing), with
+grouped_mm forced, and as a loop over experts. The machine's ceiling is a plain `torch.mm` [rows, h] x [h, 3 ffn] run three times, rows chosen
+for the layer's matmul FLOPs (`step_flops`: router, fc1 and fc2 forward, twice that backward); every variant's
+GFLOP/s counts those FLOPs.
 
 The last line is `ratio: <ours / peer's fastest>` (tokens/s).
 """
@@ -80,14 +85,19 @@ def mixtral_block(layer: MoELayer, args: argparse.Namespace) -> torch.nn.Module:
     return block
 
 
-def step_time(
-    run: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, grad: torch.Tensor
-) -> tuple[float, float]:
-    """(wall seconds, this process's CPU seconds) of one forward + backward."""
-    x = x.detach().requires_grad_(True)
+def step_time(run: Callable[[], None]) -> tuple[float, float]:
+    """(wall seconds, this process's CPU seconds) of one call."""
     start, cpu = time.perf_counter(), time.process_time()
-    run(x).backward(grad)
+    run()
     return time.perf_counter() - start, time.process_time() - cpu
+
+
+def step_flops(args: argparse.Namespace) -> int:
+    """Matmul FLOPs of one forward + backward of the layer: the router on every token, fc1 (SwiGLU's gate and up:
+    2 ffn wide) and fc2 on each of the tokens x top k routed rows; the backward twice the forward."""
+    rows = args.tokens * args.topk
+    forward = 2 * args.tokens * args.hidden * args.experts + 2 * rows * args.hidden * 3 * args.ffn
+    return 3 * forward
 
 
 def throughput(args: argparse.Namespace) -> float:
@@ -101,51 +111,75 @@ def throughput(args: argparse.Namespace) -> float:
         for implementation in args.peer:
             block.experts.config._experts_implementation = implementation
             torch.testing.assert_close(block(x.transpose(0, 1)).transpose(0, 1), ours, rtol=1e-4, atol=1e-5)
+        _, routing_map = layer.router(x)
+        counts = routing_map.sum(dim=0).tolist()
+        kernel = layer.experts.kernel(torch.empty(sum(counts), args.hidden), counts)
 
-    def peer(implementation: str) -> Callable[[torch.Tensor], torch.Tensor]:
-        def run(tokens: torch.Tensor) -> torch.Tensor:
+    def peer(implementation: str) -> Callable[[], None]:
+        def run() -> None:
             block.experts.config._experts_implementation = implementation
-            return block(tokens.transpose(0, 1)).transpose(0, 1)
+            tokens = x.detach().requires_grad_(True)
+            block(tokens.transpose(0, 1)).transpose(0, 1).backward(grad)
 
         return run
 
-    def ours_with(grouped: bool) -> Callable[[torch.Tensor], torch.Tensor]:
-        def run(tokens: torch.Tensor) -> torch.Tensor:
-            layer.experts.grouped_gemm = grouped
-            return layer(tokens)
+    def ours_with(grouped: bool, padded_rows_limit: float) -> Callable[[], None]:
+        def run() -> None:
+            layer.experts.grouped_gemm, layer.experts.padded_rows_limit = grouped, padded_rows_limit
+            layer(x.detach().requires_grad_(True)).backward(grad)
 
         return run
 
-    variants = {"ours grouped_mm": ours_with(True), "ours loop": ours_with(False)}
+    # the machine's ceiling: a plain torch.mm [rows, h] x [h, 3 ffn] three times, rows chosen for the layer's FLOPs
+    rows = round(step_flops(args) / (3 * 2 * args.hidden * 3 * args.ffn))
+    left, right = torch.randn(rows, args.hidden), torch.randn(args.hidden, 3 * args.ffn)
+
+    def ceiling() -> None:
+        for _ in range(3):
+            torch.mm(left, right)
+
+    ours_name = f"ours --moe-grouped-gemm ({kernel})"
+    variants = {
+        ours_name: ours_with(True, layer.experts.padded_rows_limit),
+        "ours grouped_mm (never padded)": ours_with(True, 0.0),
+        "ours loop over experts": ours_with(False, 0.0),
+    }
     variants |= {f"transformers {name}": peer(name) for name in args.peer}
+    variants["torch.mm of the same FLOPs"] = ceiling
     times: dict[str, list[float]] = {name: [] for name in variants}
     cpu_times: dict[str, list[float]] = {name: [] for name in variants}
     for repeat in range(args.repeats + 1):  # the first round warms up
         for name, run in variants.items():
-            seconds, cpu_seconds = step_time(run, x, grad)
+            seconds, cpu_seconds = step_time(run)
             if repeat:
                 times[name].append(seconds)
                 cpu_times[name].append(cpu_seconds)
-    speeds = {name: args.tokens / statistics.median(seconds) for name, seconds in times.items()}
-    for name, speed in speeds.items():
-        cpu_speed = args.tokens / statistics.median(cpu_times[name])
-        print(f"{name:26s} {speed:10.1f} tokens/s (fwd+bwd), {cpu_speed:10.1f} tokens per CPU second")
-    fastest = max((n for n in speeds if n.startswith("transformers")), key=speeds.get)
+    flops = {name: step_flops(args) for name in times} | {
+        "torch.mm of the same FLOPs": 3 * left.shape[0] * right.numel() * 2
+    }
+    for name, seconds in times.items():
+        wall, cpu = statistics.median(seconds), statistics.median(cpu_times[name])
+        print(f"{name:36s} {args.tokens / wall:9.1f} tokens/s (fwd+bwd), {args.tokens / cpu:9.1f} tokens per CPU "
+              f"second, {flops[name] / wall / 1e9:6.1f} GFLOP/s")  # fmt: skip
+    fastest = min(
+        (n for n in times if n.startswith("transformers")), key=lambda n: statistics.median(times[n])
+    )
 
     def paired(slow: str, fast: str, measured: dict[str, list[float]]) -> float:
         """Median over repeats of time(slow) / time(fast): how many times faster `fast` ran."""
         return statistics.median(a / b for a, b in zip(measured[slow], measured[fast], strict=True))
 
-    print(
-        f"ours grouped_mm / ours loop over experts: {paired('ours loop', 'ours grouped_mm', times):.3f} "
-        f"(CPU time {paired('ours loop', 'ours grouped_mm', cpu_times):.3f})"
-    )
-    ratio = paired(fastest, "ours grouped_mm", times)
-    print(
-        f"ours grouped_mm / {fastest} (the peer's fastest on this machine): {ratio:.3f} "
-        f"(CPU time {paired(fastest, 'ours grouped_mm', cpu_times):.3f})"
-    )
-    return ratio
+    for slow, label in (
+        ("ours loop over experts", "ours loop over experts"),
+        ("ours grouped_mm (never padded)", "ours grouped_mm (never padded)"),
+        ("torch.mm of the same FLOPs", "the torch.mm ceiling"),
+        (fastest, f"{fastest} (the peer's fastest on this machine)"),
+    ):
+        print(
+            f"{ours_name} / {label}: {paired(slow, ours_name, times):.3f} "
+            f"(CPU time {paired(slow, ours_name, cpu_times):.3f})"
+        )
+    return paired(fastest, ours_name, times)
 
 
 def _traffic(rank: int, world_size: int, args: argparse.Namespace) -> tuple[int, int]:

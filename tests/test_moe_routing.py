@@ -1,7 +1,7 @@
 """The MoE router, its losses and the MoE layer in one process: the aux, seq-aux and z losses equal their formulas on
 hand-checked cases and reach the gradient as the LM loss does, token dropping at capacity 1.0 drops exactly the
 tokens a reference computation says (both policies, and padding to capacity), Sinkhorn balances, the expert bias
-moves towards balance, grouped_mm equals the loop over experts, and the MoE flags parse and refuse as Megatron's."""
+moves towards balance, the padded bmm and grouped_mm equal the loop over experts, and the MoE flags parse and refuse as Megatron's."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from megatron_train.models.moe.aux_losses import (
     z_loss,
 )
 from megatron_train.models.moe.config import parse_moe_layer_freq
+from megatron_train.models.moe.dispatcher import permute, unpermute
 from megatron_train.models.moe.experts import grouped_mm_refusal
 from megatron_train.models.moe.layer import MoELayer
 from megatron_train.models.moe.router import TopKRouter
@@ -182,22 +183,56 @@ def test_expert_bias_moves_against_the_load():
 
 
 @pytest.mark.parametrize("swiglu", [False, True])
-def test_grouped_mm_equals_the_loop_over_experts_forward_and_backward(swiglu):
+def test_bmm_and_grouped_mm_equal_the_loop_over_experts_forward_and_backward(swiglu):
+    """--moe-grouped-gemm on CPU: balanced rows run as one padded bmm, unbalanced ones (padding would add more than a
+    quarter) through grouped_mm; both equal the loop over experts, an expert without tokens included."""
     torch.manual_seed(3)
     config = tiny_config(num_experts=4, moe_ffn_hidden_size=16, swiglu=swiglu, moe_grouped_gemm=True)
     layer = MoELayer(config, 0, sequence_parallel=False)
-    tokens, counts = torch.randn(12, 32), [5, 0, 4, 3]  # an expert without tokens
-    assert grouped_mm_refusal(tokens, layer.experts.weight1) is None
-    grads = []
-    for grouped in (True, False):
-        layer.experts.grouped_gemm = grouped
-        layer.zero_grad()
-        out = layer.experts(tokens, counts)
-        out.pow(2).sum().backward()
-        grads.append((out.detach(), layer.experts.weight1.grad.clone(), layer.experts.weight2.grad.clone()))
-    for grouped, looped in zip(*grads, strict=True):
-        torch.testing.assert_close(grouped, looped, rtol=1e-5, atol=1e-5)
+    for counts, kernel in (([5, 0, 4, 3], "grouped_mm"), ([4, 3, 4, 4], "bmm")):
+        tokens = torch.randn(sum(counts), 32)
+        assert grouped_mm_refusal(tokens, layer.experts.weight1) is None
+        grads = []
+        for grouped in (True, False):
+            layer.experts.grouped_gemm = grouped
+            assert layer.experts.kernel(tokens, counts) == (kernel if grouped else "loop")
+            layer.zero_grad()
+            x = tokens.clone().requires_grad_(True)
+            out = layer.experts(x, counts)
+            out.pow(2).sum().backward()
+            weights = layer.experts.weight1.grad.clone(), layer.experts.weight2.grad.clone()
+            grads.append((out.detach(), x.grad, *weights))
+        for grouped, looped in zip(*grads, strict=True):
+            torch.testing.assert_close(grouped, looped, rtol=1e-5, atol=1e-5)
     assert "not a multiple of 16 bytes" in grouped_mm_refusal(torch.randn(3, 6), torch.randn(2, 6, 5))
+
+
+@pytest.mark.parametrize("dropped", [False, True])
+def test_permute_and_unpermute_weight_each_route_and_sum_it_into_its_token(dropped):
+    """Dropless (every token k routes: the per-token gather) and with dropped routes (index_add): experts scaling
+    their rows by 1 + their index give sum_e probs[t, e] (1 + e) x[t], forward and backward, in float64."""
+    torch.manual_seed(5)
+    routing_map = torch.zeros(12, 4, dtype=torch.bool).scatter(1, torch.randn(12, 4).topk(2, dim=1)[1], True)
+    if dropped:
+        routing_map[::3] = False
+    probs = torch.rand(12, 4, dtype=torch.float64) * routing_map
+    results = []
+    for ours in (True, False):
+        x, p = (
+            torch.randn(12, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(0)),
+            probs.clone(),
+        )
+        x.requires_grad_(True), p.requires_grad_(True)
+        if ours:
+            rows, routes = permute(x, routing_map, p)
+            assert (routes.rows is None) == dropped
+            out = unpermute(rows * (1 + routing_map.t().nonzero()[:, :1]), routes)
+        else:
+            out = x * (p * routing_map * (1 + torch.arange(4))).sum(dim=1, keepdim=True)
+        out.backward(torch.linspace(-1, 1, 96, dtype=torch.float64).view(12, 8))
+        results.append((out.detach(), x.grad, p.grad))
+    for ours, expected in zip(*results, strict=True):
+        torch.testing.assert_close(ours, expected, rtol=1e-12, atol=1e-12)
 
 
 def test_moe_layer_freq_patterns_parse_without_evaluating_them():

@@ -27,32 +27,89 @@ from megatron_train.models.moe.comm import (
 from megatron_train.parallel import state
 
 
+@dataclass
+class Routes:
+    """Where `permute` put the (token, expert) pairs: the source token of each expert-major row, its routing weight,
+    and when every token has the same number k of pairs (dropless routing), `rows` [tokens, k]: the rows of each
+    token's pairs, experts in ascending order (None otherwise)."""
+
+    token_ids: torch.Tensor
+    probs: torch.Tensor
+    num_tokens: int
+    rows: torch.Tensor | None
+
+
+def _rows_of_tokens(routing_map: torch.Tensor) -> torch.Tensor | None:
+    """`Routes.rows` of `routing_map` [T, E], or None when tokens have different numbers of experts."""
+    per_token = routing_map.sum(dim=1)
+    if routing_map.shape[0] == 0 or not bool((per_token == per_token[0]).all()) or not int(per_token[0]):
+        return None
+    routes = routing_map.long()
+    per_expert = routes.sum(dim=0)
+    first_row = per_expert.cumsum(0) - per_expert  # of each expert's block
+    return (first_row + routes.cumsum(dim=0) - 1)[routing_map].view(routing_map.shape[0], -1)
+
+
+def _sum_rows_per_token(rows: torch.Tensor, token_rows: torch.Tensor) -> torch.Tensor:
+    """[tokens, h]: each token's rows summed, in the order index_add would add them."""
+    gathered = rows.index_select(0, token_rows.view(-1))
+    return gathered.view(*token_rows.shape, rows.shape[-1]).sum(dim=1)
+
+
+class _GatherRows(torch.autograd.Function):
+    """tokens -> their expert-major rows; the gradient sums each token's rows by gathering them (`Routes.rows`),
+    not by index_add (one scatter per row on CPU)."""
+
+    @staticmethod
+    def forward(ctx, tokens: torch.Tensor, routes: Routes) -> torch.Tensor:
+        ctx.routes = routes
+        return tokens.index_select(0, routes.token_ids)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _sum_rows_per_token(grad, ctx.routes.rows), None
+
+
+class _SumRowsPerToken(torch.autograd.Function):
+    """Expert-major rows -> each token's sum of them (the adjoint of _GatherRows)."""
+
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor, routes: Routes) -> torch.Tensor:
+        ctx.routes = routes
+        return _sum_rows_per_token(rows, routes.rows)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad.index_select(0, ctx.routes.token_ids), None
+
+
 def permute(
     tokens: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(the rows of `tokens` routed to each expert, expert after expert and in token order within an expert; the
-    source row of each; its routing weight)."""
+) -> tuple[torch.Tensor, Routes]:
+    """(the rows of `tokens` routed to each expert, expert after expert and in token order within an expert;
+    their routes)."""
     expert_major = routing_map.t()
     token_ids = expert_major.nonzero(as_tuple=True)[1]
-    return tokens.index_select(0, token_ids), token_ids, probs.t()[expert_major]
+    routes = Routes(token_ids, probs.t()[expert_major], tokens.shape[0], _rows_of_tokens(routing_map))
+    if routes.rows is None:
+        return tokens.index_select(0, token_ids), routes
+    return _GatherRows.apply(tokens, routes), routes
 
 
-def unpermute(
-    permuted: torch.Tensor, token_ids: torch.Tensor, probs: torch.Tensor, num_tokens: int
-) -> torch.Tensor:
+def unpermute(permuted: torch.Tensor, routes: Routes) -> torch.Tensor:
     """Inverse of `permute`: each row weighted by its routing weight and added into its token's row."""
-    weighted = permuted * probs.unsqueeze(-1).to(permuted.dtype)
-    out = permuted.new_zeros((num_tokens, permuted.shape[-1]))
-    return out.index_add(0, token_ids, weighted)
+    weighted = permuted * routes.probs.unsqueeze(-1).to(permuted.dtype)
+    if routes.rows is not None:
+        return _SumRowsPerToken.apply(weighted, routes)
+    out = permuted.new_zeros((routes.num_tokens, permuted.shape[-1]))
+    return out.index_add(0, routes.token_ids, weighted)
 
 
 @dataclass
 class _Dispatched:
     """What combine needs from dispatch."""
 
-    token_ids: torch.Tensor
-    probs: torch.Tensor
-    num_tokens: int
+    routes: Routes
     chunk_sizes: list[int] | None = None  # alltoall: rows per (ETP rank, EP rank, local expert) chunk
     received: list[int] | None = None  # alltoall: rows each ETP rank received through the all-to-all
     input_splits: list[int] | None = None
@@ -98,13 +155,13 @@ class AllGatherDispatcher(TokenDispatcher):
             map_all = gather_along_first_dim(group, routing_map.to(torch.uint8)).bool()
         local = slice(self.first_expert, self.first_expert + self.num_local_experts)
         local_map = map_all[:, local]
-        tokens, token_ids, local_probs = permute(hidden_all, local_map, probs_all[:, local])
-        self._saved = _Dispatched(token_ids, local_probs, hidden_all.shape[0])
+        tokens, routes = permute(hidden_all, local_map, probs_all[:, local])
+        self._saved = _Dispatched(routes)
         return tokens, local_map.sum(dim=0).tolist()
 
     def combine(self, expert_output: torch.Tensor) -> torch.Tensor:
         saved, self._saved = self._saved, None
-        summed = unpermute(expert_output, saved.token_ids, saved.probs, saved.num_tokens)
+        summed = unpermute(expert_output, saved.routes)
         return reduce_scatter_along_first_dim(self.tp_ep_group, summed)
 
 
@@ -115,7 +172,7 @@ class AlltoAllDispatcher(TokenDispatcher):
     def dispatch(
         self, hidden: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor
     ) -> tuple[torch.Tensor, list[int]]:
-        tokens, token_ids, permuted_probs = permute(hidden, routing_map, probs)
+        tokens, routes = permute(hidden, routing_map, probs)
         with torch.no_grad():  # [EP rank, ETP rank, expert]: tokens each rank routes to each expert
             counts = gather_along_first_dim(self.tp_ep_group, routing_map.sum(dim=0, keepdim=True))
         counts = counts.view(self.ep_size, self.etp_size, -1).tolist()
@@ -135,9 +192,7 @@ class AlltoAllDispatcher(TokenDispatcher):
         chunk_sizes = [
             n for t in range(self.etp_size) for r in range(self.ep_size) for n in local(counts[r][t])
         ]
-        self._saved = _Dispatched(
-            token_ids, permuted_probs, hidden.shape[0], chunk_sizes, sizes, input_splits, output_splits
-        )
+        self._saved = _Dispatched(routes, chunk_sizes, sizes, input_splits, output_splits)
         tokens_per_expert = [sum(chunk_sizes[e::per_rank]) for e in range(per_rank)]
         if len(chunk_sizes) == per_rank:  # one source rank: already expert after expert
             return gathered, tokens_per_expert
@@ -163,7 +218,7 @@ class AlltoAllDispatcher(TokenDispatcher):
             unsorted = torch.cat(by_chunk)
         reduced = reduce_scatter_along_first_dim(self.etp_group, unsorted, saved.received)
         returned = all_to_all(self.ep_group, reduced, saved.input_splits, saved.output_splits)
-        return unpermute(returned, saved.token_ids, saved.probs, saved.num_tokens)
+        return unpermute(returned, saved.routes)
 
 
 DISPATCHERS = {"allgather": AllGatherDispatcher, "alltoall": AlltoAllDispatcher}

@@ -3,8 +3,10 @@ in two 3-D weights, Megatron's GroupedMLP layout: `weight1` [local experts, h, f
 `weight2` [local experts, ffn / ETP, h].
 
 One weight per linear layer, whatever runs them: `--moe-grouped-gemm` multiplies every local expert's rows in one
-`torch.nn.functional.grouped_mm` call per layer; without it (or where grouped_mm cannot run: `grouped_mm_refusal`)
-a loop runs the experts one after another on the same weights. The checkpoint holds the weights of all the
+call per layer, on CPU one `torch.bmm` over the rows padded to the busiest expert's (while padding adds at most a
+quarter more rows: torch's CPU grouped_mm is one multi-threaded mm per expert), else one
+`torch.nn.functional.grouped_mm` (`Experts.kernel`); without it (or where grouped_mm cannot run:
+`grouped_mm_refusal`) a loop runs the experts one after another on the same weights. The checkpoint holds the weights of all the
 layer's experts stacked on the first axis, so any expert-parallel layout loads them (docs/architecture.md).
 
 Initialisation follows `parallel.param_init`: by default each rank draws only its experts' shards, on the tracked
@@ -35,6 +37,9 @@ from megatron_train.parallel.random import EXPERT_PARALLEL_RNG, full_weight_init
 
 logger = logging.getLogger(__name__)
 
+# --moe-grouped-gemm on CPU pads the experts' rows for one bmm while that adds at most a quarter more rows
+PADDED_ROWS_LIMIT = 1.25
+
 
 def grouped_mm_refusal(x: torch.Tensor, weight: torch.Tensor) -> str | None:
     """Why `grouped_mm(x, weight)` cannot run here (None when it can): its kernels need every row of both operands
@@ -59,6 +64,36 @@ class _ContiguousGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
         return grad.contiguous()
+
+
+class _ToSlots(torch.autograd.Function):
+    """rows [N, h] -> [num_slots, h] holding row i at slots[i] and zeros elsewhere; the gradient gathers them back
+    (indexing's own backward would scatter-add, one parallel loop per row on CPU)."""
+
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor, slots: torch.Tensor, num_slots: int) -> torch.Tensor:
+        ctx.save_for_backward(slots)
+        return rows.new_zeros(num_slots, rows.shape[-1]).index_copy_(0, slots, rows)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        (slots,) = ctx.saved_tensors
+        return grad.index_select(0, slots), None, None
+
+
+class _FromSlots(torch.autograd.Function):
+    """[num_slots, h] -> its rows at `slots` (the adjoint of _ToSlots)."""
+
+    @staticmethod
+    def forward(ctx, padded: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(slots)
+        ctx.num_slots = padded.shape[0]
+        return padded.index_select(0, slots)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        (slots,) = ctx.saved_tensors
+        return _ToSlots.apply(grad, slots, ctx.num_slots), None
 
 
 def grouped_matmul(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
@@ -138,18 +173,48 @@ class Experts(nn.Module):
         if config.add_bias_linear:  # refused with ETP > 1 (arguments.validate_config), as Megatron
             self.bias1 = weight((fc1,), nn.init.zeros_, partition_dim=0, stride=stride)
             self.bias2 = weight((hidden,), nn.init.zeros_)
+        self.padded_rows_limit = PADDED_ROWS_LIMIT
         self._refusal_logged = False
 
     def forward(self, tokens: torch.Tensor, tokens_per_expert: list[int]) -> torch.Tensor:
         """tokens [N, h], the rows of local expert e after those of e - 1 -> outputs [N, h] (partial sums over the
         ETP ranks)."""
-        refusal = grouped_mm_refusal(tokens, self.weight1) if self.grouped_gemm else "not asked"
-        if self.grouped_gemm and refusal is not None and not self._refusal_logged:
+        run = {"bmm": self._batched, "grouped_mm": self._grouped, "loop": self._sequential}
+        return run[self.kernel(tokens, tokens_per_expert)](tokens, tokens_per_expert)
+
+    def kernel(self, tokens: torch.Tensor, tokens_per_expert: list[int]) -> str:
+        """How the experts run on these rows. With --moe-grouped-gemm: on CPU one `bmm` over the rows padded to the
+        busiest expert's while that adds at most `padded_rows_limit` - 1 more rows (torch's CPU grouped_mm runs one
+        multi-threaded mm per expert, several times slower than one bmm of the same rows on a loaded machine:
+        benchmarks/moe.py), else `grouped_mm` where it can run; otherwise a `loop` over the experts."""
+        if not self.grouped_gemm or tokens.shape[0] == 0:
+            return "loop"
+        padded_rows = len(tokens_per_expert) * max(tokens_per_expert)
+        if tokens.device.type == "cpu" and padded_rows <= self.padded_rows_limit * tokens.shape[0]:
+            return "bmm"
+        refusal = grouped_mm_refusal(tokens, self.weight1)
+        if refusal is None:
+            return "grouped_mm"
+        if not self._refusal_logged:
             logger.warning("--moe-grouped-gemm: %s; the experts run one after another", refusal)
             self._refusal_logged = True
-        if refusal is None and tokens.shape[0] > 0:
-            return self._grouped(tokens, tokens_per_expert)
-        return self._sequential(tokens, tokens_per_expert)
+        return "loop"
+
+    def _batched(self, tokens: torch.Tensor, tokens_per_expert: list[int]) -> torch.Tensor:
+        """Every expert's rows in one slot of [experts, busiest expert's rows, h] (zeros after its own), one bmm
+        per linear layer; the padding rows' outputs are dropped, so their gradients are zero."""
+        experts, busiest = len(tokens_per_expert), max(tokens_per_expert)
+        counts = torch.tensor(tokens_per_expert, device=tokens.device)
+        filled = torch.arange(busiest, device=tokens.device) < counts.unsqueeze(1)  # [experts, busiest]
+        slots = filled.view(-1).nonzero().squeeze(1)
+        padded = _ToSlots.apply(tokens, slots, experts * busiest).view(experts, busiest, -1)
+        hidden = torch.bmm(padded, self.weight1)
+        if self.bias1 is not None:
+            hidden = hidden + self.bias1.unsqueeze(1)
+        out = torch.bmm(self.activation(hidden), self.weight2)
+        if self.bias2 is not None:
+            out = out + self.bias2.unsqueeze(1)
+        return _FromSlots.apply(out.view(experts * busiest, -1), slots)
 
     def _grouped(self, tokens: torch.Tensor, tokens_per_expert: list[int]) -> torch.Tensor:
         counts = torch.tensor(tokens_per_expert, device=tokens.device)
