@@ -1,5 +1,6 @@
 """pretrain_hybrid on gloo: a hybrid model continues a one-process checkpoint with the same losses under TP=2 + SP,
-DP=2 with the distributed optimizer and PP=2 at the pattern's cut; a TP=2 checkpoint loads at TP=1; a SIGKILLed
+DP=2 with the distributed optimizer, PP=2 at the pattern's cut, EP=2 and CP=2 (ring attention, the Mamba mixer's
+all-to-all, --reset-attention-mask documents); a TP=2 checkpoint loads at TP=1; a SIGKILLed
 run resumes bitwise; Megatron's examples/mamba scripts parse as written and train (pretrain_mamba) tiny."""
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ LAYOUTS = {  # continued from the one-process checkpoint at iteration 2
     "dp2-distributed-optimizer": (2, ["--use-distributed-optimizer"]),
     "pp2": (2, ["--pipeline-model-parallel-size", "2"]),
     "ep2": (2, ["--expert-model-parallel-size", "2"]),
+    "cp2": (2, ["--context-parallel-size", "2", "--cp-comm-type", "p2p"]),  # a rank: 4 of 8 Mamba heads, 1 of 2 groups
 }
 
 

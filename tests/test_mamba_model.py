@@ -1,6 +1,6 @@
 """The Mamba-2 mixer and MambaModel in one process: the chunked scan against the recurrence written out, documents
 restarting the state, generation with the state cache against full recomputation, beam search's reordered state,
-the layer pattern's flags, terms and weight decay."""
+the layer pattern's flags, terms and weight decay, the context-parallel exchange's reorder."""
 
 from __future__ import annotations
 
@@ -17,8 +17,11 @@ from megatron_train.inference.generation import GenerationParams, generate
 from megatron_train.models.config import TransformerConfig
 from megatron_train.models.hybrid import MambaModel
 from megatron_train.models.hybrid_pattern import pattern_from_ratios
+from megatron_train.models.mamba_context_parallel import shares_by_rank, to_rank_order, to_sequence_order
 from megatron_train.models.ssd import ssd_chunk_scan, ssd_step
 from megatron_train.optimizer.optimizer import no_weight_decay
+from megatron_train.parallel.context_parallel import chunk_indices
+from megatron_train.parallel.layers import slice_for_rank
 from megatron_train.tokenizer.null import NullTokenizer
 from megatron_train.training.entry import check_family_config
 from tests.helpers.mamba_reference import random_scan_inputs, sequential_scan
@@ -176,6 +179,8 @@ def test_the_family_refuses_layouts_it_cannot_split_naming_the_flag() -> None:
             "pipeline_model_parallel_size": 2, "num_layers_per_virtual_pipeline_stage": 1}),
         "--mamba-num-groups (2) is not divisible by the tensor model parallel size (4)": ("M*M-", {
             "tensor_model_parallel_size": 4}),
+        "Mamba heads (8) and --mamba-num-groups (2) must divide by --tensor-model-parallel-size x "
+        "--context-parallel-size (2 x 2)": ("M*M-", {"tensor_model_parallel_size": 2, "context_parallel_size": 2}),
         "--num-experts 4: a hybrid model's MoE layers are the E layers of --hybrid-layer-pattern, and 'M*M-' has "
         "none": ("M*M-", {"num_experts": 4}),
     }  # fmt: skip
@@ -183,6 +188,7 @@ def test_the_family_refuses_layouts_it_cannot_split_naming_the_flag() -> None:
         with pytest.raises(ValueError, match=re.escape(message)):
             check_family_config(HYBRID, _hybrid_config(pattern, **parallel))
     check_family_config(HYBRID, _hybrid_config("M*|M-", pipeline_model_parallel_size=2))
+    check_family_config(HYBRID, _hybrid_config("M*M-", context_parallel_size=2))
     uneven = _hybrid_config("M*E|M-", 4, pipeline_model_parallel_size=2)
     validate_pipeline_parallel(uneven, 1)  # segments of 3 and 2 layers: Megatron cuts at |, of any sizes
     uneven.model.num_layers_in_first_pipeline_stage = 1
@@ -217,3 +223,19 @@ def test_a_log_d_and_dt_bias_get_no_weight_decay() -> None:
         "decoder.layers.0.mixer.in_proj.weight" in decayed
         and "decoder.layers.0.mixer.conv1d.weight" in decayed
     )
+
+
+@pytest.mark.parametrize("cp", [2, 3])
+def test_the_context_parallel_all_to_all_gives_each_rank_its_heads_over_the_sequence_in_order(cp) -> None:
+    """The mixer's exchange on CP ranks simulated in one process: each rank's load-balanced chunks (r and
+    2 CP - 1 - r) split into per-rank shares of z, x, B, C and dt; rank j receiving share j of every rank (the
+    all-to-all, rank order) and reordering holds the whole sequence in order for its heads and groups, as it
+    slices the mixer's parameters; the inverse reorder gives back what it received."""
+    parts, seq = (4 * cp, 4 * cp, 2 * cp, 2 * cp, cp), 4 * cp
+    whole = torch.randn(2, seq, sum(parts))
+    shares = [shares_by_rank(whole[:, chunk_indices(seq, cp, rank)], parts, cp) for rank in range(cp)]
+    for j in range(cp):
+        received = torch.cat([share[:, :, j] for share in shares], dim=1)
+        mine = to_sequence_order(received, cp)
+        assert torch.equal(mine, slice_for_rank(whole, 2, cp, j, partition_sizes=parts))
+        assert torch.equal(to_rank_order(mine, cp), received)

@@ -44,11 +44,11 @@ _NO_VIRTUAL = (
     "a hybrid model's pipeline stages are its --hybrid-layer-pattern segments (cut by |); virtual stages are not "
     "built for it: drop the flag"
 )
-_NO_CONTEXT = "context parallelism is not built for Mamba layers (their state runs along the whole sequence)"
 
 
 def check_hybrid_config(config: MegatronConfig) -> None:
-    """Megatron's pretrain_hybrid rules, as ValueErrors naming the flag: the Mamba shape must split over TP, and
+    """Megatron's pretrain_hybrid rules, as ValueErrors naming the flag: the Mamba shape must split over TP (and
+    TP x CP), and
     the stages are the pattern's segments (without a pattern the model is --num-layers Mamba layers, Megatron's
     pure Mamba), and --num-experts shapes the pattern's E layers, so it needs some."""
     model, parallel = config.model, config.parallel
@@ -57,7 +57,7 @@ def check_hybrid_config(config: MegatronConfig) -> None:
             f"--num-experts {model.num_experts}: a hybrid model's MoE layers are the E layers of "
             f"--hybrid-layer-pattern, and {model.hybrid_layer_pattern!r} has none; add E layers or drop --num-experts"
         )
-    check_mamba_config(model, parallel.tensor_model_parallel_size)
+    check_mamba_config(model, parallel.tensor_model_parallel_size, parallel.context_parallel_size)
     hybrid_layer_range(model, 0, parallel.pipeline_model_parallel_size)
 
 
@@ -99,8 +99,8 @@ HYBRID = ModelFamily(
     model_class=MambaModel,
     terms=hybrid_terms,
     layouts=Layouts(
-        frozenset({"tensor", "sequence", "pipeline", "expert"}),
-        {"virtual pipeline": _NO_VIRTUAL, "context": _NO_CONTEXT},
+        frozenset({"tensor", "sequence", "pipeline", "context", "expert"}),
+        {"virtual pipeline": _NO_VIRTUAL},
     ),
     pipeline=HYBRID_PIPELINE,
     forward_step=forward_step,

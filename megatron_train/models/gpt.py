@@ -12,13 +12,10 @@ import torch
 from torch import nn
 
 from megatron_train.models.config import TransformerConfig
-from megatron_train.models.context_attention import ContextParallelDocuments
 from megatron_train.models.kv_cache import KVCache
 from megatron_train.models.language_module import LanguageModelEmbedding, LanguageModule, build_output_layer
 from megatron_train.models.rotary import RotaryEmbedding
-from megatron_train.models.transformer import TransformerBlock, document_causal_mask
-from megatron_train.parallel import state
-from megatron_train.parallel.context_parallel import chunk_indices
+from megatron_train.models.transformer import TransformerBlock
 from megatron_train.parallel.state import ProcessGroupCollection
 
 
@@ -108,21 +105,9 @@ class GPTModel(LanguageModule):
         Under context parallelism (the model's `cp` group) input_ids, position_ids and labels are this rank's
         chunks of the sequence (`parallel.context_parallel.slice_batch`) and document_ids the whole sequence's.
         """
-        batch, seq = input_ids.shape
         offset = 0 if kv_cache is None else kv_cache.seq_len_offset
-        cp_group = self.pg_collection.cp
-        cp_size = state.group_size(cp_group)
-        if position_ids is None and cp_size > 1:
-            positions = chunk_indices(seq * cp_size, cp_size, state.group_rank(cp_group), input_ids.device)
-            position_ids = positions.expand(batch, seq)
         if position_ids is None:
-            limit = self.config.max_position_embeddings
-            if self.config.position_embedding_type == "learned_absolute" and offset + seq > limit:
-                raise ValueError(
-                    f"positions up to {offset + seq} exceed --max-position-embeddings {limit}; "
-                    "shorten the input or build the model with a larger table"
-                )
-            position_ids = torch.arange(offset, offset + seq, device=input_ids.device).expand(batch, seq)
+            position_ids = self.default_position_ids(input_ids, offset)
 
         if self.pre_process:
             hidden = self.embedding(input_ids, position_ids)
@@ -131,17 +116,10 @@ class GPTModel(LanguageModule):
         else:
             hidden = self.decoder.input_tensor
         rotary = None if self.rotary_pos_emb is None else self.rotary_pos_emb(position_ids)
-        if document_ids is None:
-            mask = None
-        elif (
-            cp_size > 1
-        ):  # each block's mask is built inside the attention from the whole sequence's documents
-            mask = ContextParallelDocuments(document_ids)
-        else:
-            mask = document_causal_mask(document_ids)
+        mask = None if document_ids is None else self.document_mask(document_ids)
         hidden = self.decoder(hidden, rotary, kv_cache, mask, context=context, context_mask=context_mask)
         if kv_cache is not None:
-            kv_cache.seq_len_offset += seq
+            kv_cache.seq_len_offset += input_ids.shape[1]
         if not self.post_process:
             return hidden
 

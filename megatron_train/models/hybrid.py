@@ -30,7 +30,7 @@ from megatron_train.models.mamba import AttentionLayer, HybridCache, MambaLayer,
 from megatron_train.models.moe.layer import MoELayer
 from megatron_train.models.norms import build_norm
 from megatron_train.models.rotary import RotaryEmbedding
-from megatron_train.models.transformer import FIRST_LAYER_INIT_STREAM, Rotary, document_causal_mask
+from megatron_train.models.transformer import FIRST_LAYER_INIT_STREAM, Rotary
 from megatron_train.parallel import state
 from megatron_train.parallel.random import checkpoint, get_rng_tracker, initialization_stream
 
@@ -48,8 +48,8 @@ def build_hybrid_layer(
     layer, the pre-MLP norm and an MoE layer (`mlp.router`, `mlp.experts`) over the run's expert groups."""
     if symbol == MOE:
         moe = MoELayer(config, layer_number, sequence_parallel, pg_collection)
-        return MLPLayer(config, sequence_parallel, pg_collection.tp, moe)
-    return LAYER_CLASSES[symbol](config, sequence_parallel, pg_collection.tp)
+        return MLPLayer(config, sequence_parallel, pg_collection, moe)
+    return LAYER_CLASSES[symbol](config, sequence_parallel, pg_collection)
 
 
 def hybrid_layer_range(
@@ -212,11 +212,12 @@ class MambaModel(LanguageModule):
         """Per-token fp32 loss [b, s] with labels; else logits [b, s, vocab]; hidden states [s, b, h] off the
         last stage. With a cache (`allocate_inference_cache`) input_ids are the new tokens only and the cache
         holds every layer's state before them. `document_ids` [b, s] (--reset-attention-mask): attention stays
-        within each document and the Mamba layers' convolution and state restart at each."""
-        batch, seq = input_ids.shape
+        within each document and the Mamba layers' convolution and state restart at each. Under context
+        parallelism input_ids, position_ids and labels are this rank's chunks of the sequence
+        (`parallel.context_parallel.slice_batch`) and document_ids the whole sequence's, in order."""
         offset = 0 if kv_cache is None else kv_cache.seq_len_offset
         if position_ids is None:
-            position_ids = torch.arange(offset, offset + seq, device=input_ids.device).expand(batch, seq)
+            position_ids = self.default_position_ids(input_ids, offset)
         if self.pre_process:
             hidden = self.embedding(input_ids, position_ids)
         elif self.decoder.input_tensor is None:
@@ -226,10 +227,10 @@ class MambaModel(LanguageModule):
         rotary = None if self.rotary_pos_emb is None else self.rotary_pos_emb(position_ids)
         mask = None
         if document_ids is not None and self.decoder.num_attention_layers:
-            mask = document_causal_mask(document_ids)
+            mask = self.document_mask(document_ids)
         hidden = self.decoder(hidden, rotary, kv_cache, mask, document_ids)
         if kv_cache is not None:
-            kv_cache.seq_len_offset += seq
+            kv_cache.seq_len_offset += input_ids.shape[1]
         if not self.post_process:
             return hidden
         return self.language_model_output(hidden, labels)

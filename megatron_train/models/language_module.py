@@ -14,14 +14,17 @@ import torch.distributed as dist
 from torch import nn
 
 from megatron_train.models.config import TransformerConfig
+from megatron_train.models.context_attention import ContextParallelDocuments
 from megatron_train.models.norms import build_norm
 from megatron_train.models.transformer import (
     OUTPUT_LAYER_INIT_STREAM,
     POSITION_EMBEDDING_INIT_STREAM,
     TOKENTYPE_EMBEDDING_INIT_STREAM,
     WORD_EMBEDDING_INIT_STREAM,
+    document_causal_mask,
     init_method_normal,
 )
+from megatron_train.parallel.context_parallel import chunk_indices
 from megatron_train.parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatron_train.parallel.layers import ColumnParallelLinear, VocabParallelEmbedding
 from megatron_train.parallel.mappings import (
@@ -30,7 +33,7 @@ from megatron_train.parallel.mappings import (
 )
 from megatron_train.parallel.param_init import initialized
 from megatron_train.parallel.random import get_rng_tracker, initialization_stream
-from megatron_train.parallel.state import ProcessGroupCollection, process_groups
+from megatron_train.parallel.state import ProcessGroupCollection, group_rank, group_size, process_groups
 
 
 def vocab_init_method(config: TransformerConfig) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -210,6 +213,33 @@ class LanguageModule(nn.Module):
         lives on another stage."""
         if self.share_embeddings_and_output_weights and self.pre_process and not self.post_process:
             self.embedding.word_embeddings.weight.shared_embedding = True
+
+    def default_position_ids(self, input_ids: torch.Tensor, offset: int) -> torch.Tensor:
+        """The positions [b, s] of `input_ids` when none are given: under context parallelism (the model's `cp`
+        group) those of this rank's chunks of the sequence, else offset .. offset + s - 1 (a generation cache's
+        offset); learned absolute embeddings refuse positions past their table."""
+        batch, seq = input_ids.shape
+        cp_group = self.pg_collection.cp
+        cp_size = group_size(cp_group)
+        if cp_size > 1:
+            return chunk_indices(seq * cp_size, cp_size, group_rank(cp_group), input_ids.device).expand(
+                batch, seq
+            )
+        limit = self.config.max_position_embeddings
+        if self.config.position_embedding_type == "learned_absolute" and offset + seq > limit:
+            raise ValueError(
+                f"positions up to {offset + seq} exceed --max-position-embeddings {limit}; "
+                "shorten the input or build the model with a larger table"
+            )
+        return torch.arange(offset, offset + seq, device=input_ids.device).expand(batch, seq)
+
+    def document_mask(self, document_ids: torch.Tensor) -> torch.Tensor | ContextParallelDocuments:
+        """The attention mask of documents [b, s] (--reset-attention-mask, packed SFT): the dense document-causal
+        mask [b, 1, s, s]; under context parallelism the whole sequence's ids, from which the context-parallel
+        attention builds each block's mask."""
+        if group_size(self.pg_collection.cp) > 1:
+            return ContextParallelDocuments(document_ids)
+        return document_causal_mask(document_ids)
 
     def set_input_tensor(self, input_tensor: torch.Tensor | list[torch.Tensor] | None) -> None:
         """Hidden states [s, b, h] from the previous pipeline stage (Megatron's hook; lists are unwrapped)."""

@@ -26,6 +26,7 @@ from torch import nn
 from megatron_train.models.config import TransformerConfig
 from megatron_train.models.init import init_method_normal, scaled_init_method_normal
 from megatron_train.models.kv_cache import KVCache
+from megatron_train.models.mamba_context_parallel import MambaContextParallel
 from megatron_train.models.norms import build_norm
 from megatron_train.models.ssd import discretize, mamba_chunk_scan, ssd_step
 from megatron_train.models.transformer import MLP, Rotary, SelfAttention
@@ -64,8 +65,9 @@ def mamba_shapes(config: TransformerConfig) -> tuple[int, int, int, int]:
     return heads, d_inner, bc, d_inner + 2 * bc
 
 
-def check_mamba_config(config: TransformerConfig, tp_size: int) -> None:
-    """Refuse a Mamba shape the mixer cannot build, naming the flag (Megatron-Core's asserts, as sentences)."""
+def check_mamba_config(config: TransformerConfig, tp_size: int, cp_size: int = 1) -> None:
+    """Refuse a Mamba shape the mixer cannot build, naming the flag (Megatron-Core's asserts, as sentences): heads
+    and groups are split over TP, and under context parallelism each TP rank's again over CP."""
     heads = mamba_heads(config)
     if heads % config.mamba_num_groups:
         raise ValueError(
@@ -74,6 +76,12 @@ def check_mamba_config(config: TransformerConfig, tp_size: int) -> None:
         )
     divide(heads, tp_size, "Mamba heads (--mamba-num-heads, else 2 x --hidden-size / --mamba-head-dim)")
     divide(config.mamba_num_groups, tp_size, "--mamba-num-groups")
+    if cp_size > 1 and (heads % (tp_size * cp_size) or config.mamba_num_groups % (tp_size * cp_size)):
+        raise ValueError(
+            f"--context-parallel-size {cp_size} splits each tensor-parallel rank's Mamba heads and groups again: "
+            f"Mamba heads ({heads}) and --mamba-num-groups ({config.mamba_num_groups}) must divide by "
+            f"--tensor-model-parallel-size x --context-parallel-size ({tp_size} x {cp_size}); change one of them"
+        )
 
 
 def _tp_parameter(
@@ -119,21 +127,22 @@ class DepthwiseConvWeights(nn.Module):
 
 
 class GatedRMSNorm(nn.Module):
-    """RMSNorm of y * SiLU(z) over each of this rank's `groups` groups of channels, in fp32 (mamba-ssm's
-    RMSNormGated with norm_before_gate=False); the weight (`width` channels whole) is split over TP with the
-    groups."""
+    """RMSNorm of y * SiLU(z) over each group of channels (`width` channels in `groups` groups, whole), in fp32
+    (mamba-ssm's RMSNormGated with norm_before_gate=False); the weight is split over TP with the groups."""
 
     def __init__(
         self, width: int, groups: int, dtype: torch.dtype, tp_group: dist.ProcessGroup | None
     ) -> None:
         super().__init__()
-        self.groups = groups
+        self.group_width = width // groups
         self.weight = _tp_parameter((width,), nn.init.ones_, dtype, tp_group)
 
-    def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        gated = (y.float() * F.silu(z.float())).unflatten(-1, (self.groups, -1))
+    def forward(self, y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+        """`weight`: the share of the weight for y's channels (context parallelism); default all of it."""
+        weight = self.weight if weight is None else weight
+        gated = (y.float() * F.silu(z.float())).unflatten(-1, (-1, self.group_width))
         normed = gated * torch.rsqrt(gated.pow(2).mean(-1, keepdim=True) + GATED_NORM_EPS)
-        return (normed.flatten(-2) * self.weight.float()).to(y.dtype)
+        return (normed.flatten(-2) * weight.float()).to(y.dtype)
 
 
 class MambaState:
@@ -157,22 +166,29 @@ def _fused_conv() -> Callable | None:
 
 class MambaMixer(nn.Module):
     """Mamba-2's mixer over hidden states [s, b, h] ([s / TP, b, h] under sequence parallelism), this TP rank's
-    heads and groups. Weights are drawn whole and sliced, so a TP=N mixer holds the TP=1 mixer's weights."""
+    heads and groups. Weights are drawn whole and sliced, so a TP=N mixer holds the TP=1 mixer's weights. Under
+    context parallelism (`cp_group` of two ranks or more) the input is this rank's chunks of the sequence and
+    the convolution and scan run over the whole sequence for 1/CP of the heads (`models.mamba_context_parallel`);
+    `heads`, `groups`, `d_inner` and `bc` are then the share the scan sees."""
 
     def __init__(
         self,
         config: TransformerConfig,
         sequence_parallel: bool,
         tp_group: dist.ProcessGroup | None = None,
+        cp_group: dist.ProcessGroup | None = None,
     ) -> None:
         super().__init__()
         tp_group = state.tensor_group_or_default(tp_group)
-        tp_size = state.group_size(tp_group)
-        check_mamba_config(config, tp_size)
+        tp_size, cp_size = state.group_size(tp_group), state.group_size(cp_group)
+        check_mamba_config(config, tp_size, cp_size)
         heads, d_inner, bc, conv_channels = mamba_shapes(config)
         self.head_dim, self.state_dim = config.mamba_head_dim, config.mamba_state_dim
-        self.heads, self.groups = heads // tp_size, config.mamba_num_groups // tp_size
-        self.d_inner, self.bc = d_inner // tp_size, bc // tp_size
+        local = (d_inner // tp_size, d_inner // tp_size, bc // tp_size, bc // tp_size, heads // tp_size)
+        self.context_parallel = MambaContextParallel(cp_group, local) if cp_size > 1 else None
+        self.conv_parts = local[1:4]  # x, B and C of this TP rank
+        self.heads, self.groups = heads // tp_size // cp_size, config.mamba_num_groups // tp_size // cp_size
+        self.d_inner, self.bc = local[0] // cp_size, local[2] // cp_size
         dtype = config.params_dtype
         self.in_proj = ColumnParallelLinear(
             config.hidden_size,
@@ -198,7 +214,7 @@ class MambaMixer(nn.Module):
         self.dt_bias = _tp_parameter((heads,), _dt_bias, dtype, tp_group)
         self.A_log = _tp_parameter((heads,), lambda t: t.uniform_(*A_INIT_RANGE).log_(), dtype, tp_group)
         self.D = _tp_parameter((heads,), nn.init.ones_, dtype, tp_group)
-        self.norm = GatedRMSNorm(d_inner, self.groups, dtype, tp_group)
+        self.norm = GatedRMSNorm(d_inner, config.mamba_num_groups, dtype, tp_group)
         self.out_proj = RowParallelLinear(
             d_inner,
             config.hidden_size,
@@ -214,10 +230,18 @@ class MambaMixer(nn.Module):
     ) -> torch.Tensor:
         """Mixer output [s, b, h] (sequence-split as the input). `cache`: the layer's generation state, read as
         the state before the first position and left holding the state after the last. `seq_idx` [b, s]: each
-        position's document (--reset-attention-mask): convolution and state restart where it changes."""
-        zxbcdt = self.in_proj(hidden).transpose(0, 1)  # [b, s, parts]: the whole sequence
+        position's document (--reset-attention-mask): convolution and state restart where it changes; under
+        context parallelism the whole sequence's ids, in order."""
+        zxbcdt = self.in_proj(hidden).transpose(
+            0, 1
+        )  # [b, s, parts]: the whole sequence, or this CP rank's chunks
+        cp = self.context_parallel
+        if cp is not None:
+            if cache is not None:
+                raise ValueError("generation runs without context parallelism: load the model with CP 1")
+            zxbcdt = cp.to_heads(zxbcdt)  # [b, S, parts / CP]: the whole sequence, this CP rank's heads
         z, xbc, dt = zxbcdt.split([self.d_inner, self.d_inner + 2 * self.bc, self.heads], dim=-1)
-        A = -torch.exp(self.A_log.float())
+        A = -torch.exp(self._rank_share(self.A_log).float())
         if cache is not None and xbc.shape[1] == 1:
             y = self._step(xbc[:, 0], dt[:, 0], A, cache)[:, None]
         else:
@@ -231,8 +255,8 @@ class MambaMixer(nn.Module):
                 B.reshape(batch, length, self.groups, self.state_dim),
                 C.reshape(batch, length, self.groups, self.state_dim),
                 CHUNK_SIZE,
-                D=self.D,
-                dt_bias=self.dt_bias,
+                D=self._rank_share(self.D),
+                dt_bias=self._rank_share(self.dt_bias),
                 initial_states=None if cache is None else cache.ssm,
                 seq_idx=seq_idx,
                 dt_softplus=True,
@@ -242,7 +266,15 @@ class MambaMixer(nn.Module):
                 y, final_state = y
                 cache.ssm.copy_(final_state)
             y = y.flatten(-2)
-        return self.out_proj(self.norm(y, z).transpose(0, 1))
+        y = self.norm(y, z, self._rank_share(self.norm.weight))
+        if cp is not None:
+            y = cp.to_sequence(y)
+        return self.out_proj(y.transpose(0, 1))
+
+    def _rank_share(self, param: torch.Tensor, part_sizes: tuple[int, ...] | None = None) -> torch.Tensor:
+        """This CP rank's share of a per-head or per-channel parameter (all of it without context parallelism)."""
+        cp = self.context_parallel
+        return param if cp is None else cp.rank_slice(param, part_sizes)
 
     def _convolve(
         self, xbc: torch.Tensor, cache: MambaState | None, seq_idx: torch.Tensor | None
@@ -251,7 +283,8 @@ class MambaMixer(nn.Module):
         sequence's start); with `seq_idx`, taps in another document than their position count as zeros. Written
         as CONV_KERNEL shifted multiply-adds over the channels (the last, contiguous dim): on CPU torch's
         depthwise conv1d, its backward above all, is several times slower."""
-        weight, bias = self.conv1d.weight, self.conv1d.bias
+        weight = self._rank_share(self.conv1d.weight, self.conv_parts)
+        bias = self._rank_share(self.conv1d.bias, self.conv_parts)
         fused = _fused_conv() if xbc.is_cuda and cache is None else None
         if fused is not None:
             index = None if seq_idx is None else seq_idx.to(torch.int32)
@@ -302,14 +335,15 @@ class MambaMixer(nn.Module):
 
 
 class MambaLayer(nn.Module):
-    """x + dropout(mixer(norm(x)))."""
+    """x + dropout(mixer(norm(x))). The layers of a hybrid model take the groups they are split over
+    (`pg_collection`: TP, and CP for the mixer and attention)."""
 
     def __init__(
-        self, config: TransformerConfig, sequence_parallel: bool, tp_group: dist.ProcessGroup | None
+        self, config: TransformerConfig, sequence_parallel: bool, pg_collection: state.ProcessGroupCollection
     ) -> None:
         super().__init__()
         self.norm = build_norm(config, sequence_parallel)
-        self.mixer = MambaMixer(config, sequence_parallel, tp_group)
+        self.mixer = MambaMixer(config, sequence_parallel, pg_collection.tp, pg_collection.cp)
         self.hidden_dropout = nn.Dropout(config.hidden_dropout)
         self.slot = 0  # the layer's slot among its stage's Mamba layers in a generation cache
 
@@ -329,11 +363,11 @@ class AttentionLayer(nn.Module):
     """x + dropout(attention(input_layernorm(x))): a transformer layer's first half (Megatron's `*`)."""
 
     def __init__(
-        self, config: TransformerConfig, sequence_parallel: bool, tp_group: dist.ProcessGroup | None
+        self, config: TransformerConfig, sequence_parallel: bool, pg_collection: state.ProcessGroupCollection
     ) -> None:
         super().__init__()
         self.input_layernorm = build_norm(config, sequence_parallel)
-        self.self_attention = SelfAttention(config, 0, sequence_parallel, tp_group)
+        self.self_attention = SelfAttention(config, 0, sequence_parallel, pg_collection.tp, pg_collection.cp)
         self.hidden_dropout = nn.Dropout(config.hidden_dropout)
 
     @property
@@ -364,12 +398,12 @@ class MLPLayer(nn.Module):
         self,
         config: TransformerConfig,
         sequence_parallel: bool,
-        tp_group: dist.ProcessGroup | None,
+        pg_collection: state.ProcessGroupCollection,
         mlp: nn.Module | None = None,
     ) -> None:
         super().__init__()
         self.pre_mlp_layernorm = build_norm(config, sequence_parallel)
-        self.mlp = MLP(config, sequence_parallel, tp_group) if mlp is None else mlp
+        self.mlp = MLP(config, sequence_parallel, pg_collection.tp) if mlp is None else mlp
         self.hidden_dropout = nn.Dropout(config.hidden_dropout)
 
     def forward(
