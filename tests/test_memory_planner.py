@@ -1,7 +1,8 @@
 """The planner (`tools.report_theoretical_memory`): its Megatron line equals what Megatron-LM's own function
 (tests/fixtures/megatron_lm, commit d98e8a64) computes for GPT-3 175B, Llama-3 8B and Mixtral 8x7B layouts, and its
 exact per-rank bytes of parameters, gradients and optimizer state equal those the tensors of --bf16 runs hold
-under TP, PP, DP with and without the distributed optimizer, CP, and EP (MoE); hybrid Mamba models are refused."""
+under TP, PP, DP with and without the distributed optimizer, CP, EP (MoE) and for a hybrid Mamba model (under CP
+with the distributed optimizer), whose Megatron line is Megatron's refusal."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 import torch
 
 from megatron_train.arguments import parse_args
-from megatron_train.families.registry import get_family
+from megatron_train.families.registry import get_family, named_family
 from megatron_train.parallel import state
 from megatron_train.tools.report_theoretical_memory import main as planner_main
 from megatron_train.tools.report_theoretical_memory import padded_vocab
@@ -39,6 +40,10 @@ LLAMA3_8B = [  # examples/llama/train_llama3_8b_h100_fp8.sh's model in bf16, on 
     "--sequence-parallel", "--use-distributed-optimizer", "--tokenizer-type", "NullTokenizer", "--vocab-size",
     "128256", "--world-size", "64",
 ]  # fmt: skip
+
+# a tiny hybrid model of each layer kind: Mamba (8 heads in 2 groups), attention, MLP
+HYBRID = ["--model-family", "hybrid", "--hybrid-layer-pattern", "M*-", "--mamba-state-dim", "8", "--mamba-head-dim",
+          "8", "--mamba-num-groups", "2", "--attention-dropout", "0"]  # fmt: skip
 
 
 def _megatron_reference(args, num_microbatches: int) -> str:
@@ -99,12 +104,18 @@ def test_the_report_shows_stages_flops_traffic_and_step_time(capsys) -> None:
 
 @pytest.mark.parametrize(
     "flags",
-    [["--hybrid-override-pattern", "M*M*"], ["--hybrid-layer-pattern", "M*M*"], ["--model-family", "hybrid"]],
+    [["--hybrid-override-pattern", *HYBRID[3:]], HYBRID],  # Megatron's old pattern flag alone names the family
+    ids=["override-pattern", "model-family"],
 )
-def test_hybrid_mamba_models_are_refused_with_megatrons_line(flags, capsys) -> None:
-    with pytest.raises(SystemExit) as exit_info:
-        planner_main([*LLAMA3_8B, *flags])
-    assert "not yet supported for hybrid Mamba-Transformer models" in str(exit_info.value)
+def test_a_hybrid_model_gets_megatrons_refusal_line_then_our_exact_figures(flags, capsys) -> None:
+    planner_main([*_measured_argv(flags), "--world-size", "2"])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "Theoretical memory footprints not yet supported for hybrid Mamba-Transformer models."
+    assert lines[1].startswith("Exact per-rank memory of the hybrid model on 2 ranks: TP 1 x CP 1 x PP 1 x DP 2")
+    stage = lines[3].split()
+    assert stage[:2] == ["0", "0-2"] and stage[6] == "-"
+    assert lines[4].startswith("Hybrid Mamba model: the first line is Megatron's own")
+    assert lines[5].startswith("FLOPs per step: ") and len(lines) == 6
 
 
 # -- exact per-rank bytes against the tensors of real runs -------------------------------------------------------
@@ -115,6 +126,8 @@ MEASURED_LAYOUTS = {  # name: flags on two ranks
     "dp2": [],
     "dp2-distributed-optimizer": ["--use-distributed-optimizer"],
     "cp2": ["--context-parallel-size", "2", "--attention-dropout", "0"],
+    # Mamba, attention and MLP layers; the mixer's heads and groups split over CP, all of it replicated
+    "hybrid-cp2-distributed-optimizer": [*HYBRID, "--context-parallel-size", "2", "--use-distributed-optimizer"],
     # each rank holds 2 of the 4 experts; their state sharded over expert DP 1, the dense state over DP 2
     "ep2-distributed-optimizer": [
         "--num-experts",
@@ -130,7 +143,11 @@ MEASURED_LAYOUTS = {  # name: flags on two ranks
 
 def _measured_argv(flags: list[str]) -> list[str]:
     argv = tiny_args("/nonexistent", "--train-iters", "1", "--bf16", "--hidden-dropout", "0", *flags)
-    return [a for a in argv if a not in ("--save", "--load", "/nonexistent")]
+    argv = [a for a in argv if a not in ("--save", "--load", "/nonexistent")]
+    if any(flag.startswith("--hybrid") for flag in flags):  # the pattern gives the layer count
+        layers = argv.index("--num-layers")
+        argv = argv[:layers] + argv[layers + 2 :]
+    return argv
 
 
 def _storage_bytes(tensors) -> int:
@@ -142,7 +159,6 @@ def _storage_bytes(tensors) -> int:
 def _measure_worker(rank: int, world_size: int, layouts: dict[str, list[str]]) -> dict[str, tuple]:
     """Each layout trained one step on this rank: (pp rank, dp rank, params, grads, optimizer bytes)."""
     from megatron_train.device import get_device
-    from megatron_train.families.gpt import GPT, forward_step
     from megatron_train.training.loop import train_step
     from megatron_train.training.setup import (
         model_parallel_session,
@@ -153,14 +169,15 @@ def _measure_worker(rank: int, world_size: int, layouts: dict[str, list[str]]) -
     results = {}
     for name, flags in layouts.items():
         config = parse_args(_measured_argv(flags), world_size)
+        family = get_family(named_family(flags) or "gpt")
         with model_parallel_session(config, config.parallel.pipeline_model_parallel_size, None):
             set_random_seed(7)
-            setup = setup_model_and_optimizer(config, GPT.model_provider, padded_vocab(config), get_device())
+            setup = setup_model_and_optimizer(config, family.model_provider, padded_vocab(config), get_device())
             tokens = torch.randint(0, 100, (2, 17), generator=torch.Generator().manual_seed(0))
             batch = {"tokens": tokens[:, :-1], "labels": tokens[:, 1:], "loss_mask": torch.ones(2, 16),
                      "position_ids": torch.arange(16).expand(2, 16)}  # fmt: skip
             batches = iter([batch] * 8)
-            train_step(forward_step, [batches], setup, config)
+            train_step(family.forward_step, [batches], setup, config)
             optimizer = setup.optimizer
             params = [p for chunk in setup.unwrapped_model for p in chunk.parameters()]
             copies = [m for m, p in zip(optimizer.main_params, optimizer.model_params, strict=True)
@@ -190,7 +207,7 @@ def measured() -> list[dict[str, tuple]]:
 @pytest.mark.parametrize("name", list(MEASURED_LAYOUTS))
 def test_exact_per_rank_bytes_equal_the_tensors_of_a_run(measured, name) -> None:
     config = parse_args(_measured_argv(MEASURED_LAYOUTS[name]), 2)
-    family, padded = get_family("gpt"), padded_vocab(config)
+    family, padded = get_family(named_family(MEASURED_LAYOUTS[name]) or "gpt"), padded_vocab(config)
     for rank in range(2):
         pp_rank, dp_rank, *bytes_held = measured[rank][name]
         planned = stage_memory(config, family, padded, 2, pp_rank, dp_rank)

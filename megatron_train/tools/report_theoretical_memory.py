@@ -9,7 +9,9 @@ parameter, gradient buffer and optimizer state a rank holds, built as training b
 estimate with context parallelism and full recompute, the FLOPs of a step, the bytes a rank sends per step and,
 given a peak TFLOP/s and link bandwidths (GB/s), an estimated step time with the pipeline bubble. The world size
 is --world-size, else $WORLD_SIZE. The tokenizer's files give the vocabulary; without them pass
---true-vocab-size. Hybrid Mamba models are refused, as Megatron's planner refuses them.
+--true-vocab-size. For a hybrid Mamba model (--model-family hybrid, or a --hybrid-* flag) Megatron's line is its
+refusal, as Megatron prints it (its formulas have no Mamba terms); our exact parameter, gradient and optimizer
+figures per stage and the FLOPs follow, without the activation, traffic and step-time estimates (a transformer's).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import sys
 from megatron_train.arguments import MegatronConfig, parse_args
 from megatron_train.families.registry import get_family, named_family
 from megatron_train.tokenizer import tokenizer_from_config, vocab_size_with_padding
-from megatron_train.training.entry import USER_ERRORS, padded_vocab_size_for
+from megatron_train.training.entry import USER_ERRORS, check_family_config, padded_vocab_size_for
 from megatron_train.training.memory_plan import (
     activation_bytes,
     communication_bytes,
@@ -39,6 +41,10 @@ HYBRID_FLAGS = (
     "--hybrid-mlp-ratio",
 )
 HYBRID_REFUSAL = "Theoretical memory footprints not yet supported for hybrid Mamba-Transformer models."
+HYBRID_NOTE = (
+    "Hybrid Mamba model: the first line is Megatron's own (its formulas have no Mamba terms); parameters, gradients "
+    "and optimizer state are exact; activations, traffic and step time are not estimated for its layers."
+)
 
 
 def planner_flags(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -69,19 +75,22 @@ def padded_vocab(config: MegatronConfig) -> int:
 def report(argv: list[str]) -> list[str]:
     """The report's lines."""
     options, rest = planner_flags(argv)
-    family = get_family(named_family(rest) or "gpt")
-    # Megatron's planner has no terms for Mamba layers, and our activation estimate is the transformer's
-    if any(flag in rest for flag in HYBRID_FLAGS) or family.name == "hybrid":
-        raise ValueError(HYBRID_REFUSAL)
+    # Megatron takes a --hybrid-* flag for a hybrid model (args.is_hybrid_model), whatever the script
+    hybrid_flag = any(flag in rest for flag in HYBRID_FLAGS)
+    family = get_family(named_family(rest) or ("hybrid" if hybrid_flag else "gpt"))
+    # Megatron's planner has no terms for Mamba layers, and our activation and traffic estimates are a transformer's
+    estimated = family.name != "hybrid"
     if not options.world_size:
         raise ValueError("pass --world-size N (or set WORLD_SIZE): the number of GPUs of the planned run")
     config = parse_args(rest, options.world_size)
-    family.layouts.check(family.name, config)
+    check_family_config(family, config)
     padded = padded_vocab(config)
     world, parallel, training = options.world_size, config.parallel, config.training
     dp = parallel.data_parallel_size(world)
     micro = training.global_batch_size // (training.micro_batch_size * dp)
-    lines = [megatron_line(megatron_memory_args(config, world, padded), micro)]
+    lines = [
+        megatron_line(megatron_memory_args(config, world, padded), micro) if estimated else HYBRID_REFUSAL
+    ]
     precision = "bf16" if config.model.bf16 else "fp16" if config.model.fp16 else "fp32"
     lines.append(
         f"Exact per-rank memory of the {family.name} model on {world} ranks: TP {parallel.tensor_model_parallel_size}"
@@ -105,28 +114,34 @@ def report(argv: list[str]) -> list[str]:
     slowest: dict[str, float] = {}
     for pp_rank in stages_to_plan(config):
         stage = stage_memory(config, family, padded, world, pp_rank)
-        activations = activation_bytes(config, stage, micro)
+        activations = activation_bytes(config, stage, micro) if estimated else 0.0
         layers = f"{stage.layers[0]}-{stage.layers[-1]}" if stage.layers else "-"
         lines.append(
             f"{pp_rank:>5} {layers:>9} {stage.parameters:>14,} {megabytes(stage.params_bytes):>11.2f} "
             f"{megabytes(stage.grads_bytes):>11.2f} {megabytes(stage.optimizer_bytes):>13.2f} "
-            f"{megabytes(activations):>15.2f} {megabytes(stage.model_state_bytes + activations):>11.2f}"
+            + (f"{megabytes(activations):>15.2f}" if estimated else f"{'-':>15}")
+            + f" {megabytes(stage.model_state_bytes + activations):>11.2f}"
         )
-        sent = communication_bytes(config, stage, micro, world)
+        sent = communication_bytes(config, stage, micro, world) if estimated else {}
         if sum(sent.values()) >= sum(slowest.values()):
             slowest = sent
-    lines.append(
-        f"Activations are an estimate (Korthikanti et al. 2022, flash attention"
-        f"{', full recompute' if config.model.recompute_granularity == 'full' else ''}, 1F1B micro-batches in "
-        "flight); parameters, gradients and optimizer state are exact."
-    )
-    if config.model.is_moe:
+    if estimated:
         lines.append(
-            "MoE: each rank's experts, router and their gradients and optimizer state are exact (sharded over expert "
-            "DP); the activation estimate and the traffic count no MoE terms (routed tokens, expert activations, "
-            "the dispatchers' exchanges)."
+            f"Activations are an estimate (Korthikanti et al. 2022, flash attention"
+            f"{', full recompute' if config.model.recompute_granularity == 'full' else ''}, 1F1B micro-batches "
+            "in flight); parameters, gradients and optimizer state are exact."
         )
+        if config.model.is_moe:
+            lines.append(
+                "MoE: each rank's experts, router and their gradients and optimizer state are exact (sharded over "
+                "expert DP); the activation estimate and the traffic count no MoE terms (routed tokens, expert "
+                "activations, the dispatchers' exchanges)."
+            )
+    else:
+        lines.append(HYBRID_NOTE)
     lines.append(f"FLOPs per step: {flops:.4e} ({flops / world:.4e} per rank, forward and backward)")
+    if not estimated:
+        return lines
     sent_text = (
         ", ".join(f"{kind} {megabytes(nbytes):,.1f} MB" for kind, nbytes in slowest.items()) or "nothing"
     )
