@@ -49,7 +49,8 @@ LAYOUTS = {  # continued from the one-process checkpoint at iteration 2
     "dp2-distributed-optimizer": (2, ["--use-distributed-optimizer"]),
     "pp2": (2, ["--pipeline-model-parallel-size", "2"]),
     "ep2": (2, ["--expert-model-parallel-size", "2"]),
-    "cp2": (2, ["--context-parallel-size", "2", "--cp-comm-type", "p2p"]),  # a rank: 4 of 8 Mamba heads, 1 of 2 groups
+    # a rank holds 4 of the 8 Mamba heads and 1 of the 2 groups over the whole sequence
+    "cp2": (2, ["--context-parallel-size", "2", "--cp-comm-type", "p2p"]),
 }
 
 

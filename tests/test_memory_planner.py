@@ -102,16 +102,17 @@ def test_the_report_shows_stages_flops_traffic_and_step_time(capsys) -> None:
     assert "pipeline bubble" in lines[-1]
 
 
+# Megatron's old pattern flag alone names the family
 @pytest.mark.parametrize(
-    "flags",
-    [["--hybrid-override-pattern", *HYBRID[3:]], HYBRID],  # Megatron's old pattern flag alone names the family
-    ids=["override-pattern", "model-family"],
+    "flags", [["--hybrid-override-pattern", *HYBRID[3:]], HYBRID], ids=["override-pattern", "model-family"]
 )
 def test_a_hybrid_model_gets_megatrons_refusal_line_then_our_exact_figures(flags, capsys) -> None:
     planner_main([*_measured_argv(flags), "--world-size", "2"])
     lines = capsys.readouterr().out.splitlines()
     assert lines[0] == "Theoretical memory footprints not yet supported for hybrid Mamba-Transformer models."
-    assert lines[1].startswith("Exact per-rank memory of the hybrid model on 2 ranks: TP 1 x CP 1 x PP 1 x DP 2")
+    assert lines[1].startswith(
+        "Exact per-rank memory of the hybrid model on 2 ranks: TP 1 x CP 1 x PP 1 x DP 2,"
+    )
     stage = lines[3].split()
     assert stage[:2] == ["0", "0-2"] and stage[6] == "-"
     assert lines[4].startswith("Hybrid Mamba model: the first line is Megatron's own")
@@ -126,8 +127,8 @@ MEASURED_LAYOUTS = {  # name: flags on two ranks
     "dp2": [],
     "dp2-distributed-optimizer": ["--use-distributed-optimizer"],
     "cp2": ["--context-parallel-size", "2", "--attention-dropout", "0"],
-    # Mamba, attention and MLP layers; the mixer's heads and groups split over CP, all of it replicated
-    "hybrid-cp2-distributed-optimizer": [*HYBRID, "--context-parallel-size", "2", "--use-distributed-optimizer"],
+    # Mamba, attention and MLP layers (the mixer's heads split over CP, its weights whole), distributed optimizer
+    "hybrid-cp2": [*HYBRID, "--context-parallel-size", "2", "--use-distributed-optimizer"],
     # each rank holds 2 of the 4 experts; their state sharded over expert DP 1, the dense state over DP 2
     "ep2-distributed-optimizer": [
         "--num-experts",
@@ -172,7 +173,9 @@ def _measure_worker(rank: int, world_size: int, layouts: dict[str, list[str]]) -
         family = get_family(named_family(flags) or "gpt")
         with model_parallel_session(config, config.parallel.pipeline_model_parallel_size, None):
             set_random_seed(7)
-            setup = setup_model_and_optimizer(config, family.model_provider, padded_vocab(config), get_device())
+            setup = setup_model_and_optimizer(
+                config, family.model_provider, padded_vocab(config), get_device()
+            )
             tokens = torch.randint(0, 100, (2, 17), generator=torch.Generator().manual_seed(0))
             batch = {"tokens": tokens[:, :-1], "labels": tokens[:, 1:], "loss_mask": torch.ones(2, 16),
                      "position_ids": torch.arange(16).expand(2, 16)}  # fmt: skip
