@@ -259,25 +259,51 @@ def experts_to_linears(tensor: torch.Tensor) -> list[torch.Tensor]:
     return [expert.t().contiguous() for expert in tensor]
 
 
-def _merge_experts(
-    per_expert: dict[tuple[str, str], dict[int, list[torch.Tensor]]],
-    grouped: dict[tuple[str, str], dict[int, list[torch.Tensor]]],
-    model: TransformerConfig,
-    shardings: dict[str, TensorSharding],
-) -> dict[str, torch.Tensor]:
-    """Our expert weights from Megatron's: per layer and Linear, each expert's TP shards (per_expert) or each EP
-    rank's grouped TP shards (grouped, in our per-rank layout already), merged and stacked."""
-    tensors = {}
-    for (prefix, linear), experts in per_expert.items():
-        sharding = expert_linear_sharding(linear, model)
-        linears = [merge_tp_shards(experts[e], sharding) for e in sorted(experts)]
-        tensors[prefix + EXPERT_WEIGHTS[linear]] = experts_from_linears(linears)
-    for (prefix, weight), ranks in grouped.items():
-        name = prefix + weight
-        tensors[name] = merge_expert_shards(
-            [merge_tp_shards(ranks[r], shardings.get(name, TensorSharding())) for r in sorted(ranks)]
-        )
-    return tensors
+def is_expert_name(name: str) -> bool:
+    """Whether a rank's tensor (its name from `LegacyCheckpoint.rank_tensors`) is an MoE expert's."""
+    return bool(_SEQUENTIAL_EXPERT.match(name) or _GROUPED_EXPERTS.match(name))
+
+
+@dataclass
+class ExpertShards:
+    """The expert tensors of every (TP, EP) rank of one stage set, gathered to be merged into our stacked expert
+    weights: SequentialMLP's (or TE's) per-expert Linears by layer, Linear and global expert index, the legacy
+    GroupedMLP's weights by layer, weight and EP rank (in our per-rank layout already)."""
+
+    local_experts: int  # experts per EP rank
+    per_expert: dict[tuple[str, str], dict[int, list[torch.Tensor]]] = dataclasses.field(default_factory=dict)
+    grouped: dict[tuple[str, str], dict[int, list[torch.Tensor]]] = dataclasses.field(default_factory=dict)
+
+    def add(self, name: str, tensor: torch.Tensor, ep_rank: int) -> str | None:
+        """Files one TP shard of an EP rank's expert tensor (TP ranks in order); the name of our weight it goes to,
+        or None for a tensor that is not an expert's."""
+        expert, group = _SEQUENTIAL_EXPERT.match(name), _GROUPED_EXPERTS.match(name)
+        if expert:  # an EP rank's expert j is expert ep_rank * local experts + j of the layer
+            index = ep_rank * self.local_experts + int(expert[2] if expert[2] is not None else expert[5])
+            linear = expert[3] or expert[4]
+            self.per_expert.setdefault((expert[1], linear), {}).setdefault(index, []).append(tensor)
+            return expert[1] + EXPERT_WEIGHTS[linear]
+        if group:
+            ranks = self.grouped.setdefault((group[1], group[2]), {})
+            ranks.setdefault(ep_rank, []).append(_grouped_to_ours(tensor, group[2], self.local_experts))
+            return group[1] + group[2]
+        return None
+
+    def merged(
+        self, model: TransformerConfig, shardings: dict[str, TensorSharding]
+    ) -> dict[str, torch.Tensor]:
+        """Our expert weights: each expert's (or EP rank's) TP shards merged, the experts stacked."""
+        tensors = {}
+        for (prefix, linear), experts in self.per_expert.items():
+            sharding = expert_linear_sharding(linear, model)
+            linears = [merge_tp_shards(experts[e], sharding) for e in sorted(experts)]
+            tensors[prefix + EXPERT_WEIGHTS[linear]] = experts_from_linears(linears)
+        for (prefix, weight), ranks in self.grouped.items():
+            name = prefix + weight
+            tensors[name] = merge_expert_shards(
+                [merge_tp_shards(ranks[r], shardings.get(name, TensorSharding())) for r in sorted(ranks)]
+            )
+        return tensors
 
 
 def _grouped_to_ours(tensor: torch.Tensor, weight: str, local_experts: int) -> torch.Tensor:
@@ -392,6 +418,20 @@ class LegacyCheckpoint:
     def ep_size(self) -> int:
         return expert_parallel_size(self.args)
 
+    @property
+    def local_experts(self) -> int:
+        """Experts per EP rank (1 for a dense model)."""
+        return (getattr(self.args, "num_experts", None) or self.ep_size) // self.ep_size
+
+    def ranks(self) -> itertools.product:
+        """Every (pp_rank, ep_rank, tp_rank) whose file the checkpoint holds, TP fastest."""
+        args = self.args
+        return itertools.product(
+            range(args.pipeline_model_parallel_size),
+            range(self.ep_size),
+            range(args.tensor_model_parallel_size),
+        )
+
     def path(self, tp_rank: int, pp_rank: int, name: str = CHECKPOINT_FILE, ep_rank: int = 0) -> str:
         """A file of a rank's folder (`distrib_optim.pt` beside `model_optim_rng.pt`)."""
         pp = self.args.pipeline_model_parallel_size
@@ -445,24 +485,13 @@ class LegacyCheckpoint:
         or the shards merged."""
         args, where = self.args, self.path(0, 0)
         config = config_from_args(args, true_vocab_size, where)
-        model, tp, ep = config.model, args.tensor_model_parallel_size, self.ep_size
-        local_experts = (model.num_experts or ep) // ep
+        model, tp = config.model, args.tensor_model_parallel_size
         shards: dict[str, list[torch.Tensor]] = {}
         files: dict[str, str] = {}  # tensor name -> the file of its first shard, for messages
-        per_expert: dict[tuple[str, str], dict[int, list[torch.Tensor]]] = {}
-        grouped: dict[tuple[str, str], dict[int, list[torch.Tensor]]] = {}
-        ranks = itertools.product(range(args.pipeline_model_parallel_size), range(ep), range(tp))
-        for pp_rank, ep_rank, tp_rank in ranks:
+        expert_shards = ExpertShards(self.local_experts)
+        for pp_rank, ep_rank, tp_rank in self.ranks():
             for name, tensor in self.rank_tensors(tp_rank, pp_rank, family, ep_rank):
-                expert, group = _SEQUENTIAL_EXPERT.match(name), _GROUPED_EXPERTS.match(name)
-                if expert:  # an EP rank's expert j is expert ep_rank * local experts + j of the layer
-                    index = ep_rank * local_experts + int(expert[2] if expert[2] is not None else expert[5])
-                    part = per_expert.setdefault((expert[1], expert[3] or expert[4]), {})
-                    part.setdefault(index, []).append(tensor)
-                    continue
-                if group:
-                    ranks_of = grouped.setdefault((group[1], group[2]), {})
-                    ranks_of.setdefault(ep_rank, []).append(_grouped_to_ours(tensor, group[2], local_experts))
+                if expert_shards.add(name, tensor, ep_rank) is not None:
                     continue
                 if ep_rank:  # every EP rank's file holds the same dense weights
                     continue
@@ -474,7 +503,7 @@ class LegacyCheckpoint:
         check_layers(model.num_layers, shards, stack, "args.num_layers", where, self.iteration_dir)
         shardings = model_shardings(config, args.padded_vocab_size, family, where)
         tied_copy = shards.pop(TIED_COPY, None)
-        experts = _merge_experts(per_expert, grouped, model, shardings)
+        experts = expert_shards.merged(model, shardings)
         check_tensor_names({**shards, **experts}, list(shardings), self.iteration_dir)
         expected = model_shapes(config, args.padded_vocab_size, family)
         _check_shard_shapes(shards, files, expected, shardings, tp)

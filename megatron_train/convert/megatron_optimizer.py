@@ -32,7 +32,14 @@ from typing import Any
 import torch
 
 from megatron_train.checkpointing.layout import OUTPUT_WEIGHT, WORD_EMBEDDING, TensorSharding, merge_tp_shards
-from megatron_train.convert.megatron import LegacyCheckpoint, read_allowed_pickle
+from megatron_train.convert.megatron import (
+    ExpertShards,
+    LegacyCheckpoint,
+    config_from_args,
+    expert_parallel_size,
+    is_expert_name,
+    read_allowed_pickle,
+)
 from megatron_train.convert.torch_dist import DistCheckpoint
 from megatron_train.convert.weights import ModelWeights
 from megatron_train.families.family import ModelFamily
@@ -67,18 +74,28 @@ def legacy_optimizer_state(
     checkpoint: LegacyCheckpoint, family: ModelFamily, shardings: dict[str, TensorSharding]
 ) -> tuple[dict[str, torch.Tensor], dict]:
     """(`<param>.<state>` tensors of whole params, the JSON part) as `MegatronOptimizer.state_dict` gives them,
-    from every rank's optimizer state; raises UnmappedOptimizerState where it does not map."""
+    from every rank's optimizer state; raises UnmappedOptimizerState where it does not map. The dense params'
+    state comes from EP rank 0's files, each expert's from the file of the EP rank that holds it, merged into our
+    stacked expert tensors as the weights are (`ExpertShards`)."""
     args = checkpoint.args
     tied = not getattr(args, "untie_embeddings_and_output_weights", False)
     shards: dict[str, list[ParamState]] = {}
+    experts = {key: ExpertShards(checkpoint.local_experts) for key in STATE_TENSORS}
+    expert_steps: dict[str, float] = {}
     settings: dict[float, dict[str, Any]] = {}
-    for pp_rank in range(args.pipeline_model_parallel_size):
-        for tp_rank in range(args.tensor_model_parallel_size):
-            states, groups = _rank_states(checkpoint, tp_rank, pp_rank, family)
-            settings.update(group_settings(groups, checkpoint.path(tp_rank, pp_rank)))
-            for name, param_state in states:
-                if not (tied and name == OUTPUT_WEIGHT):  # the last stage's copy of the tied embedding
-                    shards.setdefault(name, []).append(param_state)
+    for pp_rank, ep_rank, tp_rank in checkpoint.ranks():
+        states, groups = _rank_states(checkpoint, tp_rank, pp_rank, ep_rank, family)
+        where = checkpoint.path(tp_rank, pp_rank, ep_rank=ep_rank)
+        for optimizer_groups in groups:
+            merge_settings(settings, group_settings(optimizer_groups, where), where)
+        for name, param_state in states:
+            merged_name = None
+            for key in STATE_TENSORS:
+                merged_name = experts[key].add(name, getattr(param_state, key), ep_rank)
+            if merged_name is not None:
+                expert_steps[merged_name] = param_state.step
+            elif not (tied and name == OUTPUT_WEIGHT):  # the last stage's copy of the tied embedding
+                shards.setdefault(name, []).append(param_state)
     merged = {
         name: ParamState(
             *(
@@ -89,38 +106,53 @@ def legacy_optimizer_state(
         )
         for name, parts in shards.items()
     }
+    model = config_from_args(args, args.padded_vocab_size, checkpoint.path(0, 0)).model
+    stacked = {key: experts[key].merged(model, shardings) for key in STATE_TENSORS}
+    for name, step in expert_steps.items():
+        merged[name] = ParamState(*(stacked[key][name] for key in STATE_TENSORS), step)
     return optimizer_state_dict(merged, settings)
 
 
 def dist_optimizer_state(
     checkpoint: DistCheckpoint, weights: ModelWeights
 ) -> tuple[dict[str, torch.Tensor], dict]:
-    """`legacy_optimizer_state` of a torch_dist checkpoint whose optimizer state is saved in model space."""
+    """`legacy_optimizer_state` of a torch_dist checkpoint whose optimizer state is saved in model space. A
+    ChainedOptimizer's common state holds one entry per optimizer (dense, experts) and its tensors are keyed by
+    model key either way (under `chained_<i>.` unless saved with chained_optim_avoid_prefix); Megatron-Core
+    synchronises the optimizers' steps before it saves them."""
     where = checkpoint.iteration_dir
     saved = checkpoint.common.get("optimizer")
     if saved is None:
         raise UnmappedOptimizerState(f"{where} holds no optimizer state (saved with --no-save-optim)")
-    if isinstance(saved, list):
+    if isinstance(saved, dict) and saved and all(isinstance(key, int) for key in saved):
+        saved = [saved[key] for key in sorted(saved)]  # ChainedOptimizer.sharded_state_dict's form
+    optimizers = _chained(saved, where)
+    settings: dict[float, dict[str, Any]] = {}
+    steps = set()
+    for optimizer in optimizers:
+        adam = _adam(optimizer, where)
+        groups = group_settings(adam["param_groups"], where)
+        merge_settings(settings, groups, where)
+        common_step = adam.get("state", {}).get("common_step")
+        steps |= {float(common_step)} if common_step is not None else {float(g.get("step", 0)) for g in groups.values()}
+    if len(steps) != 1:
         raise UnmappedOptimizerState(
-            f"{where} holds {len(saved)} chained optimizers (experts); one is mapped"
+            f"{where}: its optimizers' param groups are at steps {sorted(steps)}; one step is mapped"
         )
-    inner = saved.get("optimizer", saved)
-    settings = group_settings(inner["param_groups"], where)
     moments = checkpoint.optimizer_tensors()
     if not moments:
+        sharding = optimizers[0].get("param_state_sharding_type", "buffers")
         raise UnmappedOptimizerState(
-            f"{where}: its optimizer state is saved as {saved.get('param_state_sharding_type', 'buffers')}; "
-            "the model-space layouts (Adam's, the distributed optimizer's fully_reshardable) are mapped"
+            f"{where}: its optimizer state is saved as {sharding}; the model-space layouts (Adam's, the "
+            "distributed optimizer's fully_reshardable) are mapped"
         )
-    common_step = inner.get("state", {}).get("common_step")
     states = {}
     for name, weight in weights.tensors.items():
         saved_state = moments.get(name, {})
         if "exp_avg" not in saved_state or "exp_avg_sq" not in saved_state:
             raise UnmappedOptimizerState(f"{where} holds no Adam moments for {name}")
         main = saved_state.get("param", saved_state.get("fp32_param", weight.float()))
-        step = common_step if common_step is not None else settings[wd_mult(name, weight)].get("step", 0)
-        states[name] = ParamState(main, saved_state["exp_avg"], saved_state["exp_avg_sq"], float(step))
+        states[name] = ParamState(main, saved_state["exp_avg"], saved_state["exp_avg_sq"], float(*steps))
     return optimizer_state_dict(states, settings)
 
 
@@ -137,6 +169,21 @@ def group_settings(groups: list[dict[str, Any]], where: str) -> dict[float, dict
         group["wd_mult"]: {key: group[key] for key in (*GROUP_SETTINGS, "step") if key in group}
         for group in groups
     }
+
+
+def merge_settings(
+    settings: dict[float, dict[str, Any]], more: dict[float, dict[str, Any]], where: str
+) -> None:
+    """Adds the group settings of another optimizer of the checkpoint (Megatron-Core's expert optimizer beside its
+    dense one) to `settings`, refusing settings ours, one group per weight decay, cannot hold both of."""
+    for mult, group in more.items():
+        known = settings.setdefault(mult, group)
+        differ = [key for key in GROUP_SETTINGS if key in known and key in group and known[key] != group[key]]
+        if differ:
+            raise UnmappedOptimizerState(
+                f"{where}: its chained optimizers give the params of wd_mult {mult} different {differ}; one "
+                "setting per weight decay is mapped"
+            )
 
 
 def optimizer_state_dict(
@@ -164,42 +211,90 @@ def optimizer_state_dict(
 
 
 def _rank_states(
-    checkpoint: LegacyCheckpoint, tp_rank: int, pp_rank: int, family: ModelFamily
-) -> tuple[list[tuple[str, ParamState]], list[dict[str, Any]]]:
-    """One rank's params (global names, in its order) with their state, and its param groups."""
-    path = checkpoint.path(tp_rank, pp_rank)
-    saved = checkpoint.files[(tp_rank, pp_rank, 0)]
+    checkpoint: LegacyCheckpoint, tp_rank: int, pp_rank: int, ep_rank: int, family: ModelFamily
+) -> tuple[list[tuple[str, ParamState]], list[list[dict[str, Any]]]]:
+    """One rank's params (global names, in its order) with their state, and each of its optimizers' param groups.
+    Megatron-Core keeps the expert params in an optimizer of their own when expert DP differs from DP (a
+    ChainedOptimizer, saved as a list: the dense params' optimizer, then the experts'); an EP rank past the first
+    gives only its experts' state (the dense params' is EP rank 0's)."""
+    path = checkpoint.path(tp_rank, pp_rank, ep_rank=ep_rank)
+    saved = checkpoint.files[(tp_rank, pp_rank, ep_rank)]
     if "optimizer" not in saved:
         raise UnmappedOptimizerState(f"{path} holds no optimizer state (saved with --no-save-optim)")
-    if checkpoint.version < 3 or len(checkpoint.model_chunks(tp_rank, pp_rank)) > 1:
+    if checkpoint.version < 3 or len(checkpoint.model_chunks(tp_rank, pp_rank, ep_rank)) > 1:
         raise UnmappedOptimizerState(
             f"{path}: the optimizer state of checkpoint_version {checkpoint.version} models and of interleaved "
             "pipelines (model0, model1, ...) is not mapped"
         )
-    optimizer = saved["optimizer"]
-    if isinstance(optimizer, list):
+    optimizers = _chained(saved["optimizer"], path)
+    chained = [_adam(optimizer, path) for optimizer in optimizers]
+    params = checkpoint.rank_tensors(tp_rank, pp_rank, family, ep_rank)
+    # which optimizer holds the experts: by the mark Megatron-Core gives its groups (older files: the second)
+    holds_experts = [
+        len(chained) > 1 and any(g.get("is_expert_parallel", index == 1) for g in adam["param_groups"])
+        for index, adam in enumerate(chained)
+    ]
+    optim_path = checkpoint.path(tp_rank, pp_rank, DISTRIBUTED_OPTIMIZER_FILE, ep_rank)
+    buffers = None
+    states: dict[int, ParamState] = {}
+    for index, (optimizer, adam, experts) in enumerate(zip(optimizers, chained, holds_experts, strict=True)):
+        part = [
+            i for i, (name, _) in enumerate(params) if len(chained) == 1 or is_expert_name(name) == experts
+        ]
+        if ep_rank and not any(is_expert_name(params[i][0]) for i in part):
+            continue  # the dense params' state is EP rank 0's
+        subset = [params[i] for i in part]
+        members = _group_members(subset, adam["param_groups"], path)
+        if "state" in adam:
+            found = _adam_states(adam, optimizer.get("fp32_from_fp16_params"), subset, members)
+        else:
+            buffers = buffers or _distributed_buffers(optim_path, len(chained))
+            dp = _data_parallel_size(checkpoint.args, experts)
+            offsets = buffer_offsets(subset, checkpoint.args, pp_rank, dp)
+            found = _distributed_states(
+                buffers[index], optim_path, subset, adam["param_groups"], members, offsets
+            )
+        states |= {part[i]: state for i, state in found.items()}
+    selected = sorted(i for i in states if not ep_rank or is_expert_name(params[i][0]))
+    return [(params[i][0], states[i]) for i in selected], [adam["param_groups"] for adam in chained]
+
+
+def _chained(optimizer: Any, path: str) -> list[dict[str, Any]]:
+    """The state dicts of a rank's optimizers: a ChainedOptimizer of several saves a list, one optimizer its own
+    state dict; a dense one and an expert one are mapped."""
+    chained = optimizer if isinstance(optimizer, list) else [optimizer]
+    if not 1 <= len(chained) <= 2 or not all(isinstance(o, dict) for o in chained):
         raise UnmappedOptimizerState(
-            f"{path} holds {len(optimizer)} chained optimizers (experts); one is mapped"
+            f"{path} holds {len(chained)} chained optimizers; one, or Megatron-Core's dense and expert pair, is "
+            "mapped (not --overlap-param-gather-with-optimizer-step's per-chunk optimizers)"
         )
+    return chained
+
+
+def _adam(optimizer: dict[str, Any], path: str) -> dict[str, Any]:
+    """torch's Adam state dict inside one of Megatron's optimizer state dicts (bf16/fp16 wrap it)."""
     adam = optimizer.get("optimizer", optimizer)
-    params = checkpoint.rank_tensors(tp_rank, pp_rank, family)
-    groups = adam["param_groups"]
-    members = _group_members(params, groups, path)
-    if "state" in adam:
-        fp32_mains = optimizer.get("fp32_from_fp16_params")
-        states = {}
-        for group_index, (group, indices) in enumerate(zip(groups, members, strict=True)):
-            for position, (index, saved_index) in enumerate(zip(indices, group["params"], strict=True)):
-                name, weight = params[index]
-                if saved_index in adam["state"]:
-                    main = weight.float() if fp32_mains is None else fp32_mains[group_index][position]
-                    state = adam["state"][saved_index]
-                    states[index] = ParamState(
-                        main, state["exp_avg"], state["exp_avg_sq"], float(state["step"])
-                    )
-    else:
-        states = _distributed_states(checkpoint, tp_rank, pp_rank, params, groups, members)
-    return [(params[index][0], states[index]) for index in sorted(states)], groups
+    if not isinstance(adam, dict) or not isinstance(adam.get("param_groups"), list):
+        raise UnmappedOptimizerState(f"{path}: an optimizer state without param_groups")
+    return adam
+
+
+def _adam_states(
+    adam: dict[str, Any],
+    fp32_mains: list[list[torch.Tensor]] | None,
+    params: list[tuple[str, torch.Tensor]],
+    members: list[list[int]],
+) -> dict[int, ParamState]:
+    """The states torch's Adam keeps by each param's index in its groups, by index into `params`."""
+    states = {}
+    for group_index, (group, indices) in enumerate(zip(adam["param_groups"], members, strict=True)):
+        for position, (index, saved_index) in enumerate(zip(indices, group["params"], strict=True)):
+            weight = params[index][1]
+            if saved_index in adam["state"]:
+                main = weight.float() if fp32_mains is None else fp32_mains[group_index][position]
+                state = adam["state"][saved_index]
+                states[index] = ParamState(main, state["exp_avg"], state["exp_avg_sq"], float(state["step"]))
+    return states
 
 
 def _group_members(
@@ -220,29 +315,45 @@ def _group_members(
     return members
 
 
-def _distributed_states(
-    checkpoint: LegacyCheckpoint,
-    tp_rank: int,
-    pp_rank: int,
-    params: list[tuple[str, torch.Tensor]],
-    groups: list[dict[str, Any]],
-    members: list[list[int]],
-) -> dict[int, ParamState]:
-    """The states `distrib_optim.pt` holds for one rank's params, found by Megatron-Core's buffer layout."""
-    path = checkpoint.path(tp_rank, pp_rank, DISTRIBUTED_OPTIMIZER_FILE)
+def _distributed_buffers(path: str, count: int) -> list[Any]:
+    """What `distrib_optim.pt` holds per optimizer of the rank (a ChainedOptimizer saves a list; an entry is None
+    where that optimizer's data-parallel rank 0 is another rank)."""
     if not os.path.exists(path):
         raise UnmappedOptimizerState(
             f"{path} is missing: the checkpoint was saved with the distributed optimizer, whose state is there"
         )
     saved = read_allowed_pickle(path, path)
-    buffers = [key for key in saved if isinstance(key, int)]
-    if not saved.get("buckets_coalesced") or buffers != [0] or len(saved[0]) != 1:
+    entries = saved if isinstance(saved, list) else [saved]
+    if len(entries) != count:
         raise UnmappedOptimizerState(
-            f"{path}: {len(buffers)} gradient buffers, buckets_coalesced={saved.get('buckets_coalesced')}; one "
-            "buffer of one dtype in Megatron-Core's coalesced layout is mapped"
+            f"{path} holds the state of {len(entries)} optimizers but model_optim_rng.pt beside it {count}"
+        )
+    return entries
+
+
+def _distributed_states(
+    saved: Any,
+    path: str,
+    params: list[tuple[str, torch.Tensor]],
+    groups: list[dict[str, Any]],
+    members: list[list[int]],
+    offsets: BufferOffsets,
+) -> dict[int, ParamState]:
+    """The states one optimizer's entry of `distrib_optim.pt` holds for its params, found by Megatron-Core's
+    buffer layout (`offsets`)."""
+    buffers = [key for key in saved if isinstance(key, int)] if isinstance(saved, dict) else []
+    if (
+        not isinstance(saved, dict)
+        or not saved.get("buckets_coalesced")
+        or buffers != [0]
+        or len(saved[0]) != 1
+    ):
+        raise UnmappedOptimizerState(
+            f"{path}: {len(buffers)} gradient buffers, buckets_coalesced="
+            f"{saved.get('buckets_coalesced') if isinstance(saved, dict) else None}; one buffer of one dtype in "
+            "Megatron-Core's coalesced layout is mapped"
         )
     (world,) = saved[0].values()
-    offsets = buffer_offsets(params, checkpoint.args, pp_rank)
     if sum(numel for _, numel in offsets.buckets) != world["numel_unpadded"]:
         raise UnmappedOptimizerState(
             f"{path} holds {world['numel_unpadded']} elements but Megatron-Core's buffer layout of this rank's "
@@ -270,6 +381,19 @@ def _distributed_states(
     return states
 
 
+def _data_parallel_size(args: Any, experts: bool) -> int:
+    """The size of the data-parallel group a gradient buffer is sharded over: DP (x CP) for the dense params,
+    expert DP (world / (expert TP x EP x PP)) for the experts'."""
+    dp = (getattr(args, "data_parallel_size", None) or 1) * (
+        getattr(args, "context_parallel_size", None) or 1
+    )
+    if not experts:
+        return dp
+    tp = args.tensor_model_parallel_size
+    etp = getattr(args, "expert_tensor_parallel_size", None) or tp
+    return max(dp * tp // (etp * expert_parallel_size(args)), 1)
+
+
 @dataclass
 class BufferOffsets:
     """Where each param of one rank lies in its gradient buffer and in the coalesced state tensors."""
@@ -283,15 +407,18 @@ class BufferOffsets:
         return sum(numel for _, numel in self.buckets[:bucket]) + start - self.buckets[bucket][0]
 
 
-def buffer_offsets(params: list[tuple[str, torch.Tensor]], args: Any, pp_rank: int) -> BufferOffsets:
-    """Megatron-Core's `_ParamAndGradBuffer` layout of one rank's params (its docstring, `__init__`)."""
+def buffer_offsets(
+    params: list[tuple[str, torch.Tensor]], args: Any, pp_rank: int, buffer_dp: int
+) -> BufferOffsets:
+    """Megatron-Core's `_ParamAndGradBuffer` layout of one rank's params of one optimizer (its docstring,
+    `__init__`), its buckets padded for the `buffer_dp` ranks that shard it."""
     pp = args.pipeline_model_parallel_size
     dp = getattr(args, "data_parallel_size", None) or 1
     bucket_size = None
     if getattr(args, "overlap_grad_reduce", False) and pp_rank == 0:
         bucket_size = getattr(args, "ddp_bucket_size", None) or max(40_000_000, 1_000_000 * dp)
     divisor = math.lcm(
-        dp, 128, *([2**16] if getattr(args, "ddp_pad_buckets_for_high_nccl_busbw", False) else [])
+        buffer_dp, 128, *([2**16] if getattr(args, "ddp_pad_buckets_for_high_nccl_busbw", False) else [])
     )
     tied = not getattr(args, "untie_embeddings_and_output_weights", False)
     shared = {WORD_EMBEDDING: pp_rank == 0, OUTPUT_WEIGHT: pp_rank == pp - 1}

@@ -96,6 +96,8 @@ COMMON_FILE = "common.pt"
 MAX_METADATA_JSON_BYTES = 1 << 20  # metadata.json names the backend: a few dozen bytes
 _LAYER = re.compile(r"^(decoder|encoder)\.layers\.(\d+)\.(.*)$")
 _STACKED = re.compile(r"^(decoder|encoder)\.layers\.(?!\d+\.)(.*)$")
+# An optimizer tensor in model space: (chained_<i>.)optimizer.state.<state>.<model key>
+_OPTIMIZER_KEY = re.compile(r"^(?:chained_\d+\.)?optimizer\.state\.([^.]+)\.(.+)$")
 MODEL_PREFIXES = (
     "embedding.",
     "decoder.",
@@ -175,16 +177,13 @@ class DistCheckpoint:
     def optimizer_tensors(self) -> dict[str, dict[str, torch.Tensor]]:
         """{our param name: {state: tensor}} of the optimizer state saved in model space, as Megatron-Core's
         Adam (`optimizer.state.<state>.<model key>`: exp_avg, exp_avg_sq, fp32_param) and its distributed
-        optimizer's fully reshardable format (`param`, the fp32 main param) write it; empty for other layouts."""
+        optimizer's fully reshardable format (`param`, the fp32 main param) write it, a ChainedOptimizer's under
+        `chained_<i>.` or not; empty for other layouts."""
         keys = {}
         for key in self._tensor_keys():
-            parts = key.split(".", 3)
-            if (
-                parts[:2] == ["optimizer", "state"]
-                and len(parts) == 4
-                and parts[3].startswith(MODEL_PREFIXES)
-            ):
-                keys[key] = f"{parts[3]}\0{parts[2]}"  # the model key, then the state's name
+            found = _OPTIMIZER_KEY.match(key)
+            if found and found[2].startswith(MODEL_PREFIXES):
+                keys[key] = f"{found[2]}\0{found[1]}"  # the model key, then the state's name
         states: dict[str, dict[str, torch.Tensor]] = {}
         for name, tensor in self._read_tensors(keys).items():
             param, state = name.split("\0")
@@ -214,8 +213,11 @@ class DistCheckpoint:
             else:
                 per_layer = {keys[key]: tensor}
             for name, part in per_layer.items():
-                name, transposed = our_name(name)
-                tensors[name] = part.transpose(-1, -2).contiguous() if transposed else part.clone()
+                model_key, separator, rest = name.partition("\0")  # the model key is renamed, not what follows
+                ours, transposed = our_name(model_key)
+                tensors[ours + separator + rest] = (
+                    part.transpose(-1, -2).contiguous() if transposed else part.clone()
+                )
         return tensors
 
 

@@ -68,29 +68,44 @@ def cpu_megatron_core() -> None:
     _CudaToCpu().__enter__()
     torch.distributed.init_process_group("gloo")
     from megatron.core import parallel_state, tensor_parallel
+    from megatron.core.transformer.moe import moe_utils
+
+    moe_utils.te_general_gemm = None  # megatron-core 0.16's router reads it whether or not TE is installed
 
     parallel_state.initialize_model_parallel(1, 1)
     tensor_parallel.get_cuda_rng_tracker().fork = lambda *args, **kwargs: contextlib.nullcontext()
 
 
 def megatron_core_gpt(config, padded_vocab_size: int) -> torch.nn.Module:
-    """Megatron-Core's GPTModel (local spec) of our config's shape: GPT-2 style, tied embedding."""
+    """Megatron-Core's GPTModel (local spec) of our config's shape: GPT-2 style, tied embedding; with
+    --num-experts, MoE layers of SequentialMLP experts whose params are marked expert-parallel, as Megatron-Core
+    marks them at --expert-model-parallel-size > 1, so its optimizer is a ChainedOptimizer of a dense and an
+    expert optimizer (what an EP rank saves; at EP 1 it would chain one)."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer import TransformerConfig
 
     model = config.model
+    moe = {}
+    if model.num_experts:
+        moe = dict(num_moe_experts=model.num_experts, moe_router_topk=model.moe_router_topk,
+                   moe_ffn_hidden_size=model.moe_ffn_hidden_size, moe_token_dispatcher_type="allgather",
+                   moe_router_load_balancing_type=model.moe_router_load_balancing_type[0])  # fmt: skip
     torch.manual_seed(1)
     core_config = TransformerConfig(
         num_layers=model.num_layers, hidden_size=model.hidden_size, num_attention_heads=model.num_attention_heads,
         ffn_hidden_size=model.ffn_hidden_size, hidden_dropout=0.0, attention_dropout=0.0, use_cpu_initialization=True,
-        layernorm_epsilon=model.norm_epsilon, init_method_std=0.2,
+        layernorm_epsilon=model.norm_epsilon, init_method_std=0.2, add_bias_linear=model.add_bias_linear, **moe,
     )  # fmt: skip
-    return GPTModel(
-        core_config, get_gpt_layer_local_spec(), vocab_size=padded_vocab_size,
+    gpt = GPTModel(
+        core_config, get_gpt_layer_local_spec(num_experts=model.num_experts), vocab_size=padded_vocab_size,
         max_sequence_length=model.max_position_embeddings, position_embedding_type="learned_absolute",
         share_embeddings_and_output_weights=True,
     )  # fmt: skip
+    for name, param in gpt.named_parameters():
+        if ".mlp.experts." in name:
+            param.allreduce = False  # ColumnParallelLinear's mark of an expert param at EP > 1
+    return gpt
 
 
 def megatron_lm_args(config, padded_vocab_size: int, distributed_optimizer: bool) -> argparse.Namespace:
@@ -102,6 +117,21 @@ def megatron_lm_args(config, padded_vocab_size: int, distributed_optimizer: bool
         use_distributed_optimizer=distributed_optimizer, overlap_grad_reduce=False, iteration=SAVE_AT,
         ckpt_format="torch",
     )  # fmt: skip
+
+
+def adam_moments(model: torch.nn.Module, optimizer) -> dict[str, dict[str, torch.Tensor]]:
+    """Each param's Adam moments by Megatron-Core's name, read from its own optimizers (the test checks where our
+    loader puts them)."""
+    moments = {}
+    for chained in getattr(optimizer, "chained_optimizers", [optimizer]):
+        for name, param in model.named_parameters():
+            if hasattr(chained, "model_param_group_index_map"):  # the distributed optimizer (DP 1: whole params)
+                if param in chained.model_param_group_index_map:
+                    state = chained._get_main_param_and_optimizer_states(param)
+                    moments[name] = {key: state[key].view(param.shape).clone() for key in ("exp_avg", "exp_avg_sq")}
+            elif param in chained.optimizer.state:
+                moments[name] = {key: chained.optimizer.state[param][key].clone() for key in ("exp_avg", "exp_avg_sq")}
+    return moments
 
 
 def train(root: str, argv: list[str], distributed_optimizer: bool) -> list[float]:
@@ -183,6 +213,7 @@ def train(root: str, argv: list[str], distributed_optimizer: bool) -> list[float
                      "optimizer": optimizer.sharded_state_dict(model_state, metadata=DIST_OPTIMIZER_FORMAT)}  # fmt: skip
             os.makedirs(os.path.join(dist_root, f"iter_{SAVE_AT:07d}"))
             dist_checkpointing.save(state, os.path.join(dist_root, f"iter_{SAVE_AT:07d}"))
+            torch.save(adam_moments(model, optimizer), os.path.join(legacy, "moments.pt"))
             for folder in (legacy, dist_root):
                 with open(os.path.join(folder, "latest_checkpointed_iteration.txt"), "w") as handle:
                     handle.write(str(SAVE_AT))
