@@ -37,24 +37,36 @@ SAVED = ("torch", "torch_dist", "torch_distributed_optimizer", "torch_dist_distr
 LOADERS = {"torch": "megatron", "torch_dist": "torch_dist"}  # checkpoint_util's names of the two formats
 
 
-@pytest.fixture(scope="module")
-def megatron_core_run(tmp_path_factory) -> tuple[str, dict]:
-    """Megatron-Core's checkpoints at iteration 2 (ROOT/<format>), its losses of iterations 3 to 5, and the torch
-    and torch_dist checkpoints converted by checkpoint_util (ROOT/<format>_flow)."""
-    root = str(tmp_path_factory.mktemp("megatron_core"))
+# The same GPT with MoE layers (top 2 of 4 experts; Megatron-Core's MoE MLP fails on CPU with bias, so none).
+MOE_ARGV = [*ARGV, "--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "16",
+            "--moe-router-load-balancing-type", "none", "--disable-bias-linear"]  # fmt: skip
+
+
+def megatron_core_checkpoints(root: str, argv: list[str]) -> dict[str, list[float]]:
+    """Megatron-Core's checkpoints at iteration 2 of a run of `argv` (ROOT/<format>) and its losses of iterations
+    3 to 5 by format."""
     with open(os.path.join(root, "argv.json"), "w") as handle:
-        json.dump(ARGV, handle)
+        json.dump(argv, handle)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([ROOT, *sys.path])}
     run = subprocess.run([sys.executable, "-m", "tests.helpers.megatron_core_training", root], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=400)  # fmt: skip
     assert run.returncode == 0 and "megatron-core training ok" in run.stdout, (
         run.stdout[-2000:] + run.stderr[-4000:]
     )
+    with open(os.path.join(root, "reference.json")) as handle:
+        return json.load(handle)
+
+
+@pytest.fixture(scope="module")
+def megatron_core_run(tmp_path_factory) -> tuple[str, dict]:
+    """Megatron-Core's checkpoints at iteration 2 (ROOT/<format>), its losses of iterations 3 to 5, and the torch
+    and torch_dist checkpoints converted by checkpoint_util (ROOT/<format>_flow)."""
+    root = str(tmp_path_factory.mktemp("megatron_core"))
+    reference = megatron_core_checkpoints(root, ARGV)
     for saved, loader in LOADERS.items():
         checkpoint_util.main(["--loader", loader, "--saver", "flow", "--load-dir", f"{root}/{saved}",
                               "--save-dir", f"{root}/{saved}_flow"])  # fmt: skip
-    with open(os.path.join(root, "reference.json")) as handle:
-        return root, json.load(handle)
+    return root, reference
 
 
 def _pretrain_runs(rank: int, world_size: int, runs: dict[str, list[str]]) -> dict[str, list[float] | str]:
@@ -223,3 +235,37 @@ def test_what_cannot_be_read_is_one_line_naming_the_file(megatron_core_run, tmp_
         ValueError, match=f"{state} is not a complete torch.save file .*: pass --no-load-optim"
     ):
         saved.require_optimizer_state()  # ... Adam's state is refused naming its file
+
+
+def test_megatron_core_moe_checkpoints_continue_with_their_chained_optimizer_state(tmp_path):
+    """Megatron-Core's MoE GPT keeps its experts in an optimizer of their own (a ChainedOptimizer: a list in the
+    legacy files and distrib_optim.pt, `chained_<i>.` keys in torch_dist): every expert's Adam moments land on our
+    stacked expert tensor exactly (expert j of layer 1's fc1, transposed), the dense params' too, and pretrain_gpt
+    continues each format at EP 2 x DP 2 (expert DP 1) with Megatron-Core's own losses."""
+    root = str(tmp_path)
+    reference = megatron_core_checkpoints(root, MOE_ARGV)
+    for saved in SAVED:
+        moments = torch.load(
+            f"{root}/{'torch_distributed_optimizer' if 'distributed' in saved else 'torch'}/moments.pt"
+        )
+        checkpoint = open_checkpoint(f"{root}/{saved}", None, "gpt")
+        for state in ("exp_avg", "exp_avg_sq"):
+            stacked = checkpoint.global_tensor(f"decoder.layers.1.mlp.experts.weight1.{state}", "optimizer")
+            for j in range(4):
+                theirs = moments[f"decoder.layers.1.mlp.experts.local_experts.{j}.linear_fc1.weight"][state]
+                assert torch.equal(stacked[j], theirs.t()), (saved, state, j)
+            dense = checkpoint.global_tensor(
+                f"decoder.layers.0.self_attention.linear_qkv.weight.{state}", "optimizer"
+            )
+            assert torch.equal(dense, moments["decoder.layers.0.self_attention.linear_qkv.weight"][state]), (
+                saved
+            )
+    runs = {
+        saved: [*MOE_ARGV, "--expert-model-parallel-size", "2", "--load", f"{root}/{saved}", "--save",
+                str(tmp_path / f"ours_{saved}")]
+        for saved in SAVED
+    }  # fmt: skip
+    results = run_distributed(_pretrain_runs, 2, runs, timeout=400)[0]
+    for saved in SAVED:
+        assert [(it, consumed) for it, consumed, _ in results[saved]] == [(3, 12), (4, 16), (5, 20)], saved
+        assert [loss for *_, loss in results[saved]] == pytest.approx(reference[saved], rel=1e-5), saved

@@ -20,7 +20,7 @@ import torch
 
 from megatron_train.arguments import config_to_dict
 from megatron_train.checkpointing.files import CheckpointError
-from megatron_train.checkpointing.layout import module_order, true_vocab_range
+from megatron_train.checkpointing.layout import ExpertLayout, module_order, true_vocab_range
 from megatron_train.checkpointing.names import sharding_record
 from megatron_train.checkpointing.saved import SavedCheckpoint
 from megatron_train.convert.megatron import LegacyCheckpoint
@@ -30,7 +30,7 @@ from megatron_train.convert.megatron_optimizer import (
     legacy_optimizer_state,
 )
 from megatron_train.convert.torch_dist import DistCheckpoint
-from megatron_train.convert.weights import ModelWeights, model_shardings
+from megatron_train.convert.weights import ModelWeights, expert_names, model_shardings
 from megatron_train.families.family import ModelFamily
 
 logger = logging.getLogger(__name__)
@@ -94,10 +94,16 @@ class ConvertedCheckpoint(SavedCheckpoint):
             "args": config_to_dict(weights.config),
             "model_type": weights.family.name,
         }
+        experts = expert_names(weights.config, padded_vocab_size, weights.family)
+        # every expert in one tensor, of which each rank of any EP x expert TP layout cuts its part
+        self.ep_size = 1
         self.params = {
-            name: sharding_record(list(tensor.shape), shardings[name], False, 0, 1, 0, 1, name)
+            name: sharding_record(
+                list(tensor.shape), shardings[name], False, 0, 1, 0, 1, name,
+                ExpertLayout() if name in experts else None,
+            )
             for name, tensor in sorted(weights.tensors.items(), key=lambda item: module_order(item[0]))
-        }
+        }  # fmt: skip
         self._weights = weights.tensors
         self._read_optimizer: Callable[[], OptimizerState] | None = read_optimizer
         self._optimizer_state: OptimizerState | None = None
@@ -113,7 +119,9 @@ class ConvertedCheckpoint(SavedCheckpoint):
             self._read_optimizer = None
         return self._optimizer_state
 
-    def _shard(self, name: str, kind: str, tp_rank: int, pp_rank: int) -> torch.Tensor:
+    def _shard(
+        self, name: str, kind: str, tp_rank: int, pp_rank: int, ep_rank: int | None = None
+    ) -> torch.Tensor:
         return self._weights[name] if kind == "model" else self._optimizer()[0][name]
 
     def _optimizer_meta(self) -> tuple[dict, set[str]]:

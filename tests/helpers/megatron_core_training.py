@@ -125,12 +125,18 @@ def adam_moments(model: torch.nn.Module, optimizer) -> dict[str, dict[str, torch
     moments = {}
     for chained in getattr(optimizer, "chained_optimizers", [optimizer]):
         for name, param in model.named_parameters():
-            if hasattr(chained, "model_param_group_index_map"):  # the distributed optimizer (DP 1: whole params)
+            if hasattr(
+                chained, "model_param_group_index_map"
+            ):  # the distributed optimizer (DP 1: whole params)
                 if param in chained.model_param_group_index_map:
                     state = chained._get_main_param_and_optimizer_states(param)
-                    moments[name] = {key: state[key].view(param.shape).clone() for key in ("exp_avg", "exp_avg_sq")}
+                    moments[name] = {
+                        key: state[key].view(param.shape).clone() for key in ("exp_avg", "exp_avg_sq")
+                    }
             elif param in chained.optimizer.state:
-                moments[name] = {key: chained.optimizer.state[param][key].clone() for key in ("exp_avg", "exp_avg_sq")}
+                moments[name] = {
+                    key: chained.optimizer.state[param][key].clone() for key in ("exp_avg", "exp_avg_sq")
+                }
     return moments
 
 
