@@ -17,9 +17,16 @@ in reverse order, each start padded to 64 elements, a tied embedding in a bucket
 checked against the file (its length, and every fp32 main param against the weight it rounds to), so a Megatron
 version that lays its buffer out otherwise is refused (`UnmappedOptimizerState`), never misread.
 
+An MoE model's experts have an optimizer of their own when expert DP differs from DP (Megatron-Core's
+ChainedOptimizer): `optimizer` and `distrib_optim.pt` then hold a list, the dense params' optimizer and then the
+experts' (each its own param indices and gradient buffer, the experts' padded for expert DP); an EP rank's files
+hold its experts' state, the dense params' state is EP rank 0's.
+
 `torch_dist` checkpoints keep it by name, in model space (`optimizer.state.<exp_avg|exp_avg_sq|fp32_param|param>.
 <model key>`, as Adam and the distributed optimizer's fully_reshardable format save it), with the param groups and
-the step in the common state; the distributed optimizer's buffer-shaped formats (dp_reshardable) are refused.
+the step in the common state (a ChainedOptimizer's: one entry per optimizer, its tensors under `chained_<i>.` unless
+saved with chained_optim_avoid_prefix); the distributed optimizer's buffer-shaped formats (dp_reshardable) are
+refused.
 """
 
 from __future__ import annotations
@@ -134,7 +141,8 @@ def dist_optimizer_state(
         groups = group_settings(adam["param_groups"], where)
         merge_settings(settings, groups, where)
         common_step = adam.get("state", {}).get("common_step")
-        steps |= {float(common_step)} if common_step is not None else {float(g.get("step", 0)) for g in groups.values()}
+        group_steps = {float(group.get("step", 0)) for group in groups.values()}
+        steps |= group_steps if common_step is None else {float(common_step)}
     if len(steps) != 1:
         raise UnmappedOptimizerState(
             f"{where}: its optimizers' param groups are at steps {sorted(steps)}; one step is mapped"
@@ -263,7 +271,11 @@ def _chained(optimizer: Any, path: str) -> list[dict[str, Any]]:
     """The state dicts of a rank's optimizers: a ChainedOptimizer of several saves a list, one optimizer its own
     state dict; a dense one and an expert one are mapped."""
     chained = optimizer if isinstance(optimizer, list) else [optimizer]
-    if not 1 <= len(chained) <= 2 or not all(isinstance(o, dict) for o in chained):
+    if not all(isinstance(o, dict) for o in chained):
+        raise UnmappedOptimizerState(
+            f"{path}: its optimizer state holds {[type(o).__name__ for o in chained]}, not optimizer state dicts"
+        )
+    if len(chained) > 2:
         raise UnmappedOptimizerState(
             f"{path} holds {len(chained)} chained optimizers; one, or Megatron-Core's dense and expert pair, is "
             "mapped (not --overlap-param-gather-with-optimizer-step's per-chunk optimizers)"

@@ -213,7 +213,8 @@ class DistCheckpoint:
             else:
                 per_layer = {keys[key]: tensor}
             for name, part in per_layer.items():
-                model_key, separator, rest = name.partition("\0")  # the model key is renamed, not what follows
+                # the model key is renamed, not the state name after it
+                model_key, separator, rest = name.partition("\0")
                 ours, transposed = our_name(model_key)
                 tensors[ours + separator + rest] = (
                     part.transpose(-1, -2).contiguous() if transposed else part.clone()
