@@ -87,6 +87,12 @@ RUNS = {
     "ep2-dp4-distopt": (4, [*EP2, "--use-distributed-optimizer"], "half"),
     # PP 2 (an MoE layer on each stage) x DP 2; experts EP 2, allgather
     "pp2-ep2": (4, [*EP2, "--pipeline-model-parallel-size", "2", "--tensorboard-dir", "{dir}/tb"], "half"),
+    # virtual PP: 2 stages of 2 one-layer chunks (the MoE layers 1 and 3 both on stage 1) x DP 2; experts EP 2
+    "pp2-vpp-ep2": (
+        4,
+        [*EP2, "--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"],
+        "half",
+    ),
     # CP 2 (ring attention) x DP 2; experts EP 2 x expert DP 2 (the CP ranks folded into expert DP), alltoall;
     # the distributed optimizer, saved in torch_dist at iterations 3 and 4 by every rank
     "cp2-ep2": (
@@ -140,7 +146,7 @@ def moe_runs(tmp_path_factory):
     sigkill_reference = tiny_args(str(tmp / "sigkill-reference"), *SIGKILL_MOE)
     one_process = [*(_argv(tmp, data, n) for n in one), _upcycling_argv(tmp, data), sigkill_reference]
     run_distributed(pretrain_worker, 1, one_process, timeout=300)
-    four = ["ep2-tp2-sp-distopt", "ep2-dp4-distopt", "pp2-ep2", "cp2-ep2", "tp2-etp2-ep1"]
+    four = ["ep2-tp2-sp-distopt", "ep2-dp4-distopt", "pp2-ep2", "pp2-vpp-ep2", "cp2-ep2", "tp2-etp2-ep1"]
     for name in four:  # continue a one-process run's checkpoint in this run's own folder
         if RUNS[RUNS[name][2]][0] == 1:
             shutil.copytree(
@@ -159,7 +165,8 @@ def _losses(tmp, name: str, key: str = "lm loss") -> list[float]:
 
 
 @pytest.mark.parametrize(
-    "name", ["half", "ep2-tp2-sp-distopt", "ep2-dp4-distopt", "pp2-ep2", "cp2-ep2", "tp2-etp2-ep1"]
+    "name",
+    ["half", "ep2-tp2-sp-distopt", "ep2-dp4-distopt", "pp2-ep2", "pp2-vpp-ep2", "cp2-ep2", "tp2-etp2-ep1"],
 )
 def test_every_layout_continues_the_one_process_checkpoint_with_its_losses(moe_runs, name) -> None:
     """The losses, and the grad and params norms and zeros in the grad, whose expert part is reduced over the
