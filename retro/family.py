@@ -220,6 +220,23 @@ def gpt_checkpoint_to_retrofit(config: MegatronConfig) -> SavedCheckpoint | None
     return saved
 
 
+def check_queried_samples(
+    project: RetroProject, project_dir: str, num_samples: tuple[int, int, int]
+) -> tuple[int, int, int]:
+    """The project's queried (train, valid, test) sample counts; an error naming the flag to lower when the run
+    reads more samples of a split than the project has neighbours for."""
+    queried = project.num_samples()
+    flags = ("--train-samples/--train-iters", "--eval-interval/--eval-iters", "--eval-iters")
+    for split, needed, available, flag in zip(SPLIT_NAMES, num_samples, queried, flags, strict=True):
+        if needed > available:
+            raise ValueError(
+                f"this run reads {needed} {split} samples but the Retro project "
+                f"{os.path.join(project_dir, 'config.json')} queried neighbours for {available}: lower {flag} "
+                "(or build the project for more samples)"
+            )
+    return queried
+
+
 def datasets_provider(
     config: MegatronConfig, tokenizer: MegatronTokenizer, num_samples: tuple[int, int, int]
 ) -> tuple:
@@ -229,14 +246,7 @@ def datasets_provider(
         return sft_datasets(config, tokenizer, num_samples)
     project_dir = config.retro.retro_project_dir
     project = RetroProject.load(project_dir)
-    queried = project.num_samples()
-    flags = ("--train-samples/--train-iters", "--eval-interval/--eval-iters", "--eval-iters")
-    for split, needed, available, flag in zip(SPLIT_NAMES, num_samples, queried, flags, strict=True):
-        if needed > available:
-            raise ValueError(
-                f"this run reads {needed} {split} samples but the Retro project queried neighbours for "
-                f"{available}: lower {flag} (or build the project for more samples)"
-            )
+    queried = check_queried_samples(project, project_dir, num_samples)
     datasets = build_train_valid_test_datasets(
         config.data,
         config.model.seq_length,

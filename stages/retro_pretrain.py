@@ -21,7 +21,9 @@ from dataclasses import dataclass
 from megatron_train.arguments import MegatronConfig, parse_args
 from megatron_train.checkpointing import read_latest_iteration
 from megatron_train.families.registry import family_module
-from retro.family import RETRO, with_project_settings
+from megatron_train.training.setup import planned_sample_counts
+from retro.family import RETRO, check_queried_samples, with_project_settings
+from retro.project import RetroProject
 from stages.base import Inputs, Stage, expect_inputs
 from stages.launch import LaunchParams, torchrun_command
 from stages.pretrain import run_directory, train_and_commit
@@ -69,9 +71,13 @@ def retro_argv(
 def run_config(
     params: RetroPretrainParams, project_dir: str, run_dir: str, retro_fit_from: str | None = None
 ) -> MegatronConfig:
-    """The run's whole config as pretrain_retro parses it (a bad flag or project mismatch raises here)."""
+    """The run's whole config as pretrain_retro parses it: a bad flag, a project mismatch, or more samples of a
+    split than the project queried neighbours for (--eval-interval/--eval-iters over many steps) raises here."""
     argv = retro_argv(params, project_dir, run_dir, retro_fit_from)
-    return parse_args(with_project_settings(argv), params.nproc_per_node)
+    config = parse_args(with_project_settings(argv), params.nproc_per_node)
+    samples = planned_sample_counts(config, params.nproc_per_node)
+    check_queried_samples(RetroProject.load(project_dir), project_dir, samples)
+    return config
 
 
 class RetroPretrainStage(Stage):

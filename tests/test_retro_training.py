@@ -27,6 +27,7 @@ from retro.family import datasets_provider, with_project_settings
 from retro.project import db_dir
 from retro.query import load_neighbours
 from retro.retrieval import Retriever, RetrievingModel, complete_chunks, generate_with_retrieval
+from stages.retro_pretrain import RetroPretrainParams, run_config
 from tests.helpers.distributed import run_distributed
 from tests.helpers.retro_project import (
     CHUNK_LENGTH,
@@ -156,9 +157,18 @@ def test_pipeline_parallel_and_unqueried_samples_are_refused(project, tmp_path, 
         main([*retro_args(project, str(tmp_path)), "--pipeline-model-parallel-size", "2"])
     config = parse_args(with_project_settings(retro_args(project, str(tmp_path))), world_size=1)
     with pytest.raises(
-        ValueError, match="reads 400 train samples but the Retro project queried neighbours for 64"
+        ValueError,
+        match="reads 400 train samples but the Retro project .*config.json queried neighbours for 64",
     ):
         datasets_provider(config, NullTokenizer(VOCAB_SIZE), (400, 4, 4))
+    # the stage checks before it launches: 4 steps evaluated every 2 read 3 x 4 validation samples, 4 queried
+    flags = tuple(retro_args(project, "unused")[3:-6])  # the model flags, without the project and checkpoints
+    assert run_config(
+        RetroPretrainParams(flags=(*flags, "--train-iters", "4")), project, str(tmp_path / "run")
+    )
+    with pytest.raises(ValueError, match="reads 12 valid samples .* lower --eval-interval/--eval-iters"):
+        evaluated = RetroPretrainParams(flags=(*flags, "--train-iters", "4", "--eval-interval", "2"))
+        run_config(evaluated, project, str(tmp_path / "run"))
 
 
 LAYOUTS = {  # name: (world size, flags); --use-cpu-initialization: every layout starts from the same weights

@@ -134,22 +134,53 @@ def print_parameter_count(chunks: list[torch.nn.Module]) -> None:
         )
 
 
-def setup_model_and_optimizer(
-    config: MegatronConfig, model_provider: ModelProvider, padded_vocab_size: int, device: torch.device
-) -> TrainingSetup:
+def microbatch_calculator(config: MegatronConfig, data_parallel_size: int) -> MicroBatchCalculator:
+    """The run's global and micro batch sizes per step (ramp-up and step schedule included)."""
     training = config.training
-    calculator = MicroBatchCalculator(
+    return MicroBatchCalculator(
         training.global_batch_size,
         training.micro_batch_size,
-        state.get_data_parallel_world_size(),
+        data_parallel_size,
         training.rampup_batch_size,
         parse_step_batch_size_schedule(training.step_batch_size_schedule, config.model.seq_length)
         if training.step_batch_size_schedule
         else None,
     )
-    train_iters = training.train_iters
-    if train_iters is None:
-        train_iters = calculator.train_iters_for_samples(training.train_samples or 0)
+
+
+def planned_train_iters(config: MegatronConfig, calculator: MicroBatchCalculator) -> int:
+    """--train-iters, or the steps that consume --train-samples."""
+    training = config.training
+    if training.train_iters is not None:
+        return training.train_iters
+    return calculator.train_iters_for_samples(training.train_samples or 0)
+
+
+def split_sample_counts(config: MegatronConfig, train_iters: int) -> tuple[int, int, int]:
+    """Megatron's sample budget per split: the train samples, --eval-iters global batches at every
+    --eval-interval and once at the end (valid), and once more (test)."""
+    training = config.training
+    gbs = training.global_batch_size
+    evaluations = train_iters // training.eval_interval + 1 if training.eval_interval else 1
+    return (
+        training.train_samples or train_iters * gbs,
+        evaluations * training.eval_iters * gbs,
+        training.eval_iters * gbs,
+    )
+
+
+def planned_sample_counts(config: MegatronConfig, world_size: int) -> tuple[int, int, int]:
+    """The (train, valid, test) samples a run of `world_size` processes will read, known before it launches."""
+    calculator = microbatch_calculator(config, config.parallel.data_parallel_size(world_size))
+    return split_sample_counts(config, planned_train_iters(config, calculator))
+
+
+def setup_model_and_optimizer(
+    config: MegatronConfig, model_provider: ModelProvider, padded_vocab_size: int, device: torch.device
+) -> TrainingSetup:
+    training = config.training
+    calculator = microbatch_calculator(config, state.get_data_parallel_world_size())
+    train_iters = planned_train_iters(config, calculator)
     unwrapped = build_model_chunks(config, model_provider, padded_vocab_size, device)
     print_parameter_count(unwrapped)
     model, optimizer = wrap_and_optimize(config, unwrapped)
@@ -217,14 +248,7 @@ def build_data_iterators(
     labels and loss mask, and every stage the position ids (rotary embeddings need them, and
     --reset-position-ids makes them depend on the documents).
     """
-    training = config.training
-    gbs = training.global_batch_size
-    evaluations = train_iters // training.eval_interval + 1 if training.eval_interval else 1
-    num_samples = (
-        training.train_samples or train_iters * gbs,
-        evaluations * training.eval_iters * gbs,
-        training.eval_iters * gbs,
-    )
+    num_samples = split_sample_counts(config, train_iters)
     consumed = (loaded.consumed_train_samples, loaded.consumed_valid_samples, 0)
     with preserve_rng_state():  # a resumed run restored its RNG already; building data must not move it
         datasets = datasets_provider(num_samples)
