@@ -1,19 +1,28 @@
-"""Build `stdlib.jsonl.xz`, the Retro flow's default corpus: a fixed list of CPython standard-library modules.
+"""Build `stdlib.jsonl.xz`, the Retro flow's default corpus: the same standard-library modules in six CPython
+versions, one document per (version, module).
 
-    python stages/corpora/make_stdlib_corpus.py /path/to/cpython-3.12.1/Lib stages/corpora/stdlib.jsonl.xz
+    python stages/corpora/make_stdlib_corpus.py stages/corpora/stdlib.jsonl.xz \\
+        /root/.pyenv/versions/{3.8.18,3.9.18,3.10.13,3.11.7,3.12.1,3.13.0}/lib/python3.*
 
-Reads each listed module's source through the download stage's reader of one-file-one-document text files
-(`storage.documents.iter_records`) and writes one JSON Lines record per module, `{"id": "<path in Lib>",
-"text": <source>}`, in a fixed random order (seed 0: the validation split, the last documents, is then a random
-sample of modules, not the alphabetically last), compressed with xz. The result is shipped, so every machine
-builds the same corpus whatever Python it runs; the module sources are under the PSF licence
-(`stdlib.LICENSE`, CPython's LICENSE file). Source code repeats itself across files (the charmap codecs of
-`encodings/`, the event loops of `asyncio`, the pure-Python twins of C modules), which is what Retro feeds on.
+The Lib folders are given in the order of `VERSIONS` (any copy of those releases' `Lib`: a pyenv install's
+`lib/python3.X`, or the source tree's `Lib`). The modules are `MODULE_COUNT` of the listed modules found in every
+version (at most 40 kB in each), drawn with seed 0 from their sorted paths. Each module's source in each version
+is read through the download stage's reader of one-file-one-document text files (`storage.documents.iter_records`)
+and written as one JSON Lines record, `{"id": "<version>/<path in Lib>", "text": <source>}`, in a fixed random
+order (seed 0: the validation split, the last documents, is a random sample of versions and modules), compressed
+with xz. The script checks the JSON Lines' SHA-256 against `CORPUS_SHA256`, so a Lib folder of another release
+is an error, not another corpus. The file is shipped, so every machine builds the same corpus whatever Python it
+runs; the sources are under the PSF licence (`stdlib.LICENSE`, CPython 3.12.1's LICENSE file).
+
+Why six versions: Retro reads what other documents hold, and a module's other releases hold its continuation
+with small changes (near-copies); a module unchanged between releases is an exact copy, which the flow's exact
+deduplication keeps once (the first in this order).
 """
 
 from __future__ import annotations
 
 import fnmatch
+import hashlib
 import json
 import lzma
 import os
@@ -22,6 +31,7 @@ import sys
 
 from storage.documents import iter_records
 
+VERSIONS = ("3.8.18", "3.9.18", "3.10.13", "3.11.7", "3.12.1", "3.13.0")
 # Lib-relative glob patterns of the modules, and what is left out of them: tests (they quote each other's
 # fixtures at length) and generated data files (pydoc's topics, a 700 kB string).
 MODULES = (
@@ -39,9 +49,13 @@ MODULES = (
     "xml/*/*.py",
 )
 EXCLUDED = ("test*", "*/test*", "__phello__*", "_sysconfigdata*", "pydoc_data/*")
-# Modules of at most 40 kB (354 of 3.12's 405 listed, 4.3 of 8.1 MB): the giants (_pydecimal, turtle, inspect,
-# typing, ...) would each fill much of the validation split and double the time `make retro` spends embedding.
+# Modules of at most 40 kB: the giants (_pydecimal, turtle, inspect, typing, ...) would each fill much of the
+# validation split and lengthen the time `make retro` spends embedding.
 MAX_MODULE_BYTES = 40_000
+# 120 of the 327 listed modules found in all six versions: 720 documents, 315 distinct texts of 4.5 MB (as much
+# code as one version's 354 modules, the corpus before), so embedding and querying take the time they took.
+MODULE_COUNT = 120
+CORPUS_SHA256 = "d99d0586cb7615146ecaa9e91bfa538d28b90ce71910864683b55001e1471cd0"
 
 
 def module_paths(lib: str) -> list[str]:
@@ -60,19 +74,42 @@ def module_paths(lib: str) -> list[str]:
     return sorted(found)
 
 
-def main(lib: str, out: str) -> None:
-    paths = module_paths(lib)
-    random.Random(0).shuffle(paths)
+def corpus_documents(libs: list[str]) -> list[tuple[str, str]]:
+    """(id, Lib file) of every document, in the corpus's order: the drawn modules in each version, shuffled."""
+    common = sorted(set.intersection(*(set(module_paths(lib)) for lib in libs)))
+    modules = random.Random(0).sample(common, MODULE_COUNT)
+    documents = [
+        (f"{version}/{path}", os.path.join(lib, path))
+        for version, lib in zip(VERSIONS, libs, strict=True)
+        for path in modules
+    ]
+    random.Random(0).shuffle(documents)
+    return documents
+
+
+def main(out: str, libs: list[str]) -> None:
+    lines = []
+    for doc_id, path in corpus_documents(libs):
+        (record,) = iter_records(path)
+        lines.append(json.dumps({"id": doc_id, "text": record.data["text"]}, ensure_ascii=False) + "\n")
+    text = "".join(lines)
+    digest = hashlib.sha256(text.encode("utf-8")).hexdigest()
+    if digest != CORPUS_SHA256:
+        sys.exit(
+            f"{out}: not written: its JSON Lines have SHA-256 {digest}, the pinned corpus {CORPUS_SHA256}; "
+            f"give the Lib folders of CPython {', '.join(VERSIONS)} in that order"
+        )
     with lzma.open(out, "wt", encoding="utf-8", preset=9) as f:
-        for path in paths:
-            (record,) = iter_records(os.path.join(lib, path))
-            f.write(json.dumps({"id": path, "text": record.data["text"]}, ensure_ascii=False) + "\n")
-    print(f"{out}: {len(paths)} modules of {lib}")
+        f.write(text)
+    print(f"{out}: {len(lines)} documents, {MODULE_COUNT} modules of CPython {', '.join(VERSIONS)}")
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 3 or not os.path.isfile(os.path.join(sys.argv[1], "asyncio", "events.py")):
+    if len(sys.argv) != 2 + len(VERSIONS) or not all(
+        os.path.isfile(os.path.join(lib, "asyncio", "events.py")) for lib in sys.argv[2:]
+    ):
         sys.exit(
-            "usage: make_stdlib_corpus.py CPYTHON_LIB_DIR OUT.jsonl.xz (the Lib folder of CPython 3.12.1)"
+            f"usage: make_stdlib_corpus.py OUT.jsonl.xz LIB_DIR x{len(VERSIONS)} "
+            f"(the Lib folders of CPython {', '.join(VERSIONS)}, in that order)"
         )
-    main(*sys.argv[1:])
+    main(sys.argv[1], sys.argv[2:])
