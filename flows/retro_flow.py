@@ -53,9 +53,10 @@ class RetroFlowConfig(BaseModel):
     """Everything the Retro flow does, with the defaults of `make retro`: the standard-library corpus
     (`stages/corpora/stdlib.jsonl.xz`) cleaned as code and deduplicated exactly, 64-token chunks,
     all-MiniLM-L6-v2 cut to its first layer, an IVF index of 128 lists searched with nprobe 16, and the samples
-    of a 256-token, 200-iteration run of global batch 16. The `query` section is the Retro pretraining run's
-    data settings (sequence length, split, seed, samples, evaluation, global batch): they go to the project's
-    config.json, which `pretrain_retro` takes them from. The database holds the train documents of
+    of a 256-token, 120-iteration run of global batch 8 evaluated every 40 iterations (the samples both runs
+    read: no neighbours are queried for samples no run reads). The `query` section is the Retro pretraining
+    run's data settings (sequence length, split, seed, samples, evaluation, global batch): they go to the
+    project's config.json, which `pretrain_retro` takes them from. The database holds the train documents of
     `query.split` (Megatron's one `--retro-gpt-split`; `db.split` is set from it). `pretrain` is the GPT
     baseline's decoder and optimizer, and what the Retro run adds (`retro_flags`); with `retro_fit` the Retro
     run starts from the GPT run's checkpoint (Megatron's retro-fitting), else from scratch on the same flags."""
@@ -73,13 +74,13 @@ class RetroFlowConfig(BaseModel):
     embed: EmbedParams = EmbedParams(block_size=2000, workers=2)
     index_train: IndexTrainParams = IndexTrainParams(index_str="IVF128,Flat", ntrain=8000)
     index_add: IndexAddParams = IndexAddParams(workers=2)
-    query: QueryParams = QueryParams(
+    query: QueryParams = QueryParams(  # the samples both runs read: 120 steps of 8, evaluated every 40
         seq_length=256,
         split="95,5,0",
-        train_samples=3200,
-        eval_interval=50,
+        train_samples=960,
+        eval_interval=40,
         eval_iters=5,
-        global_batch_size=16,
+        global_batch_size=8,
         nprobe=16,
         num_neighbors_query=20,
         num_neighbors_save=4,
