@@ -53,8 +53,8 @@ class RetroFlowConfig(BaseModel):
     """Everything the Retro flow does, with the defaults of `make retro`: the standard-library corpus
     (`stages/corpora/stdlib.jsonl.xz`) cleaned as code and deduplicated exactly, 64-token chunks,
     all-MiniLM-L6-v2 cut to its first layer, an IVF index of 128 lists searched with nprobe 16, and the samples
-    of a 256-token, 120-iteration run of global batch 8 evaluated every 40 iterations (the samples both runs
-    read: no neighbours are queried for samples no run reads). The `query` section is the Retro pretraining
+    of a 256-token, 400-iteration run of global batch 8 evaluated every 40 iterations (the samples the Retro run
+    reads; the GPT baseline reads the first 960: no neighbours are queried for samples no run reads). The `query` section is the Retro pretraining
     run's data settings (sequence length, split, seed, samples, evaluation, global batch): they go to the
     project's config.json, which `pretrain_retro` takes them from. The database holds the train documents of
     `query.split` (Megatron's one `--retro-gpt-split`; `db.split` is set from it). `pretrain` is the GPT
@@ -74,10 +74,10 @@ class RetroFlowConfig(BaseModel):
     embed: EmbedParams = EmbedParams(block_size=2000, workers=2)
     index_train: IndexTrainParams = IndexTrainParams(index_str="IVF128,Flat", ntrain=8000)
     index_add: IndexAddParams = IndexAddParams(workers=2)
-    query: QueryParams = QueryParams(  # the samples both runs read: 120 steps of 8, evaluated every 40
+    query: QueryParams = QueryParams(  # the samples the Retro run reads: 400 steps of 8, evaluated every 40
         seq_length=256,
         split="95,5,0",
-        train_samples=960,
+        train_samples=3200,
         eval_interval=40,
         eval_iters=5,
         global_batch_size=8,
@@ -86,7 +86,8 @@ class RetroFlowConfig(BaseModel):
         num_neighbors_save=4,
         block_size=2000,
     )
-    pretrain: RetroPretrainParams = RetroPretrainParams()
+    # the GPT's 120 steps, then 400 Retro steps: reading neighbours pays off after the first 200 (README)
+    pretrain: RetroPretrainParams = RetroPretrainParams(retro_flags=("--train-iters", "400"))
     retro_fit: bool = True
     evaluate: RetroEvaluateParams = RetroEvaluateParams(validation_samples=64)
 
