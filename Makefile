@@ -40,16 +40,17 @@ lock: setup
 		--find-links /opt/wheels --emit-find-links --custom-compile-command "make lock" -o requirements.lock
 
 # The whole suite in TEST_WORKERS pytest-xdist processes, each taking whole test files (--dist loadfile: a file's
-# module fixtures, such as a trained checkpoint, are built once); the 25 slowest tests are listed at the end.
+# module fixtures, such as a trained checkpoint, are built once) in the order tests/conftest.py gives them (longest
+# first); the 25 slowest tests are listed at the end.
 # TEST_WORKERS=0 runs it in one process.
 TEST_WORKERS ?= 2
 test: setup
 	$(PY) -m ruff check .
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=25 $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25 $(PYTEST_ARGS)
 
 # The tests that start no process (no torchrun, gloo group, subprocess or server) and are not marked slow.
 test-fast: setup
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not processes and not slow" --durations=10 $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not processes and not slow" --durations=10 $(PYTEST_ARGS)
 
 lint: setup
 	$(PY) -m ruff check . && $(PY) -m ruff format --check .
