@@ -105,11 +105,13 @@ def main(out: str, libs: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 2 + len(VERSIONS) or not all(
-        os.path.isfile(os.path.join(lib, "asyncio", "events.py")) for lib in sys.argv[2:]
-    ):
-        sys.exit(
-            f"usage: make_stdlib_corpus.py OUT.jsonl.xz LIB_DIR x{len(VERSIONS)} "
-            f"(the Lib folders of CPython {', '.join(VERSIONS)}, in that order)"
-        )
+    usage = (
+        f"usage: make_stdlib_corpus.py OUT.jsonl.xz LIB_DIR x{len(VERSIONS)} "
+        f"(the Lib folders of CPython {', '.join(VERSIONS)}, in that order)"
+    )
+    if len(sys.argv) != 2 + len(VERSIONS):
+        sys.exit(usage)
+    not_lib = [lib for lib in sys.argv[2:] if not os.path.isfile(os.path.join(lib, "asyncio", "events.py"))]
+    if not_lib:
+        sys.exit(f"{not_lib[0]}: not a CPython Lib folder (no asyncio/events.py); {usage}")
     main(sys.argv[1], sys.argv[2:])
