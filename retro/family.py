@@ -232,7 +232,8 @@ def check_queried_samples(
             raise ValueError(
                 f"this run reads {needed} {split} samples but the Retro project "
                 f"{os.path.join(project_dir, 'config.json')} queried neighbours for {available}: lower {flag} "
-                "(or build the project for more samples)"
+                "(or query neighbours for more samples: the Retro flow's --query.train-samples, "
+                "--query.eval-interval and --query.eval-iters)"
             )
     return queried
 
