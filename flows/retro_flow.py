@@ -86,7 +86,7 @@ class RetroFlowConfig(BaseModel):
         num_neighbors_save=4,
         block_size=2000,
     )
-    # the GPT's 120 steps, then 400 Retro steps: reading neighbours pays off after the first 200 (README)
+    # the GPT's 120 steps, then 400 Retro steps: S 12.5% above R against 2.8% after 120 (one run each, README)
     pretrain: RetroPretrainParams = RetroPretrainParams(retro_flags=("--train-iters", "400"))
     retro_fit: bool = True
     evaluate: RetroEvaluateParams = RetroEvaluateParams(validation_samples=64)
