@@ -114,6 +114,15 @@ def _tokenizer_files(tokenizer_ref: dict[str, Any], kind: str, store_url: str) -
 
 
 RunStage = Callable[[str, dict[str, Any], list], dict[str, Any]]
+StageCall = tuple[str, dict[str, Any], list]  # (stage, params, inputs): one call of a RunStage
+
+
+def run_together(run: RunStage, calls: list[StageCall]) -> list[dict[str, Any]]:
+    """The artifact references of stages that do not depend on each other: run at once where `run` can
+    (`run.together`, the flows' task runner: `flows.tasks.FlowStageRunner`), else one after another (the store
+    look-ups of `committed_stages`)."""
+    together = getattr(run, "together", None)
+    return together(calls) if together is not None else [run(*call) for call in calls]
 
 
 def corpus_stages(config: CorpusConfig, run: RunStage) -> dict[str, dict[str, Any]]:

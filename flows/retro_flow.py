@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -24,7 +25,14 @@ from prefect import flow, get_run_logger
 from pydantic import BaseModel, ConfigDict
 
 from flows.cli import parse_config
-from flows.corpus_plan import CorpusConfig, RunStage, committed_stages, corpus_stages, unused_rebuilds
+from flows.corpus_plan import (
+    CorpusConfig,
+    RunStage,
+    committed_stages,
+    corpus_stages,
+    run_together,
+    unused_rebuilds,
+)
 from flows.failures import command_line
 from flows.publish import publish_report, publish_stages
 from flows.server import prefect_api
@@ -49,17 +57,36 @@ from storage.artifacts import ArtifactStore
 STDLIB_CORPUS = str(Path(EMBEDDED_CORPUS).with_name("stdlib.jsonl.xz"))  # beside the KJV: stages/corpora
 
 
+# The recipe (README, Retro flow: each lever's measurement). Megatron's defaults are for wide models: at width 64
+# an init std of 0.1 (about 1/sqrt(width)) rather than 0.02 is what lets chunked cross-attention learn to look up
+# and copy the neighbour's continuation within a thousand steps; dropout off for so few steps; rotary positions,
+# with which the encoder's attention to the neighbour token beside it is one learned rotation.
+RECIPE_FLAGS = (
+    "--num-layers", "6", "--hidden-size", "64", "--num-attention-heads", "4", "--global-batch-size", "8",
+    "--micro-batch-size", "8", "--train-iters", "120", "--eval-interval", "100", "--eval-iters", "5",
+    "--lr", "3e-3", "--min-lr", "3e-4", "--lr-decay-style", "cosine", "--lr-warmup-fraction", "0.05",
+    "--weight-decay", "0.1", "--clip-grad", "1.0", "--log-interval", "10", "--position-embedding-type", "rope",
+    "--init-method-std", "0.1", "--hidden-dropout", "0", "--attention-dropout", "0",
+)  # fmt: skip
+RETRO_STEPS = 1000  # Retro retro-fitted from the GPT's 120, and the GPT baseline continued as long
+RECIPE_RETRO_FLAGS = (
+    "--retro-num-neighbors", "1", "--retro-encoder-hidden-dropout", "0", "--retro-encoder-attention-dropout", "0",
+)  # fmt: skip
+
+
 class RetroFlowConfig(BaseModel):
     """Everything the Retro flow does, with the defaults of `make retro`: the standard-library corpus
-    (`stages/corpora/stdlib.jsonl.xz`) cleaned as code and deduplicated exactly, 64-token chunks,
-    all-MiniLM-L6-v2 cut to its first layer, an IVF index of 128 lists searched with nprobe 16, and the samples
-    of a 256-token, 400-iteration run of global batch 8 evaluated every 40 iterations (the samples the Retro run
-    reads; the GPT baseline reads the first 960: no neighbours are queried for samples no run reads). The `query` section is the Retro pretraining
-    run's data settings (sequence length, split, seed, samples, evaluation, global batch): they go to the
-    project's config.json, which `pretrain_retro` takes them from. The database holds the train documents of
-    `query.split` (Megatron's one `--retro-gpt-split`; `db.split` is set from it). `pretrain` is the GPT
-    baseline's decoder and optimizer, and what the Retro run adds (`retro_flags`); with `retro_fit` the Retro
-    run starts from the GPT run's checkpoint (Megatron's retro-fitting), else from scratch on the same flags."""
+    (`stages/corpora/stdlib.jsonl.xz`) cleaned as code and deduplicated exactly, 16-token chunks, all-MiniLM-L6-v2
+    cut to its first layer, an IVF index of 128 lists searched with nprobe 16, and the samples of a 256-token,
+    1,000-iteration run of global batch 8 evaluated every 100 iterations (the samples the Retro run reads; the GPT
+    it is retro-fitted from reads the first 960: no neighbours are queried for samples no run reads). The `query`
+    section is the Retro pretraining run's data settings (sequence length, split, seed, samples, evaluation,
+    global batch): they go to the project's config.json, which `pretrain_retro` takes them from. The database
+    holds the train documents of `query.split` (Megatron's one `--retro-gpt-split`; `db.split` is set from it).
+    `pretrain` is the GPT's decoder and optimizer (`flags`), the steps of the runs started from its checkpoint
+    (`fit_flags`) and what the Retro run adds (`retro_flags`); with `retro_fit` the Retro run starts from the GPT
+    run's checkpoint (Megatron's retro-fitting) and is compared with the GPT continued as long, else it starts
+    from scratch on the same flags and is compared with the GPT."""
 
     model_config = ConfigDict(frozen=True)
 
@@ -70,24 +97,27 @@ class RetroFlowConfig(BaseModel):
         dedup=DedupParams(near=False),
     )
     embedder: EmbedderParams = EmbedderParams(num_layers=1)
-    db: DbParams = DbParams(chunk_length=64)
+    db: DbParams = DbParams(chunk_length=16)
     embed: EmbedParams = EmbedParams(block_size=2000, workers=2)
     index_train: IndexTrainParams = IndexTrainParams(index_str="IVF128,Flat", ntrain=8000)
     index_add: IndexAddParams = IndexAddParams(workers=2)
-    query: QueryParams = QueryParams(  # the samples the Retro run reads: 400 steps of 8, evaluated every 40
-        seq_length=256,
-        split="95,5,0",
-        train_samples=3200,
-        eval_interval=40,
-        eval_iters=5,
-        global_batch_size=8,
-        nprobe=16,
-        num_neighbors_query=20,
-        num_neighbors_save=4,
-        block_size=2000,
+    query: QueryParams = (
+        QueryParams(  # the samples the Retro run reads: 1,000 steps of 8, evaluated every 100
+            seq_length=256,
+            split="95,5,0",
+            train_samples=RETRO_STEPS * 8,
+            eval_interval=100,
+            eval_iters=5,
+            global_batch_size=8,
+            nprobe=16,
+            num_neighbors_query=20,
+            num_neighbors_save=2,
+            block_size=2000,
+        )
     )
-    # the GPT's 120 steps, then 400 Retro steps: S 12.5% above R against 2.8% after 120 (one run each, README)
-    pretrain: RetroPretrainParams = RetroPretrainParams(retro_flags=("--train-iters", "400"))
+    pretrain: RetroPretrainParams = RetroPretrainParams(
+        flags=RECIPE_FLAGS, fit_flags=("--train-iters", str(RETRO_STEPS)), retro_flags=RECIPE_RETRO_FLAGS
+    )
     retro_fit: bool = True
     evaluate: RetroEvaluateParams = RetroEvaluateParams(validation_samples=64)
 
@@ -151,18 +181,28 @@ def retro_data_stages(
 def retro_model_stages(
     config: RetroFlowConfig, refs: dict[str, dict[str, Any]], run: RunStage
 ) -> dict[str, dict[str, Any]]:
-    """Retro pretraining and its GPT baseline on the project, then the report comparing them."""
+    """Retro pretraining and its GPT baseline on the project, then the report comparing them. Retro-fitted, the
+    Retro run starts from the GPT run's checkpoint, and so does the baseline it is compared with: the GPT
+    continued as many steps on the same samples (`gpt_baseline`)."""
     refs = dict(refs)
     query = refs["retro_query"]
-    gpt = dataclasses.replace(config.pretrain, retriever=False, retro_flags=())
+    gpt = dataclasses.replace(config.pretrain, retriever=False, fit_flags=(), retro_flags=())
     refs["gpt_pretrain"] = run("retro_pretrain", dataclasses.asdict(gpt), [query])
     retro = dataclasses.replace(config.pretrain, retriever=True)
-    retro_inputs = [query, refs["gpt_pretrain"]] if config.retro_fit else [query]
-    refs["retro_pretrain"] = run("retro_pretrain", dataclasses.asdict(retro), retro_inputs)
+    if config.retro_fit:  # the two runs from the GPT's checkpoint at once, sharing the machine's cores
+        started, threads = [query, refs["gpt_pretrain"]], max(1, (os.cpu_count() or 2) // 2)
+        continued = dataclasses.replace(config.pretrain, retriever=False, retro_flags=())
+        refs["retro_pretrain"], refs["gpt_baseline"] = run_together(run, [
+            ("retro_pretrain", dataclasses.asdict(dataclasses.replace(retro, threads=threads)), started),
+            ("retro_pretrain", dataclasses.asdict(dataclasses.replace(continued, threads=threads)), started),
+        ])  # fmt: skip
+    else:
+        refs["retro_pretrain"] = run("retro_pretrain", dataclasses.asdict(retro), [query])
+        refs["gpt_baseline"] = refs["gpt_pretrain"]
     refs["retro_evaluate"] = run(
         "retro_evaluate",
         dataclasses.asdict(config.evaluate),
-        [refs["retro_pretrain"], refs["gpt_pretrain"], query],
+        [refs["retro_pretrain"], refs["gpt_baseline"], query],
     )
     return refs
 

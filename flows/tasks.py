@@ -21,7 +21,7 @@ from prefect.context import TaskRunContext
 from prefect.futures import as_completed
 from prefect.task_runners import ProcessPoolTaskRunner, TaskRunner, ThreadPoolTaskRunner
 
-from flows.corpus_plan import CorpusConfig, RunStage, TaskRunnerKind, runner_kind
+from flows.corpus_plan import CorpusConfig, RunStage, StageCall, TaskRunnerKind, runner_kind
 from flows.failures import StageFailed
 from flows.server import exit_with_parent
 from stages.registry import committed_ref, input_refs, stage_named
@@ -196,24 +196,16 @@ def run_stage_task(
     return ref.to_dict()
 
 
-def stage_ref(
-    stage: str, params: dict[str, Any], inputs: list[dict | str], corpus: CorpusConfig
-) -> dict[str, Any]:
-    """`run_stage_task`'s artifact reference in the corpus config's store, with `cache_hit` true when nothing was
-    built: the stage found its artifact, or Prefect returned the recorded result (Cached state), which holds the
-    first run's `cache_hit`. A stage `--rebuild` names, or whose input was rebuilt, is built again (Prefect's
-    record refreshed). A failed stage raises `StageFailed` (its name and error in one line)."""
+def _stage_call(stage: str, inputs: list[dict | str], corpus: CorpusConfig) -> tuple[Any, dict[str, Any]]:
+    """`run_stage_task` as the corpus config runs `stage` (Prefect's cache refreshed when `--rebuild` names it or
+    an input was rebuilt), and its keyword arguments."""
     rebuild = corpus.forces(stage, inputs)
     task_ = run_stage_task.with_options(refresh_cache=rebuild) if rebuild else run_stage_task
-    state = task_(
-        stage,
-        params,
-        inputs,
-        corpus.store,
-        rebuild=rebuild,
-        reuse_across_code_changes=corpus.reuse_across_code_changes,
-        return_state=True,
-    )
+    return task_, {"rebuild": rebuild, "reuse_across_code_changes": corpus.reuse_across_code_changes}
+
+
+def _stage_result(stage: str, state: Any) -> dict[str, Any]:
+    """The artifact reference of a finished stage task's state; `StageFailed` for a failed one."""
     try:
         ref = state.result()
     except Exception as error:
@@ -221,6 +213,43 @@ def stage_ref(
     return {**ref, "cache_hit": ref["cache_hit"] or state.name == "Cached"}
 
 
+def stage_ref(
+    stage: str, params: dict[str, Any], inputs: list[dict | str], corpus: CorpusConfig
+) -> dict[str, Any]:
+    """`run_stage_task`'s artifact reference in the corpus config's store, with `cache_hit` true when nothing was
+    built: the stage found its artifact, or Prefect returned the recorded result (Cached state), which holds the
+    first run's `cache_hit`. A stage `--rebuild` names, or whose input was rebuilt, is built again (Prefect's
+    record refreshed). A failed stage raises `StageFailed` (its name and error in one line)."""
+    task_, options = _stage_call(stage, inputs, corpus)
+    return _stage_result(stage, task_(stage, params, inputs, corpus.store, **options, return_state=True))
+
+
+def stage_refs_together(calls: list[StageCall], corpus: CorpusConfig) -> list[dict[str, Any]]:
+    """`stage_ref` of stages that do not depend on each other, run at once on the flow's task runner; every one
+    finishes before the first failure is raised, so none is left running."""
+    futures = []
+    for stage, params, inputs in calls:
+        task_, options = _stage_call(stage, inputs, corpus)
+        futures.append((stage, task_.submit(stage, params, inputs, corpus.store, **options)))
+    for _, future in futures:
+        future.wait()
+    return [_stage_result(stage, future.state) for stage, future in futures]
+
+
+class FlowStageRunner:
+    """`run(stage, params, inputs)` for a flow's DAG, each stage a Prefect task in the corpus config's store;
+    `run.together(calls)` runs independent stages at once (`flows.corpus_plan.run_together`)."""
+
+    def __init__(self, corpus: CorpusConfig) -> None:
+        self.corpus = corpus
+
+    def __call__(self, stage: str, params: dict[str, Any], inputs: list[dict | str]) -> dict[str, Any]:
+        return stage_ref(stage, params, inputs, self.corpus)
+
+    def together(self, calls: list[StageCall]) -> list[dict[str, Any]]:
+        return stage_refs_together(calls, self.corpus)
+
+
 def stage_runner(corpus: CorpusConfig) -> RunStage:
     """`run(stage, params, inputs)` for a flow's DAG: each stage a Prefect task in the corpus config's store."""
-    return lambda stage, params, inputs: stage_ref(stage, params, inputs, corpus)
+    return FlowStageRunner(corpus)

@@ -208,6 +208,12 @@ def _training_line(report: dict) -> str:
     retro, gpt = report["retro"], report["gpt"]
     if retro["retro_fitted_from"] is None:
         return f"Same decoder, {retro['iteration']} iterations on the same samples."
+    if gpt.get("continued_from") == retro["retro_fitted_from"]:
+        return (
+            "Both started from one GPT run's checkpoint: Retro retro-fitted from it (the GPT's weights, the encoder "
+            "and chunked cross-attention new), the GPT baseline continued from it; each trained "
+            f"{retro['iteration']} iterations more on the same samples."
+        )
     return (
         f"The GPT trained {gpt['iteration']} iterations; Retro was retro-fitted from it (the GPT's weights, the "
         f"encoder and chunked cross-attention new) and trained {retro['iteration']} iterations more on the same "
@@ -336,7 +342,10 @@ def _evaluate(
             "valid_ppl_other_neighbours": swapped["next"]["ppl"],
             "valid_ppl_no_neighbours": swapped["none"]["ppl"],
         },
-        "gpt": _model_scores(gpt_run, gpt_model, losses["gpt"], loss_mask),
+        "gpt": {
+            **_model_scores(gpt_run, gpt_model, losses["gpt"], loss_mask),
+            "continued_from": gpt_run.manifest().get("continued_from"),
+        },
     }
     gpt_tokenizer = tokenizer_from_config(config.tokenizer)
     leakage = leakage_analysis(valid, samples, losses, gpt_tokenizer.detokenize, params.filter_overlap)
@@ -410,7 +419,8 @@ def _write_report(writer: ArtifactWriter, report: dict, retro_run: ArtifactRef, 
         path = os.path.join(writer.local_dir, name)
         atomic_write_text(path, text)
         writer.put_file(path, name)
-    fitted = report["retro"]["retro_fitted_from"] is not None
+    # a Retro run retro-fitted from the GPT of the plot starts where the GPT's curve is at its last iteration
+    fitted = report["retro"]["retro_fitted_from"] not in (None, report["gpt"]["continued_from"])
     curves = {
         "Retro": (os.path.join(run_directory(retro_run), "metrics.jsonl"), report["gpt"]["iteration"] if fitted else 0),
         "GPT": (os.path.join(run_directory(gpt_run), "metrics.jsonl"), 0),
@@ -425,7 +435,7 @@ def _write_report(writer: ArtifactWriter, report: dict, retro_run: ArtifactRef, 
 
 class RetroEvaluateStage(Stage):
     name = "retro_evaluate"
-    version = "4"
+    version = "5"
     libraries = ("faiss-cpu", "torch")
     Params = RetroEvaluateParams
 

@@ -3,8 +3,10 @@ project of a `retro_query` artifact; the artifact is the run directory, as the p
 
 `retriever` True trains the Retro model (`--retro-add-retriever`, then `retro_flags` too), False the GPT
 baseline on the same samples (the same `flags`): the Retro flow runs both. Given a second input, a GPT run of
-this stage, the Retro run is retro-fitted from it (Megatron's `--load <GPT checkpoint> --finetune`: the GPT's
-weights, the encoder and chunked cross-attention new; `retro_flags` may add `--retro-fit-freeze-decoder`).
+this stage, the run starts from its checkpoint with `fit_flags` added: a Retro run is retro-fitted (Megatron's
+`--load <GPT checkpoint> --finetune`: the GPT's weights, the encoder and chunked cross-attention new;
+`retro_flags` may add `--retro-fit-freeze-decoder`), a GPT run continues the GPT as long, the baseline that has
+trained as many steps as the retro-fitted Retro.
 Sequence length, data, split, seed, tokenizer and sample counts come from the project (`pretrain_retro`), so
 the flags hold only the model, optimizer and Retro settings. The run lives in the writer's scratch space until
 its last iteration, so a rerun after a kill resumes from its latest checkpoint
@@ -16,7 +18,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 from megatron_train.arguments import MegatronConfig, parse_args
 from megatron_train.checkpointing import read_latest_iteration
@@ -33,9 +35,9 @@ from storage.artifacts import ArtifactRef, ArtifactStore, ArtifactWriter
 
 @dataclass(frozen=True)
 class RetroPretrainParams:
-    """Megatron flags of the decoder and optimizer (not the project's settings), the flags only the Retro run
-    adds (neighbours, encoder, retro-fitting), whether the run retrieves (Retro) or not (GPT baseline), and how
-    many processes run it."""
+    """Megatron flags of the decoder and optimizer (not the project's settings), the flags of a run started from
+    a GPT run's checkpoint (`fit_flags`: its steps), the flags only the Retro run adds (neighbours, encoder),
+    whether the run retrieves (Retro) or not (GPT baseline), and how many processes run it."""
 
     flags: tuple[str, ...] = (
         "--num-layers", "6", "--hidden-size", "64", "--num-attention-heads", "4", "--global-batch-size", "8",
@@ -43,22 +45,29 @@ class RetroPretrainParams:
         "--lr", "3e-3", "--min-lr", "3e-4", "--lr-decay-style", "cosine", "--lr-warmup-fraction", "0.05",
         "--weight-decay", "0.1", "--clip-grad", "1.0", "--log-interval", "10",
     )  # fmt: skip
+    fit_flags: tuple[str, ...] = ()
     retro_flags: tuple[str, ...] = ()
     retriever: bool = True
     nproc_per_node: int = 1
     save_interval: int = 1000
+    # torch threads of each training process (OMP_NUM_THREADS), for runs that share the machine (the Retro flow
+    # trains Retro and its baseline at once); None: torch's default. Not in the stage's key: it changes the speed,
+    # and at most the order of float sums.
+    threads: int | None = None
 
 
 def retro_argv(
     params: RetroPretrainParams, project_dir: str, run_dir: str, retro_fit_from: str | None = None
 ) -> list[str]:
     """pretrain_retro's command line: the params' flags, the project, the run directory's checkpoints and logs;
-    `retro_fit_from` (a GPT run directory) is loaded with --finetune until the run has a checkpoint of its own."""
+    `retro_fit_from` (a GPT run directory) is loaded with --finetune until the run has a checkpoint of its own,
+    and adds the `fit_flags`."""
+    fit = list(params.fit_flags) if retro_fit_from is not None else []
     retro = [*params.retro_flags, "--retro-add-retriever"] if params.retriever else []
     own_checkpoint = os.path.isdir(run_dir) and read_latest_iteration(run_dir) is not None
     load = run_dir if retro_fit_from is None or own_checkpoint else retro_fit_from
     return [
-        *params.flags, *retro,
+        *params.flags, *fit, *retro,
         "--retro-project-dir", project_dir,
         "--save", run_dir, "--load", load, *(["--finetune"] if load != run_dir else []),
         "--save-interval", str(params.save_interval),
@@ -82,9 +91,13 @@ def run_config(
 
 class RetroPretrainStage(Stage):
     name = "retro_pretrain"
-    version = "2"
+    version = "3"
     libraries = ("torch",)
     Params = RetroPretrainParams
+
+    def key_params(self, params: RetroPretrainParams) -> dict:
+        """Every param but `threads`, which changes how fast the run goes, not what it trains."""
+        return {name: value for name, value in asdict(params).items() if name != "threads"}
 
     def code_modules(self, params: RetroPretrainParams) -> tuple[str, ...]:
         """The stage, the `torchrun` entry point it launches and the Retro family it trains."""
@@ -99,14 +112,15 @@ class RetroPretrainStage(Stage):
         on_line: Callable[[str], None] | None = None,
     ) -> ArtifactRef:
         """Train on the Retro project of `inputs` ([retro_query artifact], or [retro_query artifact, GPT run] to
-        retro-fit from) with torchrun."""
+        retro-fit or continue) with torchrun."""
         if len(inputs) == 2:
             query, gpt_run = expect_inputs(
                 self, inputs, 2, "[retro_query artifact, GPT retro_pretrain artifact]"
             )
-            if not params.retriever:
+            if gpt_run.manifest().get("retriever", False):
                 raise ValueError(
-                    f"{gpt_run.url}: only a Retro run (retriever) is retro-fitted from a GPT run"
+                    f"{gpt_run.url}: the second input must be a GPT run (retriever False) to start from, not a "
+                    "Retro run"
                 )
             retro_fit_from = run_directory(gpt_run)
         else:
@@ -122,8 +136,16 @@ class RetroPretrainStage(Stage):
             config = run_config(params, project_dir, run_dir, retro_fit_from)
             argv = retro_argv(params, project_dir, run_dir, retro_fit_from)
             command = torchrun_command(params.nproc_per_node, LaunchParams(), RETRO.entry_module, argv)
+            if params.threads is not None:
+                command = ["env", f"OMP_NUM_THREADS={params.threads}", *command]
             fields = train_and_commit(writer, run_dir, command, config.training.train_iters, on_line)
-            return {**fields, "retro_fitted_from": None if gpt_run is None else gpt_run.url}
+            started_from = None if gpt_run is None else gpt_run.url
+            return {
+                **fields,
+                "retriever": params.retriever,
+                "retro_fitted_from": started_from if params.retriever else None,
+                "continued_from": None if params.retriever else started_from,
+            }
 
         return self.build_artifact(params, inputs, store, build)
 

@@ -104,8 +104,11 @@ def test_flow_writes_a_retro_project_and_a_rerun_is_all_cache_hits(
     assert report["retro"]["valid_tokens"] == report["gpt"]["valid_tokens"] == 4 * 128
     for model in ("retro", "gpt"):
         assert 1.0 < report[model]["valid_ppl"] < 1e5
-    # retro-fitted from the GPT run: its decoder, then the same steps more
+    # retro-fitted from the GPT run: its decoder, then the same steps more; the baseline is that GPT continued as
+    # long, not the GPT Retro started from
     assert report["retro"]["retro_fitted_from"] == refs["gpt_pretrain"]["url"]
+    assert report["gpt"]["continued_from"] == refs["gpt_pretrain"]["url"]
+    assert report["gpt"]["run"] == refs["gpt_baseline"]["url"] != refs["gpt_pretrain"]["url"]
     ablations = report["ablations"]
     assert ablations["retro_own_neighbours"] == report["retro"]["valid_ppl"]
     assert ablations["gpt"] == report["gpt"]["valid_ppl"]

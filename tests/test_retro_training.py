@@ -4,6 +4,7 @@ decoder frozen, and generation with retrieval from a saved Retro checkpoint."""
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import os
 import signal
@@ -27,7 +28,7 @@ from retro.family import datasets_provider, with_project_settings
 from retro.project import db_dir
 from retro.query import load_neighbours
 from retro.retrieval import Retriever, RetrievingModel, complete_chunks, generate_with_retrieval
-from stages.retro_pretrain import RetroPretrainParams, run_config
+from stages.retro_pretrain import STAGE, RetroPretrainParams, retro_argv, run_config
 from tests.helpers.distributed import run_distributed
 from tests.helpers.retro_project import (
     CHUNK_LENGTH,
@@ -169,6 +170,30 @@ def test_pipeline_parallel_and_unqueried_samples_are_refused(project, tmp_path, 
     with pytest.raises(ValueError, match="reads 12 valid samples .* lower --eval-interval/--eval-iters"):
         evaluated = RetroPretrainParams(flags=(*flags, "--train-iters", "4", "--eval-interval", "2"))
         run_config(evaluated, project, str(tmp_path / "run"))
+
+
+def test_runs_started_from_a_gpt_run_add_the_fit_flags(project, tmp_path):
+    """The Retro flow's retro-fitted Retro and its baseline (the GPT continued as long) both start from the GPT
+    run's checkpoint with the `fit_flags`; the GPT they start from has only the `flags`."""
+    flags = tuple(retro_args(project, "unused")[3:-6])
+    params = RetroPretrainParams(
+        flags=(*flags, "--train-iters", "2"),
+        fit_flags=("--train-iters", "4"),
+        retro_flags=("--retro-num-neighbors", "1"),
+        retriever=False,
+    )
+    run = str(tmp_path / "run")
+    assert run_config(params, project, run).training.train_iters == 2
+    continued = run_config(params, project, run, retro_fit_from=str(tmp_path / "gpt"))
+    assert continued.training.train_iters == 4 and continued.checkpoint.finetune
+    assert not continued.retro.retro_add_retriever and "--retro-num-neighbors" not in retro_argv(
+        params, project, run
+    )
+    fitted = run_config(dataclasses.replace(params, retriever=True), project, run, str(tmp_path / "gpt"))
+    assert fitted.training.train_iters == 4 and fitted.retro.retro_num_neighbors == 1
+    assert fitted.checkpoint.load == str(tmp_path / "gpt")
+    # the flow runs both at once on half the cores each: the threads are not in the artifact's key
+    assert STAGE.key_params(dataclasses.replace(params, threads=1)) == STAGE.key_params(params)
 
 
 LAYOUTS = {  # name: (world size, flags); --use-cpu-initialization: every layout starts from the same weights

@@ -8,9 +8,10 @@ The Lib folders are given in the order of `VERSIONS` (any copy of those releases
 `lib/python3.X`, or the source tree's `Lib`). The modules are `MODULE_COUNT` of the listed modules found in every
 version (at most 40 kB in each), drawn with seed 0 from their sorted paths. Each module's source in each version
 is read through the download stage's reader of one-file-one-document text files (`storage.documents.iter_records`)
-and written as one JSON Lines record, `{"id": "<version>/<path in Lib>", "text": <source>}`, in a fixed random
-order (seed 0: the validation split, the last documents, is a random sample of versions and modules), compressed
-with xz. The script checks the JSON Lines' SHA-256 against `CORPUS_SHA256`, so a Lib folder of another release
+and written as one JSON Lines record, `{"id": "<version>/<path in Lib>", "text": <source>}`, module by module
+(in the drawn order), each module's versions oldest first, compressed with xz. Megatron's `--split` cuts the
+validation documents from the end, so they are whole modules (all their releases, bar the module the cut falls
+in): before the Retro flow's database update no release of them is in the database, after it their own text is. The script checks the JSON Lines' SHA-256 against `CORPUS_SHA256`, so a Lib folder of another release
 is an error, not another corpus. The file is shipped, so every machine builds the same corpus whatever Python it
 runs; the sources are under the PSF licence (`stdlib.LICENSE`, CPython 3.12.1's LICENSE file).
 
@@ -55,7 +56,7 @@ MAX_MODULE_BYTES = 40_000
 # 120 of the 327 listed modules found in all six versions: 720 documents, 315 distinct texts of 4.5 MB (as much
 # code as one version's 354 modules, the corpus before), so embedding and querying take the time they took.
 MODULE_COUNT = 120
-CORPUS_SHA256 = "d99d0586cb7615146ecaa9e91bfa538d28b90ce71910864683b55001e1471cd0"
+CORPUS_SHA256 = "6e481fad0aa80aaed855158be223e901d1eb96f7cdc5890a0907b26feb619dab"
 
 
 def module_paths(lib: str) -> list[str]:
@@ -75,16 +76,15 @@ def module_paths(lib: str) -> list[str]:
 
 
 def corpus_documents(libs: list[str]) -> list[tuple[str, str]]:
-    """(id, Lib file) of every document, in the corpus's order: the drawn modules in each version, shuffled."""
+    """(id, Lib file) of every document, in the corpus's order: module by module in their drawn order, each
+    module's six versions oldest first."""
     common = sorted(set.intersection(*(set(module_paths(lib)) for lib in libs)))
     modules = random.Random(0).sample(common, MODULE_COUNT)
-    documents = [
+    return [
         (f"{version}/{path}", os.path.join(lib, path))
-        for version, lib in zip(VERSIONS, libs, strict=True)
         for path in modules
+        for version, lib in zip(VERSIONS, libs, strict=True)
     ]
-    random.Random(0).shuffle(documents)
-    return documents
 
 
 def main(out: str, libs: list[str]) -> None:
