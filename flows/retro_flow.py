@@ -57,17 +57,8 @@ from storage.artifacts import ArtifactStore
 STDLIB_CORPUS = str(Path(EMBEDDED_CORPUS).with_name("stdlib.jsonl.xz"))  # beside the KJV: stages/corpora
 
 
-# The recipe (README, Retro flow: each lever's measurement). Megatron's defaults are for wide models: at width 64
-# an init std of 0.1 (about 1/sqrt(width)) rather than 0.02 is what lets chunked cross-attention learn to look up
-# and copy the neighbour's continuation within a thousand steps; dropout off for so few steps; rotary positions,
-# with which the encoder's attention to the neighbour token beside it is one learned rotation.
-RECIPE_FLAGS = (
-    "--num-layers", "6", "--hidden-size", "64", "--num-attention-heads", "4", "--global-batch-size", "8",
-    "--micro-batch-size", "8", "--train-iters", "120", "--eval-interval", "100", "--eval-iters", "5",
-    "--lr", "3e-3", "--min-lr", "3e-4", "--lr-decay-style", "cosine", "--lr-warmup-fraction", "0.05",
-    "--weight-decay", "0.1", "--clip-grad", "1.0", "--log-interval", "10", "--position-embedding-type", "rope",
-    "--init-method-std", "0.1", "--hidden-dropout", "0", "--attention-dropout", "0",
-)  # fmt: skip
+# The recipe: the retro_pretrain stage's default flags (init std 0.1, rotary positions, no dropout: why there), then
+# the steps from the GPT's checkpoint and what Retro adds (README, Retro flow: each lever's measurement).
 RETRO_STEPS = 1000  # Retro retro-fitted from the GPT's 120, and the GPT baseline continued as long
 RECIPE_RETRO_FLAGS = (
     "--retro-num-neighbors", "1", "--retro-encoder-hidden-dropout", "0", "--retro-encoder-attention-dropout", "0",
@@ -116,7 +107,7 @@ class RetroFlowConfig(BaseModel):
         )
     )
     pretrain: RetroPretrainParams = RetroPretrainParams(
-        flags=RECIPE_FLAGS, fit_flags=("--train-iters", str(RETRO_STEPS)), retro_flags=RECIPE_RETRO_FLAGS
+        fit_flags=("--train-iters", str(RETRO_STEPS)), retro_flags=RECIPE_RETRO_FLAGS
     )
     retro_fit: bool = True
     evaluate: RetroEvaluateParams = RetroEvaluateParams(validation_samples=64)
