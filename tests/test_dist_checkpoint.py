@@ -34,7 +34,6 @@ from tests.helpers.distributed import run_distributed
 from tests.helpers.training import (
     pretrain_worker,
     run_entry_point,
-    sigkill_at_iteration,
     tiny_args,
     train_losses,
     write_corpus,
@@ -227,22 +226,36 @@ def test_a_write_that_fails_as_on_a_full_disk_ends_in_one_line_and_keeps_the_las
 
 
 @pytest.mark.processes
-def test_non_persistent_checkpoints_keep_the_newest_and_a_resume_takes_the_newer(tmp_path) -> None:
-    """Saves every step to <save>/non_persistent (iteration 4 under --save): killed during step 6, the
-    non-persistent folder holds iterations 3 and 5, and the rerun resumes from 5, newer than --save's 4."""
+def test_non_persistent_checkpoints_keep_the_newest_and_a_resume_takes_the_newer(
+    tmp_path, monkeypatch
+) -> None:
+    """Saves every step to <save>/non_persistent (iteration 4 under --save). SIGKILLed while iteration 6's write
+    hangs (tests.helpers.checkpoint_faults): the cleanup before that save removed 3 but kept 5, the newest complete
+    one, and the rerun resumes from 5, newer than --save's 4, past the half-written 6."""
     data = write_corpus(str(tmp_path))
     run_dir = str(tmp_path / "run")
+    monkeypatch.setenv("FAULT", "slow")
+    monkeypatch.setenv("FAULT_ITERATION", "6")
+    monkeypatch.setenv("FAULT_SECONDS", "600")
     argv = _single_process_argv(run_dir, data, "--save-interval", "4", "--non-persistent-save-interval", "1")
-    sigkill_at_iteration(run_entry_point("megatron_train.pretrain_gpt", argv), 6)
+    proc = run_entry_point("tests.helpers.checkpoint_faults", argv)
+    for line in proc.stdout:
+        if line.startswith("slow write of") and line.rstrip().endswith("iter_0000006 started"):
+            proc.send_signal(signal.SIGKILL)
+            break
+    proc.communicate(timeout=60)
+    assert proc.returncode == -signal.SIGKILL
     transient = os.path.join(run_dir, "non_persistent")
     assert (read_latest_iteration(run_dir), read_latest_iteration(transient)) == (4, 5)
-    assert sorted(os.listdir(transient)) == [
-        "iter_0000003",
+    assert [name for name in sorted(os.listdir(transient)) if name != "iter_0000006"] == [
         "iter_0000005",
         "latest_checkpointed_iteration.txt",
     ]
+    assert not os.path.exists(os.path.join(transient, "iter_0000006", METADATA_FILENAME))
+    monkeypatch.delenv("FAULT")
     resumed, _ = run_entry_point("megatron_train.pretrain_gpt", argv).communicate(timeout=300)
     assert sorted(_logged_losses(resumed)) == [6], resumed
+    assert read_latest_iteration(transient) == 6
 
 
 def test_families_without_megatron_core_names_refuse_torch_dist_saves(tmp_path) -> None:
