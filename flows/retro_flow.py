@@ -60,8 +60,12 @@ STDLIB_CORPUS = str(Path(EMBEDDED_CORPUS).with_name("stdlib.jsonl.xz"))  # besid
 # The recipe: the retro_pretrain stage's default flags (init std 0.1, rotary positions, no dropout: why there), then
 # the steps from the GPT's checkpoint and what Retro adds (README, Retro flow: each lever's measurement).
 RETRO_STEPS = 1000  # Retro retro-fitted from the GPT's 120, and the GPT baseline continued as long
+# Training samples queried as held-out documents (their near-duplicates' chunks excluded): the validation modules
+# have no other release in the database, and a model that never met useless neighbours copies them.
+HELD_OUT_SHARE = 0.2
 RECIPE_RETRO_FLAGS = (
-    "--retro-num-neighbors", "1", "--retro-encoder-hidden-dropout", "0", "--retro-encoder-attention-dropout", "0",
+    "--retro-num-neighbors", "1", "--retro-encoder-layers", "3", "--retro-encoder-hidden-dropout", "0",
+    "--retro-encoder-attention-dropout", "0",
 )  # fmt: skip
 
 
@@ -70,7 +74,9 @@ class RetroFlowConfig(BaseModel):
     (`stages/corpora/stdlib.jsonl.xz`) cleaned as code and deduplicated exactly, 16-token chunks, all-MiniLM-L6-v2
     cut to its first layer, an IVF index of 128 lists searched with nprobe 16, and the samples of a 256-token,
     1,000-iteration run of global batch 8 evaluated every 100 iterations (the samples the Retro run reads; the GPT
-    it is retro-fitted from reads the first 960: no neighbours are queried for samples no run reads). The `query`
+    it is retro-fitted from reads the first 960: no neighbours are queried for samples no run reads), 20% of the
+    training samples queried as held-out documents (no neighbour from a near-duplicate of their own documents, as
+    for the validation modules). The `query`
     section is the Retro pretraining run's data settings (sequence length, split, seed, samples, evaluation,
     global batch): they go to the project's config.json, which `pretrain_retro` takes them from. The database
     holds the train documents of `query.split` (Megatron's one `--retro-gpt-split`; `db.split` is set from it).
@@ -101,9 +107,10 @@ class RetroFlowConfig(BaseModel):
             eval_iters=5,
             global_batch_size=8,
             nprobe=16,
-            num_neighbors_query=20,
+            num_neighbors_query=60,
             num_neighbors_save=2,
             block_size=2000,
+            held_out_share=HELD_OUT_SHARE,
         )
     )
     pretrain: RetroPretrainParams = RetroPretrainParams(

@@ -6,8 +6,11 @@ sample counts. Sample i's first `seq_length` tokens are cut into `seq_length / r
 chunks, chunk id `i * chunks_per_sample + j`. Each chunk's text is embedded and searched for
 `--retro-query-num-neighbors-query` neighbours; neighbours from a document the sample itself spans are
 dropped (the model must not retrieve the text it is predicting), the first
-`--retro-query-num-neighbors-save` kept, missing ones -1. Blocks of `--retro-block-size` chunks are
-committed one `.npy` (int64 [n, save]) each, so a killed query resumes at the first missing block.
+`--retro-query-num-neighbors-save` kept, missing ones -1. A share of the training samples can be queried as
+held-out documents (`HeldOutSamples`): neighbours from their documents' near-duplicates are dropped too, so that
+the model also trains on chunks whose neighbours hold what a held-out document's would, not a copy of the text.
+Blocks of `--retro-block-size` chunks are committed one `.npy` (int64 [n, save]) each, so a killed query resumes
+at the first missing block.
 See docs/architecture.md (Retro preprocessing).
 """
 
@@ -17,7 +20,7 @@ import hashlib
 import json
 import logging
 import os
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 
 import faiss
 import numpy as np
@@ -79,6 +82,44 @@ def exclude_own_documents(
     return np.concatenate([kept.astype(np.int64), padding], axis=1)
 
 
+@dataclass(frozen=True)
+class HeldOutSamples:
+    """Training samples queried as if their documents were held out of the database: `share` of the samples
+    (drawn with `seed`), whose banned documents grow from their own to every document of the same near-duplicate
+    group. `groups[d][i]` is the group of document i of the database's dataset d (stages.retro_query draws them
+    from MinHash similarity)."""
+
+    share: float
+    seed: int
+    groups: list[np.ndarray]
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.share <= 1.0:
+            raise ValueError(f"the held-out share of training samples must be in [0, 1], got {self.share}")
+
+    def chosen(self, num_samples: int) -> np.ndarray:
+        """bool [num_samples]: which samples are queried as held out."""
+        return np.random.default_rng(self.seed).random(num_samples) < self.share
+
+    def group_keys(self) -> dict[int, np.ndarray]:
+        """Document key -> the keys of every document in its group."""
+        keys = np.concatenate([document_key(d, np.arange(len(g))) for d, g in enumerate(self.groups)])
+        labels = np.concatenate(
+            [np.stack([np.full(len(g), d), g], axis=1) for d, g in enumerate(self.groups)]
+        )
+        _, group_ids = np.unique(labels, axis=0, return_inverse=True)
+        order = np.argsort(group_ids, kind="stable")
+        members = np.split(keys[order], np.flatnonzero(np.diff(group_ids[order])) + 1)
+        return {int(k): members[g] for k, g in zip(keys, group_ids, strict=True)}
+
+    def settings(self) -> dict:
+        """What the committed blocks depend on: the share, the seed and the groups (by digest)."""
+        digest = hashlib.md5(
+            b"".join(np.asarray(g, dtype=np.int64).tobytes() for g in self.groups)
+        ).hexdigest()
+        return {"held_out_share": self.share, "held_out_seed": self.seed, "held_out_groups": digest}
+
+
 def query_neighbours(
     dataset: torch.utils.data.Dataset,
     db: ChunkDatabase,
@@ -88,6 +129,7 @@ def query_neighbours(
     chunk_length: int,
     config: QueryConfig,
     out_dir: str,
+    held_out: HeldOutSamples | None = None,
 ) -> int:
     """Write the neighbours of every chunk of `dataset` (one split) in blocks under `out_dir`;
     returns the number of chunks. Blocks already committed are skipped."""
@@ -115,14 +157,19 @@ def query_neighbours(
             "chunk_length": chunk_length,
             "num_chunks": num_chunks,
             "samples": hashlib.md5(dataset.unique_description.encode()).hexdigest(),
+            **(held_out.settings() if held_out else {}),
         },
     )
+    chosen = held_out.chosen(len(dataset)) if held_out else np.zeros(len(dataset), dtype=bool)
+    group_keys = held_out.group_keys() if held_out else {}
     missing = missing_blocks(out_dir, num_chunks, config.retro_block_size)
     for number, (start, end) in enumerate(missing):
         texts, banned = [], []
         for sample in range(start // chunks_per_sample, (end - 1) // chunks_per_sample + 1):
             gpt, idx = gpt_sample(dataset, sample)
             keys = document_key(db_dataset_idx[id(gpt)], sample_document_ids(gpt, idx))
+            if chosen[sample]:
+                keys = np.unique(np.concatenate([group_keys.get(int(k), [k]) for k in keys]))
             first_chunk = sample * chunks_per_sample
             sample_texts = sample_chunk_texts(gpt, idx, chunk_length, gpt_tokenizer)
             for chunk_id in range(max(start, first_chunk), min(end, first_chunk + chunks_per_sample)):
@@ -151,11 +198,21 @@ def query_pretraining_neighbours(
     chunk_length: int,
     config: QueryConfig,
     out_dir: str,
+    held_out: HeldOutSamples | None = None,
 ) -> dict[str, int]:
-    """`query_neighbours` for the (train, valid, test) datasets into `out_dir/<split>`; None splits skipped."""
+    """`query_neighbours` for the (train, valid, test) datasets into `out_dir/<split>`; None splits skipped.
+    `held_out` applies to the training samples only: validation documents are held out for real."""
     return {
         name: query_neighbours(
-            dataset, db, index, embed, gpt_tokenizer, chunk_length, config, os.path.join(out_dir, name)
+            dataset,
+            db,
+            index,
+            embed,
+            gpt_tokenizer,
+            chunk_length,
+            config,
+            os.path.join(out_dir, name),
+            held_out if name == "train" else None,
         )
         for name, dataset in zip(SPLIT_NAMES, datasets, strict=True)
         if dataset is not None

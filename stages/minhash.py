@@ -212,3 +212,23 @@ class UnionFind:
         while not np.array_equal(grandparent := parent[parent], parent):
             parent = grandparent
         return parent
+
+
+def near_duplicate_groups(
+    texts: list[str],
+    threshold: float,
+    num_perm: int = 256,
+    bands: int = 64,
+    shingle_size: int = 5,
+    seed: int = 0,
+) -> np.ndarray:
+    """int64 [len(texts)]: each text's group, the smallest index of the texts joined to it by pairs of estimated
+    Jaccard similarity >= `threshold` (LSH candidates of `bands` bands, verified, merged by union-find). In
+    memory: for the document counts of a Retro database, not a web crawl (the dedup stage shards that)."""
+    hashes, counts = shingle_hashes([normalize_for_dedup(text) for text in texts], shingle_size)
+    signature = signatures(hashes, counts, *permutations(num_perm, seed))
+    first, other = bucket_pairs(band_keys(signature, bands, num_perm // bands))
+    similar = estimated_jaccard(signature[first], signature[other]) >= threshold
+    groups = UnionFind(len(texts))
+    groups.union_pairs(first[similar], other[similar])
+    return groups.roots()

@@ -70,6 +70,8 @@ class RetroParams:
             if fields[name] is not None:
                 fields[name] = content_hash(fields[name])
         fields["embedder"] = content_hash(self.embedder_path(), embedder_files(self.embedder_path()))
+        if fields.get("held_out_share") == 0.0:  # without held-out samples: the key from before the option
+            del fields["held_out_share"], fields["held_out_jaccard"]
         return fields
 
 
@@ -192,7 +194,9 @@ class IndexAddParams:
 @dataclass(frozen=True)
 class QueryParams(RetroParams):
     """The pretraining samples (Megatron's `--retro-gpt-*`: sequence length, seed, split, train samples, eval
-    interval and iterations, global batch size) and the search (`--retro-query-*`)."""
+    interval and iterations, global batch size) and the search (`--retro-query-*`). `held_out_share` of the
+    training samples are queried as held-out documents: neighbours from documents within `held_out_jaccard`
+    (MinHash estimate) of theirs are excluded too (`retro.query.HeldOutSamples`; 0 queries as Megatron does)."""
 
     seq_length: int = 2048
     seed: int = 1234
@@ -206,6 +210,8 @@ class QueryParams(RetroParams):
     num_neighbors_query: int = 200
     num_neighbors_save: int = 20
     block_size: int = 100_000
+    held_out_share: float = 0.0
+    held_out_jaccard: float = 0.5
     batch_size: int = 128
     device: str | None = None
 
@@ -218,6 +224,14 @@ class QueryParams(RetroParams):
             retro_gpt_eval_interval=self.eval_interval, retro_gpt_global_batch_size=self.global_batch_size,
             retro_bert_batch_size=self.batch_size,
         )  # fmt: skip
+        if not 0.0 <= self.held_out_share <= 1.0:
+            raise ValueError(
+                f"held_out_share must be in [0, 1] (a share of training samples), got {self.held_out_share}"
+            )
+        if not 0.0 < self.held_out_jaccard <= 1.0:
+            raise ValueError(
+                f"held_out_jaccard must be in (0, 1] (a Jaccard similarity), got {self.held_out_jaccard}"
+            )
 
     def config(self) -> QueryConfig:
         return QueryConfig(

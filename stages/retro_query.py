@@ -18,14 +18,17 @@ import logging
 import os
 import time
 
+import numpy as np
+
 from megatron_train.data import DataConfig, build_train_valid_test_datasets
 from retro import project as layout
 from retro.db import DATASETS_FILE, ChunkDatabase
 from retro.embedder import embedder_vocab, load_embedder
 from retro.index import ADDED_INDEX, load_index
 from retro.project import RetroProject
-from retro.query import SPLIT_NAMES, query_pretraining_neighbours
+from retro.query import SPLIT_NAMES, HeldOutSamples, query_pretraining_neighbours
 from stages.base import Inputs, Stage, expect_inputs
+from stages.minhash import near_duplicate_groups
 from stages.retro_db import DB_FILES
 from stages.retro_params import QueryParams, embedder_files, local_dir, token_prefix
 from storage.artifacts import ArtifactRef, ArtifactStore, ArtifactWriter
@@ -37,6 +40,28 @@ log = logging.getLogger("megatron_flow.stage.retro_query")
 DATA_NAME = "corpus"
 BERT_VOCAB = "bert/vocab.txt"
 GPT_TOKENIZER_DIR = "gpt"
+
+
+def held_out_samples(params: QueryParams, database: ChunkDatabase) -> HeldOutSamples | None:
+    """The training samples queried as held-out documents (`params.held_out_share`), with the near-duplicate
+    groups of each database dataset's documents (GPT-detokenized, MinHash at `params.held_out_jaccard`)."""
+    if not params.held_out_share:
+        return None
+    tokenizer = params.gpt_tokenizer()
+    groups = [
+        near_duplicate_groups(
+            [tokenizer.detokenize(dataset.get(doc).tolist()) for doc in range(len(dataset))],
+            params.held_out_jaccard,
+        )
+        for dataset in database.datasets
+    ]
+    log.info(
+        "retro query: %.0f%% of training samples held out from their near-duplicates (Jaccard >= %s): %s",
+        100 * params.held_out_share,
+        params.held_out_jaccard,
+        " + ".join(f"{len(np.unique(g))} groups of {len(g)} documents" for g in groups),
+    )
+    return HeldOutSamples(params.held_out_share, params.seed, groups)
 
 
 def link_or_copy(src: str, dest: str) -> None:
@@ -130,6 +155,7 @@ class RetroQueryStage(Stage):
                 chunk_length,
                 params.config(),
                 os.path.join(project_dir, layout.QUERY_DIR),
+                held_out_samples(params, database),
             )
             config = dataclasses.replace(
                 config,

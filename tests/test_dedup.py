@@ -354,3 +354,21 @@ def test_sigkill_then_rerun_is_byte_identical(corpus_ref, tmp_path, kill_after, 
     assert resumed.key == clean.key
     assert _data_files(resumed.url) == _data_files(clean.url)
     assert resumed.manifest()["counts"] == clean.manifest()["counts"]
+
+
+def test_near_duplicate_groups_join_each_document_with_its_near_copies_only() -> None:
+    """Retro's held-out samples group documents so: 40 random documents, each with two copies of 1 word in 40
+    changed (Jaccard about 0.8) -> 40 groups of three, the group named by its smallest index."""
+    rng = random.Random(0)
+    vocabulary = [f"w{i}" for i in range(5000)]
+    originals = [[rng.choice(vocabulary) for _ in range(200)] for _ in range(40)]
+    copies = [
+        [f"edit{k}" if i % 40 == 7 + k else w for i, w in enumerate(words)]
+        for k in (0, 1)
+        for words in originals
+    ]
+    texts = [" ".join(words) for words in originals + copies]
+    groups = minhash.near_duplicate_groups(texts, 0.5)
+    np.testing.assert_array_equal(groups, np.tile(np.arange(40), 3))
+    # at a higher threshold than their similarity the copies stay apart
+    assert len(np.unique(minhash.near_duplicate_groups(texts, 0.95))) > 40

@@ -11,11 +11,13 @@ from retro.config import ChunkDatabaseConfig, IndexConfig, QueryConfig
 from retro.db import build_chunk_database, document_key
 from retro.index import add_to_index, load_index, train_index
 from retro.query import (
+    HeldOutSamples,
     exclude_own_documents,
     load_neighbours,
     query_pretraining_neighbours,
     sample_document_ids,
 )
+from stages.minhash import near_duplicate_groups
 from tests.helpers.retro_corpus import (
     EOD,
     CountingEmbed,
@@ -75,9 +77,12 @@ def retro_setup(tmp_path_factory):
     return db, load_index(path, 8, 64), datasets  # nprobe = all 8 lists: exact search
 
 
-def _reference(db, datasets, split: int, num_query: int, num_save: int) -> tuple[np.ndarray, float]:
-    """Exact search over every database chunk, then drop the sample's own documents (plain loops);
-    also the fraction of chunks whose nearest database chunk is from their own documents."""
+def _reference(
+    db, datasets, split: int, num_query: int, num_save: int, held_out: HeldOutSamples | None = None
+) -> tuple[np.ndarray, float]:
+    """Exact search over every database chunk, then drop the sample's own documents (plain loops), and for a
+    held-out sample every document of their groups; also the fraction of chunks whose nearest database chunk
+    is from their own documents."""
     vectors = topic_embed(db.chunk_texts(range(len(db)), WordTokenizer()))
     exact = faiss.IndexFlatL2(vectors.shape[1])
     exact.add(vectors)
@@ -86,6 +91,9 @@ def _reference(db, datasets, split: int, num_query: int, num_save: int) -> tuple
     for sample in range(len(dataset)):
         tokens = dataset.sample_tokens(sample)
         docs = {(0, int(d)) for d in sample_document_ids(dataset, sample)}
+        if held_out is not None and held_out.chosen(len(dataset))[sample]:
+            groups = held_out.groups[0]
+            docs = {(0, d) for d in range(len(groups)) if any(groups[d] == groups[own] for _, own in docs)}
         for position in range(SEQ_LENGTH // CHUNK_LENGTH):
             chunk = tokens[position * CHUNK_LENGTH : (position + 1) * CHUNK_LENGTH]
             text = WordTokenizer().detokenize(chunk[chunk >= 0].tolist())
@@ -115,6 +123,39 @@ def test_neighbours_drop_the_samples_own_documents(retro_setup, tmp_path):
         assert own_first > 0.4 if name == "train" else own_first == 0.0
         np.testing.assert_array_equal(neighbours, expected)
         assert neighbours.shape == (counts[name], 5) and (neighbours >= 0).all()
+
+
+def test_held_out_training_samples_also_drop_their_groups_documents(retro_setup, tmp_path):
+    """Half the training samples are queried as held out: the documents of one topic form a near-duplicate
+    group (word-set Jaccard >= 0.5), and a held-out sample's neighbours come from none of its group's documents;
+    the other samples and the validation split are queried as before."""
+    db, index, datasets = retro_setup
+    config = QueryConfig(
+        retro_query_num_neighbors_query=20, retro_query_num_neighbors_save=5, retro_block_size=24
+    )
+    corpus = db.datasets[0]
+    texts = [WordTokenizer().detokenize(corpus.get(doc).tolist()) for doc in range(len(corpus))]
+    groups = near_duplicate_groups(texts, 0.5, shingle_size=1)
+    assert len(np.unique(groups)) < len(texts) / 5
+    held_out = HeldOutSamples(0.5, seed=3, groups=[groups])
+    query_pretraining_neighbours(
+        datasets, db, index, topic_embed, WordTokenizer(), CHUNK_LENGTH, config, str(tmp_path), held_out
+    )
+    chosen = np.repeat(held_out.chosen(len(datasets[0])), SEQ_LENGTH // CHUNK_LENGTH)
+    assert 0.3 < chosen.mean() < 0.7
+    train = load_neighbours(str(tmp_path / "train"))
+    np.testing.assert_array_equal(train, _reference(db, datasets, 0, 20, 5, held_out)[0])
+    plain = _reference(db, datasets, 0, 20, 5)[0]
+    np.testing.assert_array_equal(train[~chosen], plain[~chosen])
+    assert (train[chosen] != plain[chosen]).any(axis=1).mean() > 0.5  # group mates were retrieved before
+    np.testing.assert_array_equal(
+        load_neighbours(str(tmp_path / "valid")), _reference(db, datasets, 1, 20, 5)[0]
+    )
+    with pytest.raises(ValueError, match="held_out_share"):
+        query_pretraining_neighbours(
+            datasets, db, index, topic_embed, WordTokenizer(), CHUNK_LENGTH, config, str(tmp_path),
+            HeldOutSamples(0.25, seed=3, groups=held_out.groups),
+        )  # fmt: skip
 
 
 def test_neighbours_padding_and_resume(retro_setup, tmp_path):

@@ -82,14 +82,16 @@ QUERY = dict(
 QUERY |= dict(nprobe=4, num_neighbors_query=20, num_neighbors_save=3, block_size=100)
 
 
-def run_all(setup: Setup, store: ArtifactStore) -> dict:
-    refs = {"db": retro_db.run(db_params(setup), [setup.tokenize], store)}
-    refs["embed"] = retro_embed.run(embed_params(setup), [setup.tokenize, refs["db"]], store)
+def run_all(setup: Setup, store: ArtifactStore, tokenized: object | None = None) -> dict:
+    """The Retro stages on `tokenized` (default the setup's corpus) in `store`."""
+    tokenized = tokenized or setup.tokenize
+    refs = {"db": retro_db.run(db_params(setup), [tokenized], store)}
+    refs["embed"] = retro_embed.run(embed_params(setup), [tokenized, refs["db"]], store)
     train = IndexTrainParams(index_str="IVF16,Flat", ntrain=800)
     refs["train"] = retro_index_train.run(train, [refs["db"], refs["embed"]], store)
     refs["add"] = retro_index_add.run(IndexAddParams(workers=1), [refs["embed"], refs["train"]], store)
     query = QueryParams(**setup.gpt, embedder=setup.embedder, **QUERY)
-    refs["query"] = retro_query.run(query, [setup.tokenize, refs["db"], refs["add"]], store)
+    refs["query"] = retro_query.run(query, [tokenized, refs["db"], refs["add"]], store)
     return refs
 
 
@@ -118,6 +120,43 @@ def test_stages_build_a_retro_project_and_rerun_is_all_cache_hits(setup):
     again = run_all(setup, setup.store)
     assert all(ref.cache_hit for ref in again.values())
     assert {name: ref.url for name, ref in again.items()} == {name: ref.url for name, ref in refs.items()}
+
+
+def test_held_out_training_samples_change_the_train_neighbours_only(setup, tmp_path):
+    """held_out_share: a share of the training samples queried as held-out documents is another artifact. On a
+    corpus of documents and their near-copies (one word in thirty changed), those samples no longer retrieve their
+    copy's chunks; the validation neighbours are the plain query's, and a query without held-out samples keeps
+    the key it had before the option existed."""
+    texts = topic_texts(120, seed=4)
+    words = [text.split() for text in texts]
+    copies = [" ".join("edited" if i % 30 == 15 else w for i, w in enumerate(doc)) for doc in words]
+    source = tmp_path / "docs.jsonl"
+    source.write_text(
+        "".join(json.dumps({"text": t}) + "\n" for pair in zip(texts, copies, strict=True) for t in pair)
+    )
+    store = ArtifactStore(str(tmp_path / "store"))
+    vocab, merges = setup.gpt["gpt_vocab_file"], setup.gpt["gpt_merge_file"]
+    params = TokenizeParams(vocab_file=vocab, merge_file=merges, append_eod=True, workers=1)
+    tokenized = tokenize.run(params, str(source), store)
+    refs = run_all(setup, store, tokenized)
+    plain = QueryParams(**setup.gpt, embedder=setup.embedder, **QUERY)
+    assert "held_out_share" not in plain.key_fields()
+    held = QueryParams(**setup.gpt, embedder=setup.embedder, **QUERY, held_out_share=0.5)
+    ref = retro_query.run(held, [tokenized, refs["db"], refs["add"]], store)
+    assert not ref.cache_hit and ref.url != refs["query"].url
+    neighbours = {}
+    for name, artifact in (("plain", refs["query"]), ("held", ref)):
+        project_dir = os.path.dirname(artifact.local_path("config.json"))
+        project = RetroProject.load(project_dir)
+        neighbours[name] = {
+            split: load_neighbours(project.neighbor_dir(project_dir, split)) for split in ("train", "valid")
+        }
+    np.testing.assert_array_equal(neighbours["held"]["valid"], neighbours["plain"]["valid"])
+    changed = (neighbours["held"]["train"] != neighbours["plain"]["train"]).any(axis=1)
+    assert 0.2 < changed.mean() < 0.8, changed.mean()
+    for field, value in (("held_out_share", 1.5), ("held_out_jaccard", 0.0)):
+        with pytest.raises(ValueError, match=f"^{field} must be in"):
+            QueryParams(**setup.gpt, embedder=setup.embedder, **{**QUERY, field: value})
 
 
 def test_ivf_recall_at_10_against_exact_search_on_the_chunk_embeddings(setup):
