@@ -316,8 +316,8 @@ def test_a_bad_section_value_is_a_usage_error_naming_the_flag(capsys):
     assert raised.value.code == 2
     assert "error: --download: docs_per_shard must be at least 1, got 0" in capsys.readouterr().err
     with pytest.raises(SystemExit):  # checked when the flow's config is parsed, before any stage runs
-        parse_config(RetroFlowConfig, ["--query.num-neighbors-save", "30"], "test")
-    assert "error: --query: --retro-query-num-neighbors-save (30) exceeds" in capsys.readouterr().err
+        parse_config(RetroFlowConfig, ["--query.num-neighbors-save", "70"], "test")
+    assert "error: --query: --retro-query-num-neighbors-save (70) exceeds" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         parse_config(RetroFlowConfig, ["--embedder.source", "/no/such/embedder"], "test")
     assert (

@@ -42,11 +42,30 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, re
             dist.destroy_process_group()
 
 
+PORT_ATTEMPTS = 3
+
+
 def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 180) -> list[Any]:
     """Spawn `world_size` gloo ranks, call `fn(rank, world_size, *args)` in each, return the results by rank.
 
-    `fn` must be a top-level function of an importable module (spawned children import it by name).
+    `fn` must be a top-level function of an importable module (spawned children import it by name). The port is
+    free when drawn but may be taken before rank 0 listens on it (another process's connection, the other test
+    worker's group): a group that fails to start for that reason alone, before `fn` ran, is started again on
+    another port, up to PORT_ATTEMPTS times.
     """
+    for _ in range(PORT_ATTEMPTS - 1):
+        try:
+            return _run_once(fn, world_size, args, timeout)
+        except PortTakenError:
+            continue
+    return _run_once(fn, world_size, args, timeout)
+
+
+class PortTakenError(RuntimeError):
+    """Rank 0 could not listen on the drawn port: the group never started, `fn` never ran."""
+
+
+def _run_once(fn: Callable[..., Any], world_size: int, args: tuple, timeout: float) -> list[Any]:
     ctx = mp.get_context("spawn")
     results = ctx.SimpleQueue()
     port = free_port()
@@ -77,6 +96,8 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
             if proc.is_alive():
                 proc.kill()
     errors = [f"rank {r}:\n{v}" for r, (s, v) in sorted(outcomes.items()) if s == "error"]
+    if any("EADDRINUSE" in e and "init_process_group" in e for e in errors):
+        raise PortTakenError(f"port {port} taken before the group started\n" + "\n".join(errors))
     if errors:
         raise RuntimeError("distributed test failed\n" + "\n".join(errors))
     missing = [r for r in range(world_size) if r not in outcomes]
