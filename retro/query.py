@@ -169,7 +169,7 @@ def query_neighbours(
             gpt, idx = gpt_sample(dataset, sample)
             keys = document_key(db_dataset_idx[id(gpt)], sample_document_ids(gpt, idx))
             if chosen[sample]:
-                keys = np.unique(np.concatenate([group_keys.get(int(k), [k]) for k in keys]))
+                keys = np.unique(np.concatenate([group_keys[int(k)] for k in keys]))
             first_chunk = sample * chunks_per_sample
             sample_texts = sample_chunk_texts(gpt, idx, chunk_length, gpt_tokenizer)
             for chunk_id in range(max(start, first_chunk), min(end, first_chunk + chunks_per_sample)):
